@@ -1,0 +1,252 @@
+//! Reading what ambpf has in the kernel back from the pins alone, so it works
+//! from any process, while an agent runs or after it died.
+
+use std::{fmt, fs, io, path::PathBuf};
+
+use ambpf_common::{Direction, IfaceStats, IfaceStatsKey, maps};
+use aya::{
+    maps::{Map, MapData, PerCpuHashMap},
+    programs::{
+        ProgramInfo,
+        links::{FdLink, PinnedLink},
+        loaded_programs,
+    },
+};
+use serde::Serialize;
+
+use super::PinLayout;
+
+#[derive(Debug, Serialize)]
+pub struct Status {
+    pub pin_root: PathBuf,
+    pub maps: Vec<PinnedMap>,
+    pub tc_links: Vec<PinnedTcLink>,
+    pub iface_stats: Vec<IfaceStatsEntry>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PinnedMap {
+    pub name: String,
+    pub id: u32,
+    pub max_entries: u32,
+    pub pin: PathBuf,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PinnedTcLink {
+    pub pin: PathBuf,
+    pub netns_inode: u64,
+    pub ifindex: u32,
+    pub direction: &'static str,
+    pub link_id: u32,
+    pub program_id: u32,
+    pub program_name: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct IfaceStatsEntry {
+    pub ifindex: u32,
+    pub direction: &'static str,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    #[error("reading {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+    #[error("opening pinned map {path}: {source}")]
+    Map {
+        path: PathBuf,
+        source: aya::maps::MapError,
+    },
+    #[error("opening pinned link {path}: {source}")]
+    Link {
+        path: PathBuf,
+        source: aya::programs::links::LinkError,
+    },
+}
+
+/// Everything under the pin root. Missing pins are simply absent (an agent
+/// that never ran has nothing to show); unreadable ones are errors.
+pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
+    let mut maps_out = Vec::new();
+    for name in maps::PINNED {
+        let path = pins.map(name);
+        if !path.exists() {
+            continue;
+        }
+        let data = open_map(&path)?;
+        let info = data.info().map_err(|source| InspectError::Map {
+            path: path.clone(),
+            source,
+        })?;
+        maps_out.push(PinnedMap {
+            name: info.name_as_str().unwrap_or(name).to_owned(),
+            id: info.id(),
+            max_entries: info.max_entries(),
+            pin: path,
+        });
+    }
+    Ok(Status {
+        pin_root: pins.root().to_owned(),
+        maps: maps_out,
+        tc_links: read_tc_links(pins)?,
+        iface_stats: read_iface_stats(pins)?,
+    })
+}
+
+fn open_map(path: &std::path::Path) -> Result<MapData, InspectError> {
+    MapData::from_pin(path).map_err(|source| InspectError::Map {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Every pinned TC link, with the program it runs.
+pub fn read_tc_links(pins: &PinLayout) -> Result<Vec<PinnedTcLink>, InspectError> {
+    let programs: Vec<ProgramInfo> = loaded_programs().filter_map(Result::ok).collect();
+    let mut out = Vec::new();
+    for netns_dir in read_dir_sorted(&pins.tc_links_dir())? {
+        let Some(netns_inode) = file_name(&netns_dir).and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        for pin in read_dir_sorted(&netns_dir)? {
+            let Some((ifindex, direction)) =
+                file_name(&pin).and_then(super::pins::parse_tc_link_name)
+            else {
+                continue;
+            };
+            let link = PinnedLink::from_pin(&pin).map_err(|source| InspectError::Link {
+                path: pin.clone(),
+                source,
+            })?;
+            let info = FdLink::from(link)
+                .info()
+                .map_err(|source| InspectError::Link {
+                    path: pin.clone(),
+                    source,
+                })?;
+            let program_name = programs
+                .iter()
+                .find(|p| p.id() == info.program_id())
+                .and_then(|p| p.name_as_str())
+                .unwrap_or("?")
+                .to_owned();
+            out.push(PinnedTcLink {
+                pin,
+                netns_inode,
+                ifindex,
+                direction: direction.as_str(),
+                link_id: info.id(),
+                program_id: info.program_id(),
+                program_name,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The interface counters, summed over CPUs, in a stable order.
+pub fn read_iface_stats(pins: &PinLayout) -> Result<Vec<IfaceStatsEntry>, InspectError> {
+    let path = pins.map(maps::IFACE_STATS);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let map = Map::PerCpuHashMap(open_map(&path)?);
+    let map: PerCpuHashMap<_, IfaceStatsKey, IfaceStats> =
+        PerCpuHashMap::try_from(map).map_err(|source| InspectError::Map {
+            path: path.clone(),
+            source,
+        })?;
+    let mut out = Vec::new();
+    for entry in map.iter() {
+        let (key, per_cpu) = entry.map_err(|source| InspectError::Map {
+            path: path.clone(),
+            source,
+        })?;
+        let mut total = IfaceStats::default();
+        per_cpu.iter().for_each(|cpu| total.accumulate(cpu));
+        out.push(IfaceStatsEntry {
+            ifindex: key.ifindex,
+            direction: if key.direction == Direction::Ingress as u32 {
+                Direction::Ingress.as_str()
+            } else {
+                Direction::Egress.as_str()
+            },
+            packets: total.packets,
+            bytes: total.bytes,
+        });
+    }
+    out.sort_by_key(|e| (e.ifindex, e.direction));
+    Ok(out)
+}
+
+fn read_dir_sorted(dir: &std::path::Path) -> Result<Vec<PathBuf>, InspectError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(InspectError::Io {
+                path: dir.to_owned(),
+                source,
+            });
+        }
+    };
+    let mut paths = entries
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| InspectError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
+    paths.sort();
+    Ok(paths)
+}
+
+fn file_name(path: &std::path::Path) -> Option<&str> {
+    path.file_name()?.to_str()
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "pin root: {}", self.pin_root.display())?;
+        writeln!(f, "maps:")?;
+        if self.maps.is_empty() {
+            writeln!(f, "  (none pinned)")?;
+        }
+        for m in &self.maps {
+            writeln!(
+                f,
+                "  {:<16} id {:<6} max_entries {:<6} {}",
+                m.name,
+                m.id,
+                m.max_entries,
+                m.pin.display()
+            )?;
+        }
+        writeln!(f, "tc links (TCX):")?;
+        if self.tc_links.is_empty() {
+            writeln!(f, "  (none pinned)")?;
+        }
+        for l in &self.tc_links {
+            writeln!(
+                f,
+                "  netns {:<11} ifindex {:<4} {:<8} link {:<5} prog {:<5} {}",
+                l.netns_inode, l.ifindex, l.direction, l.link_id, l.program_id, l.program_name
+            )?;
+        }
+        writeln!(f, "interface counters:")?;
+        if self.iface_stats.is_empty() {
+            writeln!(f, "  (no packets seen)")?;
+        }
+        for s in &self.iface_stats {
+            writeln!(
+                f,
+                "  ifindex {:<4} {:<8} {:>10} packets {:>12} bytes",
+                s.ifindex, s.direction, s.packets, s.bytes
+            )?;
+        }
+        Ok(())
+    }
+}

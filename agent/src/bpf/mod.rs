@@ -1,0 +1,116 @@
+//! The kernel side as the agent sees it: loading the embedded object once,
+//! pinning its maps, attaching programs, and reading their state back.
+
+pub mod features;
+pub mod inspect;
+pub mod object;
+pub mod pins;
+pub mod tc;
+
+use ambpf_common::maps;
+use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use log::{debug, warn};
+
+pub use pins::{DEFAULT_PIN_ROOT, PinLayout};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{0}")]
+    ObjectMissing(&'static str),
+    #[error(transparent)]
+    Kernel(#[from] features::FeatureError),
+    #[error(transparent)]
+    Pins(#[from] pins::PinError),
+    #[error("loading the ambpf BPF object: {0}")]
+    Object(#[from] aya::EbpfError),
+    #[error("BPF program {name} is missing from the object")]
+    ProgramMissing { name: &'static str },
+    #[error("loading BPF program {name} into the kernel: {source}")]
+    Program {
+        name: &'static str,
+        source: aya::programs::ProgramError,
+    },
+}
+
+/// The loaded programs and maps. Programs are loaded once per agent process;
+/// maps named in [`maps::PINNED`] are shared through their pins, so a new
+/// agent (restart, upgrade, a one-shot CLI command) adopts the state a
+/// previous one left instead of starting empty.
+pub struct Dataplane {
+    ebpf: Ebpf,
+    pins: PinLayout,
+}
+
+impl Dataplane {
+    /// Checks the kernel and the pin root, then loads every program.
+    pub fn load(pins: PinLayout) -> Result<Self, LoadError> {
+        if let Some(why) = object::missing_reason() {
+            return Err(LoadError::ObjectMissing(why));
+        }
+        features::check_kernel()?;
+        pins.prepare()?;
+
+        let map_pins: Vec<_> = maps::PINNED
+            .iter()
+            .map(|name| (*name, pins.map(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &map_pins {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader.load(object::OBJECT)?;
+        for name in ambpf_common::programs::ALL {
+            let program: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::ProgramMissing { name })?
+                .try_into()
+                .map_err(|source| LoadError::Program { name, source })?;
+            program
+                .load()
+                .map_err(|source| LoadError::Program { name, source })?;
+            debug!("loaded BPF program {name}");
+        }
+        Ok(Self { ebpf, pins })
+    }
+
+    pub fn pins(&self) -> &PinLayout {
+        &self.pins
+    }
+
+    pub(crate) fn classifier(&mut self, name: &'static str) -> &mut SchedClassifier {
+        // Every name in programs::ALL was loaded as a classifier by `load`.
+        self.ebpf
+            .program_mut(name)
+            .and_then(|p| p.try_into().ok())
+            .unwrap_or_else(|| unreachable!("{name} loaded as a classifier"))
+    }
+
+    /// Starts forwarding the kernel programs' aya-log records to this
+    /// process's `log` logger. Needs a tokio runtime. Without a log map in the
+    /// object (no program logs), this is a no-op.
+    pub fn forward_kernel_logs(&mut self) -> std::io::Result<()> {
+        let logger = match aya_log::EbpfLogger::init(&mut self.ebpf) {
+            Ok(logger) => logger,
+            Err(aya_log::Error::MapNotFound) => return Ok(()),
+            Err(e) => {
+                warn!("kernel log records will not be shown: {e}");
+                return Ok(());
+            }
+        };
+        // SAFETY: the logger owns its ring buffer fd and keeps it open for as
+        // long as the AsyncFd holds it; flushing never closes or replaces it.
+        let mut logger = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+        }?;
+        tokio::spawn(async move {
+            loop {
+                let Ok(mut guard) = logger.readable_mut().await else {
+                    return;
+                };
+                guard.get_inner_mut().flush();
+                guard.clear_ready();
+            }
+        });
+        Ok(())
+    }
+}

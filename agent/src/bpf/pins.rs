@@ -1,0 +1,155 @@
+//! Where ambpf keeps its pinned objects on bpffs.
+//!
+//! ```text
+//! <root>/                       default /sys/fs/bpf/ambpf
+//!   maps/<map name>             every map the programs share with the agent
+//!   links/tc/<netns inode>/<ifindex>-<ingress|egress>
+//! ```
+//! Links are pinned so attachments survive the agent (restarts, upgrades);
+//! removing a link's pin while no process holds it detaches the program.
+//! bpffs refuses names containing '.', and interface names may contain one
+//! (VLANs), so links are named by ifindex, unique within their namespace.
+
+use std::{
+    io,
+    path::{Path, PathBuf},
+};
+
+use ambpf_common::Direction;
+
+/// The bpffs mount point most distributions use.
+pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/ambpf";
+
+#[derive(Debug, thiserror::Error)]
+pub enum PinError {
+    #[error(
+        "{path} is not on a bpf filesystem (found {found}); mount one, e.g. `mount -t bpf bpf {mount}`"
+    )]
+    NotBpffs {
+        path: PathBuf,
+        found: String,
+        mount: String,
+    },
+    #[error("cannot use pin directory {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+#[derive(Clone, Debug)]
+pub struct PinLayout {
+    root: PathBuf,
+}
+
+impl PinLayout {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        Self { root: root.into() }
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn maps_dir(&self) -> PathBuf {
+        self.root.join("maps")
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.maps_dir().join(name)
+    }
+
+    pub fn tc_links_dir(&self) -> PathBuf {
+        self.root.join("links/tc")
+    }
+
+    pub fn tc_netns_dir(&self, netns_inode: u64) -> PathBuf {
+        self.tc_links_dir().join(netns_inode.to_string())
+    }
+
+    pub fn tc_link(&self, netns_inode: u64, ifindex: u32, direction: Direction) -> PathBuf {
+        self.tc_netns_dir(netns_inode)
+            .join(format!("{ifindex}-{}", direction.as_str()))
+    }
+
+    /// Checks that the root lies on bpffs and creates the directory tree.
+    pub fn prepare(&self) -> Result<(), PinError> {
+        check_bpffs(&self.root)?;
+        for dir in [self.maps_dir(), self.tc_links_dir()] {
+            std::fs::create_dir_all(&dir).map_err(|source| PinError::Io { path: dir, source })?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses a link pin's file name back into ifindex and direction.
+pub fn parse_tc_link_name(name: &str) -> Option<(u32, Direction)> {
+    let (ifindex, direction) = name.split_once('-')?;
+    let direction = match direction {
+        "ingress" => Direction::Ingress,
+        "egress" => Direction::Egress,
+        _ => return None,
+    };
+    Some((ifindex.parse().ok()?, direction))
+}
+
+/// Checks that `path`, or the nearest ancestor that exists, is on bpffs.
+pub fn check_bpffs(path: &Path) -> Result<(), PinError> {
+    let existing = path
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or_else(|| Path::new("/"));
+    let fs = nix::sys::statfs::statfs(existing).map_err(|e| PinError::Io {
+        path: existing.to_owned(),
+        source: e.into(),
+    })?;
+    if fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC {
+        return Ok(());
+    }
+    Err(PinError::NotBpffs {
+        path: path.to_owned(),
+        found: format!(
+            "filesystem magic {:#x} at {}",
+            fs.filesystem_type().0,
+            existing.display()
+        ),
+        mount: existing.display().to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_names_every_pin_under_the_root() {
+        let pins = PinLayout::new("/sys/fs/bpf/ambpf");
+        assert_eq!(
+            pins.map("ambpf_if_stats"),
+            Path::new("/sys/fs/bpf/ambpf/maps/ambpf_if_stats")
+        );
+        assert_eq!(
+            pins.tc_link(4026532000, 2, Direction::Egress),
+            Path::new("/sys/fs/bpf/ambpf/links/tc/4026532000/2-egress")
+        );
+    }
+
+    #[test]
+    fn link_names_round_trip() {
+        let pins = PinLayout::new("/b");
+        for direction in [Direction::Ingress, Direction::Egress] {
+            let pin = pins.tc_link(1, 17, direction);
+            let name = pin.file_name().unwrap().to_str().unwrap();
+            assert!(!name.contains('.'), "bpffs refuses dots: {name}");
+            assert_eq!(parse_tc_link_name(name), Some((17, direction)));
+        }
+        assert_eq!(parse_tc_link_name("17-sideways"), None);
+        assert_eq!(parse_tc_link_name("eth0-ingress"), None);
+    }
+
+    #[test]
+    fn a_non_bpffs_directory_is_refused_with_the_mount_hint() {
+        let dir = std::env::temp_dir().join("ambpf-not-bpffs");
+        let err = check_bpffs(&dir.join("pins")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("is not on a bpf filesystem"), "{msg}");
+        assert!(msg.contains("mount -t bpf bpf"), "{msg}");
+    }
+}

@@ -1,0 +1,182 @@
+//! The `ambpf` command line.
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use clap::{Args, Parser, Subcommand};
+use log::info;
+
+use crate::{
+    bpf::{self, Dataplane, PinLayout, inspect},
+    netns::Netns,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ambpf",
+    version,
+    about = "eBPF traffic redirection for Istio ambient mode"
+)]
+pub struct Cli {
+    /// bpffs directory under which every map and link is pinned.
+    #[arg(long, global = true, env = "AMBPF_PIN_ROOT", default_value = bpf::DEFAULT_PIN_ROOT)]
+    pub pin_root: PathBuf,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: load the programs, attach them, and serve until
+    /// SIGINT/SIGTERM. Attachments stay pinned when it exits.
+    Run(RunArgs),
+    /// Attach the programs to an interface in a network namespace, pin, and exit.
+    Attach(IfaceArgs),
+    /// Detach the programs from an interface in a network namespace.
+    Detach(IfaceArgs),
+    /// Show the pinned maps, links and counters.
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove every pin under the pin root, detaching everything ambpf attached.
+    Uninstall,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Interfaces to attach to at start-up, as NETNS:IFACE (NETNS is a name
+    /// under /run/netns or a path such as /proc/<pid>/ns/net).
+    #[arg(long = "attach", value_name = "NETNS:IFACE")]
+    pub attach: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct IfaceArgs {
+    /// Network namespace: a name under /run/netns or a path.
+    #[arg(long)]
+    pub netns: String,
+    /// Interface inside that namespace.
+    #[arg(long)]
+    pub iface: String,
+}
+
+pub fn execute(cli: Cli) -> Result<()> {
+    let pins = PinLayout::new(&cli.pin_root);
+    match cli.command {
+        Command::Run(args) => run(pins, args),
+        Command::Attach(args) => {
+            let netns = Netns::open(&args.netns)?;
+            let mut dataplane = Dataplane::load(pins)?;
+            let attachment = dataplane.attach_iface_counters(&netns, &args.iface)?;
+            println!("{}", serde_json::to_string_pretty(&attachment)?);
+            Ok(())
+        }
+        Command::Detach(args) => {
+            let netns = Netns::open(&args.netns)?;
+            let removed = bpf::tc::detach_iface_counters(&pins, &netns, &args.iface)?;
+            if removed.is_empty() {
+                println!("nothing attached to {} in {}", args.iface, args.netns);
+            }
+            for pin in removed {
+                println!("removed {}", pin.display());
+            }
+            Ok(())
+        }
+        Command::Status { json } => {
+            let status = inspect::read_status(&pins)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&status)?);
+            } else {
+                print!("{status}");
+            }
+            Ok(())
+        }
+        Command::Uninstall => {
+            let root = pins.root();
+            match std::fs::remove_dir_all(root) {
+                Ok(()) => println!("removed {}", root.display()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    println!("nothing pinned under {}", root.display())
+                }
+                Err(e) => return Err(e).with_context(|| format!("removing {}", root.display())),
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Parses `NETNS:IFACE`; the namespace may itself be a path, so split at the
+/// last colon.
+fn parse_attach(spec: &str) -> Result<(&str, &str)> {
+    spec.rsplit_once(':')
+        .filter(|(ns, iface)| !ns.is_empty() && !iface.is_empty())
+        .with_context(|| format!("--attach {spec}: expected NETNS:IFACE"))
+}
+
+fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
+    // Validate every argument before touching the kernel.
+    let targets = args
+        .attach
+        .iter()
+        .map(|spec| {
+            let (ns, iface) = parse_attach(spec)?;
+            Ok((Netns::open(ns)?, iface.to_owned()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let mut dataplane = Dataplane::load(pins)?;
+        dataplane.forward_kernel_logs()?;
+        for (netns, iface) in &targets {
+            dataplane.attach_iface_counters(netns, iface)?;
+        }
+        info!(
+            "ambpf agent ready (pin root {})",
+            dataplane.pins().root().display()
+        );
+        wait_for_shutdown().await?;
+        info!("shutting down; pinned attachments stay in place");
+        Ok(())
+    })
+}
+
+async fn wait_for_shutdown() -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attach_spec_splits_at_the_last_colon() {
+        assert_eq!(parse_attach("pod1:eth0").unwrap(), ("pod1", "eth0"));
+        assert_eq!(
+            parse_attach("/proc/42/ns/net:eth0").unwrap(),
+            ("/proc/42/ns/net", "eth0")
+        );
+        assert!(parse_attach("pod1").is_err());
+        assert!(parse_attach("pod1:").is_err());
+        assert!(parse_attach(":eth0").is_err());
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,138 @@
+//! Network namespaces: opening them by name or path, and running code inside.
+
+use std::{
+    fs::File,
+    os::{fd::AsFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
+};
+
+use nix::sched::{CloneFlags, setns};
+
+/// Where `ip netns add` (and the CNI runtimes) bind-mount named namespaces.
+pub const NAMED_NETNS_DIR: &str = "/run/netns";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    #[error("network namespace {path} does not exist")]
+    NotFound { path: PathBuf },
+    #[error("cannot open network namespace {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a network namespace")]
+    NotANetns { path: PathBuf },
+    #[error("cannot enter network namespace {path}: {source}")]
+    Enter { path: PathBuf, source: nix::Error },
+}
+
+/// An open handle on a network namespace. Holding it keeps the namespace alive.
+#[derive(Debug)]
+pub struct Netns {
+    file: File,
+    path: PathBuf,
+    inode: u64,
+}
+
+impl Netns {
+    /// Opens `spec`: a path (`/proc/<pid>/ns/net`, `/run/netns/<name>`, ...) or
+    /// the bare name of a namespace under [`NAMED_NETNS_DIR`].
+    pub fn open(spec: &str) -> Result<Self, NetnsError> {
+        let path = if spec.contains('/') {
+            PathBuf::from(spec)
+        } else {
+            Path::new(NAMED_NETNS_DIR).join(spec)
+        };
+        let file = File::open(&path).map_err(|source| match source.kind() {
+            std::io::ErrorKind::NotFound => NetnsError::NotFound { path: path.clone() },
+            _ => NetnsError::Open {
+                path: path.clone(),
+                source,
+            },
+        })?;
+        let meta = file.metadata().map_err(|source| NetnsError::Open {
+            path: path.clone(),
+            source,
+        })?;
+        // A name under /run/netns whose bind mount is gone is an empty regular
+        // file on tmpfs; a live namespace is an nsfs inode.
+        if !is_nsfs(&file) {
+            return Err(NetnsError::NotANetns { path });
+        }
+        Ok(Self {
+            file,
+            path,
+            inode: meta.ino(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The namespace's inode number on nsfs: its identity on this host, the
+    /// same value `ls -Li /proc/<pid>/ns/net` prints.
+    pub fn inode(&self) -> u64 {
+        self.inode
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Runs `f` on a short-lived thread that has entered this namespace.
+    /// Network namespaces are per thread, so nothing else in the process
+    /// changes namespace, and sockets or links created by `f` stay bound to
+    /// this one after the thread ends.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                        NetnsError::Enter {
+                            path: self.path.clone(),
+                            source,
+                        }
+                    })?;
+                    Ok(f())
+                })
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+}
+
+fn is_nsfs(file: &File) -> bool {
+    // NSFS_MAGIC from linux/magic.h (nix does not name it).
+    const NSFS_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6e73_6673);
+    nix::sys::statfs::fstatfs(file).is_ok_and(|fs| fs.filesystem_type() == NSFS_MAGIC)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_namespace_is_named_in_the_error() {
+        let err = Netns::open("ambpf-no-such-netns").unwrap_err();
+        assert!(matches!(err, NetnsError::NotFound { .. }));
+        assert_eq!(
+            err.to_string(),
+            "network namespace /run/netns/ambpf-no-such-netns does not exist"
+        );
+    }
+
+    #[test]
+    fn regular_file_is_not_a_namespace() {
+        let err = Netns::open("/proc/self/status").unwrap_err();
+        assert!(matches!(err, NetnsError::NotANetns { .. }), "{err}");
+    }
+
+    #[test]
+    fn own_namespace_opens_and_runs_code() {
+        let ns = Netns::open("/proc/self/ns/net").unwrap();
+        let own = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
+        assert_eq!(ns.inode(), own);
+        assert_eq!(ns.run(|| 40 + 2).unwrap(), 42);
+    }
+}

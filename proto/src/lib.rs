@@ -1,0 +1,1 @@
+//! ZDS protocol (see issue: built in the ZDS server work).

@@ -1,0 +1,323 @@
+//! Throwaway kernel objects for ambpf's privileged tests, demo and benchmarks.
+//!
+//! Every object gets a name unique to this process and call, and is removed
+//! when its guard drops, so a failing (panicking) test cleans up too. Nothing
+//! here touches objects it did not create: traffic stays between a test's own
+//! namespaces.
+//!
+//! Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2's `ip`.
+
+use std::{
+    fs::{self, File},
+    io,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use nix::{
+    mount::{MntFlags, MsFlags, mount, umount2},
+    sched::{CloneFlags, setns},
+};
+
+/// Where iproute2 keeps named network namespaces.
+const NETNS_DIR: &str = "/run/netns";
+/// The cgroup v2 hierarchy on these machines.
+pub const CGROUP2_ROOT: &str = "/sys/fs/cgroup/unified";
+
+/// A name no other live testbed object has: `<prefix><pid><sequence>`, short
+/// enough for an interface name (15 bytes) when `prefix` has at most 4 bytes.
+pub fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}{:x}x{n:x}", std::process::id())
+}
+
+/// Runs `ip` with `args`, failing with its stderr.
+pub fn ip(args: &[&str]) -> io::Result<()> {
+    let out = Command::new("ip").args(args).output()?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    )))
+}
+
+/// A named network namespace (`/run/netns/<name>`), deleted on drop.
+#[derive(Debug)]
+pub struct NetnsGuard {
+    name: String,
+}
+
+impl NetnsGuard {
+    /// Creates `ambpf-<unique>` with its loopback up.
+    pub fn create(role: &str) -> io::Result<Self> {
+        let name = format!("ambpf-{role}-{}", unique_name(""));
+        ip(&["netns", "add", &name])?;
+        let ns = Self { name };
+        ip(&["-n", &ns.name, "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn path(&self) -> PathBuf {
+        Path::new(NETNS_DIR).join(&self.name)
+    }
+
+    /// Runs `f` on a thread inside this namespace; sockets it creates stay in
+    /// the namespace.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> io::Result<T> {
+        let file = File::open(self.path())?;
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
+                    Ok(f())
+                })
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })
+    }
+
+    /// Runs `ip -n <ns> args...`.
+    pub fn ip(&self, args: &[&str]) -> io::Result<()> {
+        let mut full = vec!["-n", self.name.as_str()];
+        full.extend_from_slice(args);
+        ip(&full)
+    }
+}
+
+impl Drop for NetnsGuard {
+    fn drop(&mut self) {
+        // Deleting the namespace also removes every interface inside it.
+        if let Err(e) = ip(&["netns", "del", &self.name]) {
+            eprintln!("testbed: cannot delete netns {}: {e}", self.name);
+        }
+    }
+}
+
+/// Addresses of one end of a [`Link`].
+#[derive(Clone, Copy, Debug)]
+pub struct Addrs {
+    pub v4: std::net::Ipv4Addr,
+    pub v6: std::net::Ipv6Addr,
+}
+
+/// A veth pair joining two namespaces, dual-stack. It lives as long as the
+/// namespaces do.
+#[derive(Debug)]
+pub struct Link {
+    pub a_iface: String,
+    pub b_iface: String,
+}
+
+impl Link {
+    /// Creates `a_iface` in `a` and `b_iface` in `b` with `/24` and `/64`
+    /// addresses (no duplicate address detection, so IPv6 is usable at once).
+    pub fn veth(
+        a: &NetnsGuard,
+        a_iface: &str,
+        a_addrs: Addrs,
+        b: &NetnsGuard,
+        b_iface: &str,
+        b_addrs: Addrs,
+    ) -> io::Result<Self> {
+        // Create with temporary unique names in the root namespace's view,
+        // then move and rename, so concurrent tests never collide.
+        let tmp_a = unique_name("va");
+        let tmp_b = unique_name("vb");
+        ip(&[
+            "link", "add", &tmp_a, "type", "veth", "peer", "name", &tmp_b,
+        ])?;
+        let setup = || -> io::Result<()> {
+            ip(&["link", "set", &tmp_a, "netns", a.name()])?;
+            ip(&["link", "set", &tmp_b, "netns", b.name()])?;
+            for (ns, tmp, iface, addrs) in
+                [(a, &tmp_a, a_iface, a_addrs), (b, &tmp_b, b_iface, b_addrs)]
+            {
+                ns.ip(&["link", "set", tmp, "name", iface])?;
+                ns.ip(&["addr", "add", &format!("{}/24", addrs.v4), "dev", iface])?;
+                ns.ip(&[
+                    "addr",
+                    "add",
+                    &format!("{}/64", addrs.v6),
+                    "dev",
+                    iface,
+                    "nodad",
+                ])?;
+                ns.ip(&["link", "set", iface, "up"])?;
+            }
+            Ok(())
+        };
+        if let Err(e) = setup() {
+            // Whichever end is still in the root namespace takes its peer along.
+            let _ = ip(&["link", "del", &tmp_a]);
+            let _ = ip(&["link", "del", &tmp_b]);
+            return Err(e);
+        }
+        Ok(Self {
+            a_iface: a_iface.to_owned(),
+            b_iface: b_iface.to_owned(),
+        })
+    }
+}
+
+/// A pod and the node it runs on, as two namespaces joined by a veth:
+/// `eth0` in the pod, `veth-pod` on the node side.
+#[derive(Debug)]
+pub struct PodAndNode {
+    // Field order is drop order: the pod goes first.
+    pub pod: NetnsGuard,
+    pub node: NetnsGuard,
+    pub link: Link,
+}
+
+impl PodAndNode {
+    pub const POD: Addrs = Addrs {
+        v4: std::net::Ipv4Addr::new(10, 244, 0, 2),
+        v6: std::net::Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 2),
+    };
+    pub const NODE: Addrs = Addrs {
+        v4: std::net::Ipv4Addr::new(10, 244, 0, 1),
+        v6: std::net::Ipv6Addr::new(0xfd00, 0xa, 0, 0, 0, 0, 0, 1),
+    };
+
+    pub fn create() -> io::Result<Self> {
+        let pod = NetnsGuard::create("pod")?;
+        let node = NetnsGuard::create("node")?;
+        let link = Link::veth(&pod, "eth0", Self::POD, &node, "veth-pod", Self::NODE)?;
+        Ok(Self { pod, node, link })
+    }
+}
+
+/// A private bpffs mount in a fresh directory, unmounted and removed on drop.
+/// Pins made under it vanish with it, whatever a test left behind.
+#[derive(Debug)]
+pub struct BpffsMount {
+    path: PathBuf,
+}
+
+impl BpffsMount {
+    pub fn create() -> io::Result<Self> {
+        let path = std::env::temp_dir().join(format!("ambpf-bpffs-{}", unique_name("")));
+        fs::create_dir(&path)?;
+        if let Err(e) = mount(
+            Some("bpf"),
+            &path,
+            Some("bpf"),
+            MsFlags::empty(),
+            None::<&str>,
+        ) {
+            let _ = fs::remove_dir(&path);
+            return Err(io::Error::other(format!(
+                "mounting bpffs at {}: {e}",
+                path.display()
+            )));
+        }
+        Ok(Self { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for BpffsMount {
+    fn drop(&mut self) {
+        if let Err(e) = umount2(&self.path, MntFlags::MNT_DETACH) {
+            eprintln!("testbed: cannot unmount {}: {e}", self.path.display());
+        }
+        let _ = fs::remove_dir(&self.path);
+    }
+}
+
+/// A cgroup v2 directory, removed on drop (its processes moved to the parent).
+#[derive(Debug)]
+pub struct CgroupGuard {
+    path: PathBuf,
+}
+
+impl CgroupGuard {
+    pub fn create() -> io::Result<Self> {
+        let path = Path::new(CGROUP2_ROOT).join(format!("ambpf-test-{}", unique_name("")));
+        fs::create_dir(&path)?;
+        Ok(Self { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Moves a process into this cgroup.
+    pub fn add_process(&self, pid: u32) -> io::Result<()> {
+        fs::write(self.path.join("cgroup.procs"), pid.to_string())
+    }
+}
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        let parent = self.path.parent().unwrap_or(Path::new(CGROUP2_ROOT));
+        if let Ok(procs) = fs::read_to_string(self.path.join("cgroup.procs")) {
+            for pid in procs.lines() {
+                let _ = fs::write(parent.join("cgroup.procs"), pid);
+            }
+        }
+        if let Err(e) = fs::remove_dir(&self.path) {
+            eprintln!("testbed: cannot remove cgroup {}: {e}", self.path.display());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_names_differ_and_fit_an_interface_name() {
+        let a = unique_name("va");
+        let b = unique_name("va");
+        assert_ne!(a, b);
+        assert!(a.len() <= 15, "{a}");
+    }
+
+    #[test]
+    fn namespaces_and_mounts_are_removed_on_drop() {
+        let (ns_path, mount_path, cg_path) = {
+            let pn = PodAndNode::create().unwrap();
+            let bpffs = BpffsMount::create().unwrap();
+            let cg = CgroupGuard::create().unwrap();
+            // The veth really joins the two namespaces.
+            let pod_sees = pn
+                .pod
+                .run(|| nix::net::if_::if_nametoindex("eth0"))
+                .unwrap();
+            assert!(pod_sees.is_ok());
+            (pn.pod.path(), bpffs.path().to_owned(), cg.path().to_owned())
+        };
+        assert!(!ns_path.exists(), "{} left behind", ns_path.display());
+        assert!(!mount_path.exists(), "{} left behind", mount_path.display());
+        assert!(!cg_path.exists(), "{} left behind", cg_path.display());
+    }
+
+    #[test]
+    fn cleanup_happens_when_a_test_panics() {
+        let paths = std::sync::Mutex::new(None);
+        let result = std::panic::catch_unwind(|| {
+            let ns = NetnsGuard::create("panic").unwrap();
+            let bpffs = BpffsMount::create().unwrap();
+            *paths.lock().unwrap() = Some((ns.path(), bpffs.path().to_owned()));
+            panic!("test failure");
+        });
+        assert!(result.is_err());
+        let (ns, bpffs) = paths.into_inner().unwrap().unwrap();
+        assert!(!ns.exists());
+        assert!(!bpffs.exists());
+    }
+}

@@ -1,0 +1,157 @@
+//! Developer commands for ambpf: `cargo xtask <command>`.
+//!
+//! - `build-ebpf`: build the kernel programs into `target/bpf/ambpf.bpf.o`.
+//! - `demo`: run the agent against a throwaway pod namespace on this machine.
+//! - `test`: lint, then run every test, privileged ones included (needs root).
+
+mod ebpf_build;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the eBPF object on its own (the agent build embeds it anyway).
+    BuildEbpf {
+        /// Where to write the object.
+        #[arg(long, default_value = "target/bpf/ambpf.bpf.o")]
+        out: PathBuf,
+    },
+    /// Build the agent and run the demo: a throwaway pod namespace, the agent
+    /// attached to it, traffic, and what is loaded.
+    Demo {
+        /// Arguments for the demo binary (see `--help` after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Run clippy and every test (unit and privileged). Needs root.
+    Test {
+        /// Extra arguments passed to `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let root = workspace_root();
+    let command = Cli::parse().command;
+    ensure_bpf_toolchain()?;
+    match command {
+        Cmd::BuildEbpf { out } => {
+            let out = root.join(out);
+            let work = root.join("target/bpf");
+            std::fs::create_dir_all(&work)?;
+            ebpf_build::Toolchain::find(&ebpf_build::toolchain_name())?.build_object(
+                &root.join("ebpf"),
+                &work,
+                &out,
+            )?;
+            println!("{}", out.display());
+            Ok(())
+        }
+        Cmd::Demo { args } => {
+            require_root("the demo creates network namespaces and loads BPF programs")?;
+            cargo(
+                &root,
+                &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"],
+            )?;
+            let demo = root.join("target/release/ambpf-demo");
+            let mut cmd = Command::new(demo);
+            cmd.arg("--agent")
+                .arg(root.join("target/release/ambpf"))
+                .args(&args);
+            run(&mut cmd)
+        }
+        Cmd::Test { args } => {
+            require_root(
+                "the privileged tests create namespaces, veths, cgroups and bpffs mounts",
+            )?;
+            cargo(
+                &root,
+                &[
+                    "clippy",
+                    "--workspace",
+                    "--all-targets",
+                    "--",
+                    "-D",
+                    "warnings",
+                ],
+            )?;
+            let mut test = vec!["test", "--workspace", "--all-targets"];
+            if !args.is_empty() {
+                test.push("--");
+                test.extend(args.iter().map(String::as_str));
+            }
+            cargo(&root, &test)
+        }
+    }
+}
+
+/// Makes sure the nightly toolchain can build the kernel programs (rust-src for
+/// `-Z build-std=core`, llvm-tools for `llc`); quick and idempotent when it can.
+fn ensure_bpf_toolchain() -> Result<()> {
+    let toolchain = ebpf_build::toolchain_name();
+    if ebpf_build::Toolchain::find(&toolchain).is_ok() {
+        return Ok(());
+    }
+    run(Command::new("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "llvm-tools",
+        "--toolchain",
+        &toolchain,
+    ]))
+    .with_context(|| format!("installing rust-src and llvm-tools for toolchain `{toolchain}`"))
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+fn require_root(why: &str) -> Result<()> {
+    if nix_euid() != 0 {
+        bail!("run as root: {why}");
+    }
+    Ok(())
+}
+
+fn nix_euid() -> u32 {
+    // /proc/self/status "Uid: real effective saved fs": avoids a libc dependency.
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|ids| ids.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(u32::MAX)
+}
+
+fn cargo(root: &Path, args: &[&str]) -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    run(Command::new(cargo).current_dir(root).args(args))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
