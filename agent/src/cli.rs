@@ -9,6 +9,7 @@ use log::info;
 use crate::{
     bpf::{self, Dataplane, PinLayout, inspect},
     netns::Netns,
+    sources, zds,
 };
 
 #[derive(Debug, Parser)]
@@ -51,6 +52,19 @@ pub struct RunArgs {
     /// under /run/netns or a path such as /proc/<pid>/ns/net).
     #[arg(long = "attach", value_name = "NETNS:IFACE")]
     pub attach: Vec<String>,
+
+    /// The ZDS socket ztunnel connects to (ztunnel's INPOD_UDS).
+    #[arg(long, env = "AMBPF_ZDS_SOCKET", default_value = zds::DEFAULT_SOCKET)]
+    pub zds_socket: PathBuf,
+
+    /// Seconds to wait for each ztunnel Ack.
+    #[arg(long, default_value_t = 5.0)]
+    pub zds_ack_timeout: f64,
+
+    /// A JSON file of the pods to enrol, for running without Kubernetes
+    /// (re-read when it changes).
+    #[arg(long, value_name = "FILE")]
+    pub pods_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -131,17 +145,32 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let zds_config = zds::ZdsConfig {
+        socket: args.zds_socket,
+        ack_timeout: std::time::Duration::try_from_secs_f64(args.zds_ack_timeout)
+            .context("--zds-ack-timeout")?,
+        ..Default::default()
+    };
     runtime.block_on(async move {
         let mut dataplane = Dataplane::load(pins)?;
         dataplane.forward_kernel_logs()?;
         for (netns, iface) in &targets {
             dataplane.attach_iface_counters(netns, iface)?;
         }
+        let zds = zds::ZdsHandle::new(zds_config);
+        // Pods first, so the first ztunnel connection gets a complete snapshot.
+        if let Some(path) = args.pods_file {
+            sources::local::watch(path, zds.clone()).await?;
+        }
+        let server = tokio::spawn(zds.clone().serve());
         info!(
             "ambpf agent ready (pin root {})",
             dataplane.pins().root().display()
         );
-        wait_for_shutdown().await?;
+        tokio::select! {
+            served = server => served??,
+            signal = wait_for_shutdown() => signal?,
+        }
         info!("shutting down; pinned attachments stay in place");
         Ok(())
     })

@@ -10,6 +10,8 @@
 pub mod bpf;
 pub mod cli;
 pub mod netns;
+pub mod sources;
+pub mod zds;
 
 /// Formats an error with its sources, `outer: inner: innermost`, for errors
 /// (like aya's) whose Display leaves the cause out.

@@ -1,0 +1,213 @@
+//! The local pod source: a JSON file describing pods and their network
+//! namespaces, for running without Kubernetes (the demo, benchmarks, tests).
+//!
+//! ```json
+//! { "pods": [
+//!     { "uid": "6f1c...", "name": "web-0", "namespace": "shop",
+//!       "serviceAccount": "web", "netns": "/run/netns/web-0" },
+//!     { "uid": "9a2e...", "name": "db-0", "namespace": "shop", "pid": 4242 }
+//! ] }
+//! ```
+//! Each pod names its namespace by `netns` (a path, or a name under
+//! /run/netns) or by `pid` (any process in the pod). The file is re-read when
+//! it changes. A malformed file is reported and the previous pods are kept; a
+//! malformed entry is reported and skipped, the others still apply.
+
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use log::{info, warn};
+use serde::Deserialize;
+
+use crate::{
+    netns::NAMED_NETNS_DIR,
+    zds::{NetnsSource, Workload, ZdsHandle},
+};
+
+#[derive(Debug, Deserialize)]
+struct PodsFile {
+    pods: Vec<serde_json::Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct LocalPod {
+    uid: String,
+    name: String,
+    namespace: String,
+    #[serde(default = "default_service_account")]
+    service_account: String,
+    netns: Option<String>,
+    pid: Option<u32>,
+}
+
+fn default_service_account() -> String {
+    "default".to_owned()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LocalSourceError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a pods file: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+/// The pods of a file, with one message per entry that was skipped.
+pub struct Parsed {
+    pub workloads: Vec<Workload>,
+    pub skipped: Vec<String>,
+}
+
+pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
+    let file: PodsFile = serde_json::from_str(text).map_err(|source| LocalSourceError::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
+    let mut workloads = Vec::new();
+    let mut skipped = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (index, entry) in file.pods.into_iter().enumerate() {
+        let pod = match serde_json::from_value::<LocalPod>(entry) {
+            Ok(pod) => pod,
+            Err(e) => {
+                skipped.push(format!("pods[{index}]: {e}"));
+                continue;
+            }
+        };
+        let netns = match (pod.netns, pod.pid) {
+            (Some(netns), None) if netns.contains('/') => NetnsSource::Path(netns.into()),
+            (Some(name), None) => NetnsSource::Path(Path::new(NAMED_NETNS_DIR).join(name)),
+            (None, Some(pid)) => NetnsSource::Pid(pid),
+            _ => {
+                skipped.push(format!(
+                    "pods[{index}] ({}): give exactly one of `netns` and `pid`",
+                    pod.uid
+                ));
+                continue;
+            }
+        };
+        if pod.uid.is_empty() || !seen.insert(pod.uid.clone()) {
+            skipped.push(format!(
+                "pods[{index}]: empty or duplicate uid {:?}",
+                pod.uid
+            ));
+            continue;
+        }
+        workloads.push(Workload {
+            uid: pod.uid,
+            name: pod.name,
+            namespace: pod.namespace,
+            service_account: pod.service_account,
+            netns,
+        });
+    }
+    Ok(Parsed { workloads, skipped })
+}
+
+/// Loads `path` into `zds` now, then again whenever it changes. Returns
+/// after the first load so that the caller can serve a complete snapshot.
+pub async fn watch(
+    path: PathBuf,
+    zds: ZdsHandle,
+) -> Result<tokio::task::JoinHandle<()>, LocalSourceError> {
+    let mut last = load(&path, &zds)?;
+    Ok(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            let modified = modified(&path);
+            if modified == last {
+                continue;
+            }
+            match load(&path, &zds) {
+                Ok(stamp) => last = stamp,
+                Err(e) => {
+                    warn!("{e}; keeping the previous pods");
+                    last = modified;
+                }
+            }
+        }
+    }))
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+fn load(path: &Path, zds: &ZdsHandle) -> Result<Option<SystemTime>, LocalSourceError> {
+    let stamp = modified(path);
+    let text = std::fs::read_to_string(path).map_err(|source| LocalSourceError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let parsed = parse(&text, path)?;
+    for why in &parsed.skipped {
+        warn!("{}: skipped {why}", path.display());
+    }
+    info!("{}: {} pods", path.display(), parsed.workloads.len());
+    zds.replace_all(parsed.workloads);
+    Ok(stamp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pods_name_their_netns_by_path_name_or_pid() {
+        let text = r#"{"pods": [
+            {"uid": "a", "name": "web", "namespace": "shop", "serviceAccount": "web", "netns": "/proc/1/ns/net"},
+            {"uid": "b", "name": "db", "namespace": "shop", "netns": "db-ns"},
+            {"uid": "c", "name": "job", "namespace": "batch", "pid": 42}
+        ]}"#;
+        let parsed = parse(text, Path::new("pods.json")).unwrap();
+        assert!(parsed.skipped.is_empty(), "{:?}", parsed.skipped);
+        let netns: Vec<_> = parsed.workloads.iter().map(|w| w.netns.path()).collect();
+        assert_eq!(
+            netns,
+            [
+                PathBuf::from("/proc/1/ns/net"),
+                PathBuf::from("/run/netns/db-ns"),
+                PathBuf::from("/proc/42/ns/net")
+            ]
+        );
+        assert_eq!(parsed.workloads[1].service_account, "default");
+    }
+
+    #[test]
+    fn a_malformed_entry_is_skipped_and_the_rest_kept() {
+        let text = r#"{"pods": [
+            {"uid": "a", "name": "web", "namespace": "shop", "netns": "x"},
+            {"uid": "b", "name": 7, "namespace": "shop", "netns": "y"},
+            {"uid": "c", "name": "both", "namespace": "shop", "netns": "z", "pid": 3},
+            {"uid": "a", "name": "dup", "namespace": "shop", "netns": "w"},
+            {"uid": "d", "name": "typo", "namespace": "shop", "netnss": "v"}
+        ]}"#;
+        let parsed = parse(text, Path::new("pods.json")).unwrap();
+        let uids: Vec<_> = parsed.workloads.iter().map(|w| w.uid.as_str()).collect();
+        assert_eq!(uids, ["a"]);
+        assert_eq!(parsed.skipped.len(), 4, "{:?}", parsed.skipped);
+        assert!(parsed.skipped[0].starts_with("pods[1]"));
+    }
+
+    #[test]
+    fn a_malformed_file_is_an_error_naming_the_file() {
+        let err = parse("{\"pods\": [", Path::new("/etc/ambpf/pods.json"))
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string()
+                .starts_with("/etc/ambpf/pods.json is not a pods file"),
+            "{err}"
+        );
+    }
+}

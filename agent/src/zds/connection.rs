@@ -1,0 +1,356 @@
+//! One ztunnel connection: hello, the snapshot, then live updates.
+//!
+//! The connection keeps what it has told ztunnel (`sent`) and reconciles it
+//! against the desired pods whenever they change, it becomes the newest
+//! connection, or a NACKed pod is due for retry. So a burst of changes is
+//! coalesced, a takeover (the newest connection dropping) brings the older
+//! one up to date, and nothing depends on a change being seen exactly once.
+//!
+//! Failures and what they cost:
+//! - a NACK: logged and counted; the pod is retried with backoff;
+//! - a pod whose netns cannot be opened: sent as Keep during the snapshot (so
+//!   ztunnel keeps its proxy, as Istio does), retried later otherwise;
+//! - no Ack in time, undecodable bytes, unsolicited messages, or the peer
+//!   going away: the connection is closed; ztunnel reconnects and gets the
+//!   full snapshot again. The desired pods are never touched.
+
+use std::{collections::HashMap, os::fd::AsFd, time::Duration};
+
+use ambpf_proto::{MAX_MESSAGE_LEN, Message as _, ZTUNNEL_READ_BUFFER, zds};
+use log::{debug, info, warn};
+use tokio::time::{Instant, sleep_until, timeout};
+use tokio_seqpacket::{UnixSeqpacket, ancillary::AncillaryMessageWriter};
+
+use super::{NetnsSource, Shared, Workload, WorkloadSet, ZdsStats};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("no hello within {0:?}")]
+    HelloTimeout(Duration),
+    #[error("unsupported ZDS version {0} in hello")]
+    UnsupportedVersion(i32),
+    #[error("no ack for {request} within {after:?}")]
+    AckTimeout { request: String, after: Duration },
+    #[error("undecodable {what} from ztunnel: {source}")]
+    Garbage {
+        what: &'static str,
+        source: ambpf_proto::prost::DecodeError,
+    },
+    #[error("ztunnel sent a {0}-byte message while no request was pending")]
+    Unsolicited(usize),
+    #[error("ztunnel sent an oversized or truncated message")]
+    Truncated,
+    #[error("ztunnel closed the connection {0}")]
+    ClosedDuring(&'static str),
+    #[error("socket error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What this connection has told ztunnel about one pod.
+struct Sent {
+    netns: NetnsSource,
+}
+
+/// A pod whose last Add failed, and when to try again.
+struct Retry {
+    at: Instant,
+    delay: Duration,
+}
+
+struct Connection<'a> {
+    id: u64,
+    socket: &'a UnixSeqpacket,
+    shared: &'a Shared,
+    sent: HashMap<String, Sent>,
+    retries: HashMap<String, Retry>,
+}
+
+pub(super) async fn serve(
+    id: u64,
+    socket: &UnixSeqpacket,
+    shared: &Shared,
+) -> Result<(), ConnError> {
+    let mut conn = Connection {
+        id,
+        socket,
+        shared,
+        sent: HashMap::new(),
+        retries: HashMap::new(),
+    };
+    match conn.run().await {
+        // The peer going away while idle is the normal end of a connection.
+        Err(ConnError::ClosedDuring("while idle")) => Ok(()),
+        other => other,
+    }
+}
+
+enum Outcome {
+    Acked,
+    Nacked(String),
+}
+
+impl Connection<'_> {
+    async fn run(&mut self) -> Result<(), ConnError> {
+        self.hello().await?;
+        let mut desired = self.shared.desired.subscribe();
+        let mut newest = self.shared.newest.subscribe();
+        let snapshot = desired.borrow_and_update().clone();
+        newest.borrow_and_update();
+        self.snapshot(&snapshot).await?;
+
+        loop {
+            let snapshot = desired.borrow_and_update().clone();
+            let is_newest = *newest.borrow_and_update() == self.id;
+            self.reconcile(&snapshot, is_newest).await?;
+
+            let next_retry = self.retries.values().map(|r| r.at).min();
+            let mut idle = [0u8; ZTUNNEL_READ_BUFFER];
+            tokio::select! {
+                changed = desired.changed() => if changed.is_err() { return Ok(()) },
+                changed = newest.changed() => if changed.is_err() { return Ok(()) },
+                () = sleep_until(next_retry.unwrap_or_else(far_future)), if next_retry.is_some() => {}
+                read = self.socket.recv(&mut idle) => {
+                    let info = read?;
+                    if info.bytes_read() == 0 {
+                        return Err(ConnError::ClosedDuring("while idle"));
+                    }
+                    return Err(ConnError::Unsolicited(info.bytes_read()));
+                }
+            }
+        }
+    }
+
+    async fn hello(&mut self) -> Result<(), ConnError> {
+        let after = self.shared.config.hello_timeout;
+        let mut buf = [0u8; ZTUNNEL_READ_BUFFER];
+        let len = timeout(after, self.recv(&mut buf, "before hello"))
+            .await
+            .map_err(|_| ConnError::HelloTimeout(after))??;
+        let hello = zds::ZdsHello::decode(&buf[..len]).map_err(|source| ConnError::Garbage {
+            what: "hello",
+            source,
+        })?;
+        if hello.version != zds::Version::V1 as i32 {
+            return Err(ConnError::UnsupportedVersion(hello.version));
+        }
+        debug!("ZDS connection {}: hello (V1)", self.id);
+        Ok(())
+    }
+
+    /// One Add (or Keep) per pod, each acked, then SnapshotSent.
+    async fn snapshot(&mut self, snapshot: &WorkloadSet) -> Result<(), ConnError> {
+        let started = std::time::Instant::now();
+        for workload in snapshot.values() {
+            match workload.netns.open() {
+                Ok((netns, _inode)) => self.add(workload, netns).await?,
+                Err(e) => {
+                    warn!(
+                        "ZDS: cannot open the netns of pod {}/{} ({e}); sending Keep so ztunnel keeps its proxy",
+                        workload.namespace, workload.name
+                    );
+                    ZdsStats::bump(&self.shared.stats.keeps_sent);
+                    if let Outcome::Nacked(why) = self
+                        .request(&zds::WorkloadRequest::keep(&workload.uid), None)
+                        .await?
+                    {
+                        self.nacked(workload, &why);
+                    }
+                    // Not "sent" with a netns: once it can be opened, Add it.
+                    self.schedule_retry(&workload.uid);
+                }
+            }
+        }
+        if let Outcome::Nacked(why) = self
+            .request(&zds::WorkloadRequest::snapshot_sent(), None)
+            .await?
+        {
+            ZdsStats::bump(&self.shared.stats.nacks);
+            warn!("ZDS connection {}: SnapshotSent NACKed: {why}", self.id);
+        }
+        self.shared.snapshot_acked();
+        info!(
+            "ZDS connection {}: snapshot of {} pods acked in {:?}",
+            self.id,
+            snapshot.len(),
+            started.elapsed()
+        );
+        Ok(())
+    }
+
+    /// Brings ztunnel in line with `desired`: Dels for pods gone (every
+    /// connection), Adds for pods new or moved (the newest connection only).
+    async fn reconcile(&mut self, desired: &WorkloadSet, is_newest: bool) -> Result<(), ConnError> {
+        let gone: Vec<String> = self
+            .sent
+            .keys()
+            .filter(|uid| !desired.contains_key(*uid))
+            .cloned()
+            .collect();
+        for uid in gone {
+            match self.request(&zds::WorkloadRequest::del(&uid), None).await? {
+                Outcome::Acked => ZdsStats::bump(&self.shared.stats.dels_acked),
+                Outcome::Nacked(why) => {
+                    ZdsStats::bump(&self.shared.stats.nacks);
+                    warn!("ZDS connection {}: Del of {uid} NACKed: {why}", self.id);
+                }
+            }
+            self.sent.remove(&uid);
+        }
+        self.retries.retain(|uid, _| desired.contains_key(uid));
+        if !is_newest {
+            return Ok(());
+        }
+        let now = Instant::now();
+        for workload in desired.values() {
+            let current = self
+                .sent
+                .get(&workload.uid)
+                .is_some_and(|s| s.netns == workload.netns);
+            let waiting = self.retries.get(&workload.uid).is_some_and(|r| r.at > now);
+            if current || waiting {
+                continue;
+            }
+            match workload.netns.open() {
+                Ok((netns, _inode)) => self.add(workload, netns).await?,
+                Err(e) => {
+                    ZdsStats::bump(&self.shared.stats.send_failures);
+                    warn!(
+                        "ZDS: cannot open the netns of pod {}/{}: {e}",
+                        workload.namespace, workload.name
+                    );
+                    self.schedule_retry(&workload.uid);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends an Add with the pod's netns fd and records the result.
+    async fn add(&mut self, workload: &Workload, netns: std::fs::File) -> Result<(), ConnError> {
+        let request = zds::WorkloadRequest::add(&workload.uid, workload.info());
+        if request.encoded_len() > MAX_MESSAGE_LEN {
+            ZdsStats::bump(&self.shared.stats.send_failures);
+            warn!(
+                "ZDS: pod {}/{} does not fit a {MAX_MESSAGE_LEN}-byte ZDS message; not sent",
+                workload.namespace, workload.name
+            );
+            return Ok(());
+        }
+        let outcome = self.request(&request, Some(&netns)).await?;
+        // `netns` is dropped (closed) here: ztunnel holds its own copy now.
+        drop(netns);
+        match outcome {
+            Outcome::Acked => {
+                ZdsStats::bump(&self.shared.stats.adds_acked);
+                self.retries.remove(&workload.uid);
+                self.sent.insert(
+                    workload.uid.clone(),
+                    Sent {
+                        netns: workload.netns.clone(),
+                    },
+                );
+            }
+            Outcome::Nacked(why) => {
+                self.nacked(workload, &why);
+                self.schedule_retry(&workload.uid);
+            }
+        }
+        Ok(())
+    }
+
+    fn nacked(&self, workload: &Workload, why: &str) {
+        ZdsStats::bump(&self.shared.stats.nacks);
+        warn!(
+            "ZDS connection {}: ztunnel NACKed pod {}/{} ({}): {why}",
+            self.id, workload.namespace, workload.name, workload.uid
+        );
+    }
+
+    fn schedule_retry(&mut self, uid: &str) {
+        let config = &self.shared.config;
+        let delay = match self.retries.get(uid) {
+            Some(previous) => (previous.delay * 2).min(config.max_retry_delay),
+            None => config.retry_delay,
+        };
+        self.retries.insert(
+            uid.to_owned(),
+            Retry {
+                at: Instant::now() + delay,
+                delay,
+            },
+        );
+    }
+
+    /// Sends one request (with at most one fd) and waits for its Ack.
+    async fn request(
+        &mut self,
+        request: &zds::WorkloadRequest,
+        fd: Option<&std::fs::File>,
+    ) -> Result<Outcome, ConnError> {
+        let bytes = request.encode_to_vec();
+        match fd {
+            Some(fd) => {
+                let mut control = [0u8; 64];
+                let fds = [fd.as_fd()];
+                let mut ancillary = AncillaryMessageWriter::new(&mut control);
+                ancillary
+                    .add_fds(&fds)
+                    .map_err(|_| std::io::Error::other("control buffer too small for one fd"))?;
+                self.socket
+                    .send_with_ancillary(&bytes, &mut ancillary)
+                    .await?;
+            }
+            None => {
+                self.socket.send(&bytes).await?;
+            }
+        }
+        let after = self.shared.config.ack_timeout;
+        let mut buf = [0u8; ZTUNNEL_READ_BUFFER];
+        let len = match timeout(after, self.recv(&mut buf, "awaiting an ack")).await {
+            Ok(read) => read?,
+            Err(_) => {
+                ZdsStats::bump(&self.shared.stats.ack_timeouts);
+                return Err(ConnError::AckTimeout {
+                    request: describe(request),
+                    after,
+                });
+            }
+        };
+        let response =
+            zds::WorkloadResponse::decode(&buf[..len]).map_err(|source| ConnError::Garbage {
+                what: "response",
+                source,
+            })?;
+        Ok(match response.into_result() {
+            Ok(()) => Outcome::Acked,
+            Err(why) => Outcome::Nacked(why),
+        })
+    }
+
+    /// Receives one message; a zero-length read is the peer closing.
+    async fn recv(&self, buf: &mut [u8], during: &'static str) -> Result<usize, ConnError> {
+        let info = self.socket.recv(buf).await?;
+        if info.truncated() {
+            return Err(ConnError::Truncated);
+        }
+        if info.bytes_read() == 0 {
+            return Err(ConnError::ClosedDuring(during));
+        }
+        Ok(info.bytes_read())
+    }
+}
+
+fn describe(request: &zds::WorkloadRequest) -> String {
+    use zds::workload_request::Payload;
+    match &request.payload {
+        Some(Payload::Add(add)) => format!("Add {}", add.uid),
+        Some(Payload::Del(del)) => format!("Del {}", del.uid),
+        Some(Payload::Keep(keep)) => format!("Keep {}", keep.uid),
+        Some(Payload::SnapshotSent(_)) => "SnapshotSent".to_owned(),
+        None => "an empty request".to_owned(),
+    }
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86_400)
+}

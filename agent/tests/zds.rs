@@ -1,0 +1,253 @@
+//! The ZDS server against real SOCK_SEQPACKET peers with real netns fds:
+//! snapshot, live updates, reconnect, takeover, NACKs, timeouts, garbage.
+
+mod common;
+
+use common::*;
+
+#[tokio::test]
+async fn snapshot_sends_every_pod_with_its_own_netns_then_snapshot_sent() {
+    let server = Server::start(fast_config());
+    let namespaces: Vec<_> = (0..3).map(|_| NetnsGuard::create("zds").unwrap()).collect();
+    for (i, ns) in namespaces.iter().enumerate() {
+        server.handle.upsert(pod(&format!("uid-{i}"), ns));
+    }
+
+    let peer = Peer::hello(&server.socket()).await;
+    let snapshot = peer.take_snapshot().await;
+    let got: Vec<_> = snapshot
+        .iter()
+        .map(|r| (r.kind(), r.uid().to_owned(), r.netns_inode()))
+        .collect();
+    let want: Vec<_> = namespaces
+        .iter()
+        .enumerate()
+        .map(|(i, ns)| ("add", format!("uid-{i}"), inode(&ns.path())))
+        .collect();
+    assert_eq!(got, want);
+    let Payload::Add(add) = &snapshot[0].payload else {
+        unreachable!()
+    };
+    let info = add.workload_info.as_ref().unwrap();
+    assert_eq!(
+        (
+            info.name.as_str(),
+            info.namespace.as_str(),
+            info.service_account.as_str()
+        ),
+        ("pod-uid-0", "shop", "web")
+    );
+
+    timeout(PATIENCE, server.handle.snapshot_acked())
+        .await
+        .unwrap();
+    assert_eq!(server.stat(|s| &s.adds_acked), 3);
+}
+
+#[tokio::test]
+async fn live_adds_and_dels_follow_the_snapshot_and_replay_on_reconnect() {
+    let server = Server::start(fast_config());
+    let a = NetnsGuard::create("zds").unwrap();
+    let b = NetnsGuard::create("zds").unwrap();
+    server.handle.upsert(pod("a", &a));
+
+    let peer = Peer::hello(&server.socket()).await;
+    assert_eq!(peer.take_snapshot().await.len(), 1);
+
+    server.handle.upsert(pod("b", &b));
+    let add = peer.recv_some().await;
+    assert_eq!(
+        (add.kind(), add.uid(), add.netns_inode()),
+        ("add", "b", inode(&b.path()))
+    );
+    peer.ack().await;
+
+    server.handle.remove("a");
+    let del = peer.recv_some().await;
+    assert_eq!((del.kind(), del.uid()), ("del", "a"));
+    assert!(del.fds.is_empty(), "only Add carries an fd");
+    peer.ack().await;
+
+    // ztunnel restarts: the new connection gets the whole current set.
+    drop(peer);
+    let peer = Peer::hello(&server.socket()).await;
+    let replay: Vec<_> = peer
+        .take_snapshot()
+        .await
+        .iter()
+        .map(|r| (r.kind(), r.uid().to_owned()))
+        .collect();
+    assert_eq!(replay, [("add", "b".to_owned())]);
+}
+
+#[tokio::test]
+async fn a_newer_ztunnel_takes_over_and_the_older_one_resumes_when_it_leaves() {
+    let server = Server::start(fast_config());
+    let a = NetnsGuard::create("zds").unwrap();
+    let b = NetnsGuard::create("zds").unwrap();
+    server.handle.upsert(pod("a", &a));
+
+    let old = Peer::hello(&server.socket()).await;
+    old.take_snapshot().await;
+    let new = Peer::hello(&server.socket()).await;
+    assert_eq!(new.take_snapshot().await.len(), 1);
+
+    // Adds go to the newest connection only.
+    server.handle.upsert(pod("b", &b));
+    let add = new.recv_some().await;
+    assert_eq!((add.kind(), add.uid()), ("add", "b"));
+    new.ack().await;
+    assert!(
+        old.stays_quiet().await,
+        "the older ztunnel must not get Adds"
+    );
+
+    // Deletes reach every ztunnel that has the pod.
+    server.handle.remove("a");
+    for peer in [&new, &old] {
+        let del = peer.recv_some().await;
+        assert_eq!((del.kind(), del.uid()), ("del", "a"));
+        peer.ack().await;
+    }
+
+    // The newest leaves (rolling update aborted): the older one takes over
+    // and is brought up to date.
+    drop(new);
+    let add = old.recv_some().await;
+    assert_eq!(
+        (add.kind(), add.uid(), add.netns_inode()),
+        ("add", "b", inode(&b.path()))
+    );
+    old.ack().await;
+}
+
+#[tokio::test]
+async fn a_nack_is_counted_and_the_pod_retried() {
+    let server = Server::start(fast_config());
+    let a = NetnsGuard::create("zds").unwrap();
+    server.handle.upsert(pod("a", &a));
+
+    let peer = Peer::hello(&server.socket()).await;
+    let first = peer.recv_some().await;
+    assert_eq!((first.kind(), first.uid()), ("add", "a"));
+    peer.nack("failure to start proxy: test").await;
+    let snapshot_sent = peer.recv_some().await;
+    assert_eq!(snapshot_sent.kind(), "snapshot_sent");
+    peer.ack().await;
+    assert_eq!(server.stat(|s| &s.nacks), 1);
+
+    let retry = peer.recv_some().await;
+    assert_eq!(
+        (retry.kind(), retry.uid(), retry.netns_inode()),
+        ("add", "a", inode(&a.path()))
+    );
+    peer.ack().await;
+    timeout(PATIENCE, async {
+        while server.stat(|s| &s.adds_acked) < 1 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_silent_peer_times_out_and_the_next_connection_gets_everything() {
+    let server = Server::start(ZdsConfig {
+        ack_timeout: Duration::from_millis(200),
+        ..fast_config()
+    });
+    let a = NetnsGuard::create("zds").unwrap();
+    server.handle.upsert(pod("a", &a));
+
+    let silent = Peer::hello(&server.socket()).await;
+    let add = silent.recv_some().await;
+    assert_eq!(add.kind(), "add");
+    // No ack: the server gives up on this connection.
+    assert!(
+        silent.recv().await.is_none(),
+        "server should close a connection that stops acking"
+    );
+    assert_eq!(server.stat(|s| &s.ack_timeouts), 1);
+
+    let peer = Peer::hello(&server.socket()).await;
+    assert_eq!(peer.take_snapshot().await.len(), 1);
+}
+
+#[tokio::test]
+async fn garbage_or_a_hang_up_mid_snapshot_loses_no_pod() {
+    let server = Server::start(fast_config());
+    let namespaces: Vec<_> = (0..3).map(|_| NetnsGuard::create("zds").unwrap()).collect();
+    for (i, ns) in namespaces.iter().enumerate() {
+        server.handle.upsert(pod(&format!("p{i}"), ns));
+    }
+
+    // Garbage instead of an ack.
+    let rude = Peer::hello(&server.socket()).await;
+    rude.recv_some().await;
+    rude.send(&[0xff, 0xff, 0xff]).await;
+    assert!(rude.recv().await.is_none());
+
+    // Garbage instead of a hello.
+    let rude = Peer::connect(&server.socket()).await;
+    rude.send(b"GET / HTTP/1.1\r\n\r\n").await;
+    assert!(rude.recv().await.is_none());
+
+    // A hang-up after one ack.
+    let quitter = Peer::hello(&server.socket()).await;
+    quitter.recv_some().await;
+    quitter.ack().await;
+    quitter.recv_some().await;
+    drop(quitter);
+
+    // The server kept serving and kept every pod.
+    let peer = Peer::hello(&server.socket()).await;
+    let uids: Vec<_> = peer
+        .take_snapshot()
+        .await
+        .iter()
+        .map(|r| r.uid().to_owned())
+        .collect();
+    assert_eq!(uids, ["p0", "p1", "p2"]);
+    assert!(server.stat(|s| &s.peer_errors) >= 2);
+}
+
+#[tokio::test]
+async fn a_pod_whose_netns_is_gone_is_kept_not_dropped() {
+    let server = Server::start(fast_config());
+    let a = NetnsGuard::create("zds").unwrap();
+    server.handle.upsert(pod("live", &a));
+    server.handle.upsert(Workload {
+        netns: NetnsSource::Path("/run/netns/ambpf-vanished-netns".into()),
+        ..pod("vanished", &a)
+    });
+
+    let peer = Peer::hello(&server.socket()).await;
+    let snapshot: Vec<_> = peer
+        .take_snapshot()
+        .await
+        .iter()
+        .map(|r| (r.kind(), r.uid().to_owned(), r.fds.len()))
+        .collect();
+    assert_eq!(
+        snapshot,
+        [
+            ("add", "live".to_owned(), 1),
+            ("keep", "vanished".to_owned(), 0)
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_hello_version_closes_the_connection() {
+    let server = Server::start(fast_config());
+    let peer = Peer::connect(&server.socket()).await;
+    peer.send(
+        &zds::ZdsHello {
+            version: zds::Version::NotUsed as i32,
+        }
+        .encode_to_vec(),
+    )
+    .await;
+    assert!(peer.recv().await.is_none());
+}
