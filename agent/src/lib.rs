@@ -10,6 +10,7 @@
 pub mod bpf;
 pub mod cli;
 pub mod netns;
+pub mod redirect;
 pub mod sources;
 pub mod zds;
 

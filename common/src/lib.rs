@@ -14,8 +14,56 @@ pub mod programs {
     /// TC program counting packets that leave an interface (TCX egress).
     pub const IFACE_COUNT_EGRESS: &str = "ambpf_cnt_out";
 
-    /// Every program the agent loads, in load order.
-    pub const ALL: &[&str] = &[IFACE_COUNT_INGRESS, IFACE_COUNT_EGRESS];
+    /// TC ingress on each enrolled pod's interfaces: steers inbound TCP SYNs
+    /// to ztunnel's 15006 listener (`bpf_sk_assign`, TPROXY-style).
+    pub const POD_INGRESS: &str = "ambpf_pod_in";
+    /// cgroup connect4/connect6: outbound TCP to 15001, DNS to 15053.
+    pub const CONNECT4: &str = "ambpf_connect4";
+    pub const CONNECT6: &str = "ambpf_connect6";
+    /// cgroup sendmsg4/6: unconnected UDP DNS queries to 15053.
+    pub const SENDMSG4: &str = "ambpf_sendmsg4";
+    pub const SENDMSG6: &str = "ambpf_sendmsg6";
+    /// cgroup recvmsg4/6: DNS answers appear to come from the resolver asked.
+    pub const RECVMSG4: &str = "ambpf_recvmsg4";
+    pub const RECVMSG6: &str = "ambpf_recvmsg6";
+    /// cgroup getpeername4/6: the app sees the peer it connected to.
+    pub const GETPEERNAME4: &str = "ambpf_peername4";
+    pub const GETPEERNAME6: &str = "ambpf_peername6";
+    /// cgroup getsockopt: answers SO_ORIGINAL_DST for ztunnel's 15001.
+    pub const GETSOCKOPT: &str = "ambpf_origdst";
+    /// cgroup sock_ops: records redirected connections' tuples, and marks
+    /// ztunnel's connections to local apps so that replies return to it.
+    pub const SOCK_OPS: &str = "ambpf_sockops";
+
+    /// TC programs, in load order.
+    pub const TC: &[&str] = &[IFACE_COUNT_INGRESS, IFACE_COUNT_EGRESS, POD_INGRESS];
+    /// cgroup sock_addr programs, in load order.
+    pub const SOCK_ADDR: &[&str] = &[
+        CONNECT4,
+        CONNECT6,
+        SENDMSG4,
+        SENDMSG6,
+        RECVMSG4,
+        RECVMSG6,
+        GETPEERNAME4,
+        GETPEERNAME6,
+    ];
+    /// Every program the agent loads.
+    pub const ALL: &[&str] = &[
+        IFACE_COUNT_INGRESS,
+        IFACE_COUNT_EGRESS,
+        POD_INGRESS,
+        CONNECT4,
+        CONNECT6,
+        SENDMSG4,
+        SENDMSG6,
+        RECVMSG4,
+        RECVMSG6,
+        GETPEERNAME4,
+        GETPEERNAME6,
+        GETSOCKOPT,
+        SOCK_OPS,
+    ];
 }
 
 /// Map names as the kernel knows them; also the file names of their pins.
@@ -25,9 +73,178 @@ pub mod maps {
     /// The ring buffer aya-log-ebpf writes log records to (name fixed by aya-log).
     pub const AYA_LOGS: &str = "AYA_LOGS";
 
+    /// Enrolled pods by netns cookie ([`crate::PodConfig`]): what socket
+    /// programs consult.
+    pub const PODS_BY_NETNS: &str = "ambpf_pods";
+    /// Enrolled pods' addresses ([`crate::IpKey`] -> [`crate::PodConfig`]):
+    /// what packet programs consult (an skb carries no reliable netns).
+    pub const PODS_BY_IP: &str = "ambpf_pod_ips";
+    /// This node's own addresses: traffic from them is the host's (kubelet
+    /// probes) and reaches apps directly, as Istio's 169.254.7.127 SNAT does.
+    pub const HOST_ADDRS: &str = "ambpf_host_ips";
+    /// Node-wide settings, one [`crate::NodeConfig`] at index 0.
+    pub const NODE_CONFIG: &str = "ambpf_node_cfg";
+    /// Original destinations by the redirected socket's cookie (LRU).
+    pub const ORIG_BY_COOKIE: &str = "ambpf_orig_ck";
+    /// Original destinations by the tuple ztunnel's accepted socket sees (LRU).
+    pub const ORIG_BY_TUPLE: &str = "ambpf_orig_tpl";
+    /// Per-CPU event counters, indexed by [`crate::Counter`].
+    pub const COUNTERS: &str = "ambpf_counters";
+
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
-    pub const PINNED: &[&str] = &[IFACE_STATS];
+    pub const PINNED: &[&str] = &[
+        IFACE_STATS,
+        PODS_BY_NETNS,
+        PODS_BY_IP,
+        HOST_ADDRS,
+        NODE_CONFIG,
+        ORIG_BY_COOKIE,
+        ORIG_BY_TUPLE,
+        COUNTERS,
+    ];
+}
+
+/// What ztunnel expects (see ztunnel's in-pod mode).
+pub mod ztunnel {
+    /// SO_MARK on every socket ztunnel opens in a pod: never redirected.
+    pub const MARK: u32 = 0x539;
+    /// Mark of connections ztunnel made to a local app, whose replies must be
+    /// routed back to ztunnel (Istio's connmark 0x111, same mask).
+    pub const REPLY_MARK: u32 = 0x111;
+    pub const MARK_MASK: u32 = 0xfff;
+    /// Policy routing table holding `local default dev lo`.
+    pub const REPLY_ROUTE_TABLE: u32 = 100;
+    pub const OUTBOUND_PORT: u16 = 15001;
+    pub const INBOUND_PORT: u16 = 15006;
+    pub const HBONE_PORT: u16 = 15008;
+    pub const DNS_PORT: u16 = 15053;
+}
+
+/// An address of either family, IPv4 as `::ffff:a.b.c.d` (network order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct IpKey {
+    pub addr: [u8; 16],
+}
+
+impl IpKey {
+    pub const fn v4(octets: [u8; 4]) -> Self {
+        let [a, b, c, d] = octets;
+        Self {
+            addr: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, a, b, c, d],
+        }
+    }
+
+    pub const fn v6(octets: [u8; 16]) -> Self {
+        Self { addr: octets }
+    }
+
+    pub const fn is_v4(&self) -> bool {
+        let a = &self.addr;
+        a[0] == 0
+            && a[1] == 0
+            && a[2] == 0
+            && a[3] == 0
+            && a[4] == 0
+            && a[5] == 0
+            && a[6] == 0
+            && a[7] == 0
+            && a[8] == 0
+            && a[9] == 0
+            && a[10] == 0xff
+            && a[11] == 0xff
+    }
+}
+
+/// Per-pod settings, written by the agent at enrolment.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodConfig {
+    /// The pod's netns cookie (`SO_NETNS_COOKIE`).
+    pub netns_cookie: u64,
+    /// The netns inode, to find the pod again when its namespace is gone.
+    pub netns_inode: u64,
+    /// [`pod_flags`] bits.
+    pub flags: u32,
+    pub _pad: u32,
+    /// The pod's addresses; unused slots are all-zero.
+    pub ips: [IpKey; 2],
+}
+
+pub mod pod_flags {
+    /// Redirect the pod's DNS (port 53) to ztunnel's DNS proxy.
+    pub const DNS_CAPTURE: u32 = 1 << 0;
+}
+
+/// Node-wide settings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// DNS capture for the whole node; a pod's flag can only narrow it.
+    pub dns_capture: u32,
+    pub _pad: u32,
+}
+
+/// A socket address as the programs store it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockAddr {
+    pub ip: IpKey,
+    /// Network byte order, as in `sockaddr_in`.
+    pub port_be: u16,
+    pub _pad: [u8; 6],
+}
+
+/// The connection as ztunnel's accepted socket sees it: key of
+/// [`maps::ORIG_BY_TUPLE`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TupleKey {
+    pub netns_cookie: u64,
+    /// The accepted socket's local address (ztunnel's listener).
+    pub local: SockAddr,
+    /// Its peer (the app's socket).
+    pub peer: SockAddr,
+}
+
+/// Indexes of [`maps::COUNTERS`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    OutboundRedirected = 0,
+    InboundRedirected = 1,
+    DnsRedirected = 2,
+    ProbeBypassed = 3,
+    OriginalDstAnswered = 4,
+    ReplyMarked = 5,
+    /// SYNs to an enrolled pod with no ztunnel listener to take them.
+    InboundNoListener = 6,
+}
+
+impl Counter {
+    pub const COUNT: u32 = 7;
+    pub const ALL: [Counter; 7] = [
+        Counter::OutboundRedirected,
+        Counter::InboundRedirected,
+        Counter::DnsRedirected,
+        Counter::ProbeBypassed,
+        Counter::OriginalDstAnswered,
+        Counter::ReplyMarked,
+        Counter::InboundNoListener,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::OutboundRedirected => "outbound_redirected",
+            Counter::InboundRedirected => "inbound_redirected",
+            Counter::DnsRedirected => "dns_redirected",
+            Counter::ProbeBypassed => "probe_bypassed",
+            Counter::OriginalDstAnswered => "original_dst_answered",
+            Counter::ReplyMarked => "reply_marked",
+            Counter::InboundNoListener => "inbound_no_listener",
+        }
+    }
 }
 
 /// Kernel object names are at most `BPF_OBJ_NAME_LEN - 1` bytes.
@@ -87,6 +304,11 @@ mod user {
     // SAFETY: plain #[repr(C)] structs of integers with no implicit padding.
     unsafe impl aya::Pod for super::IfaceStatsKey {}
     unsafe impl aya::Pod for super::IfaceStats {}
+    unsafe impl aya::Pod for super::IpKey {}
+    unsafe impl aya::Pod for super::PodConfig {}
+    unsafe impl aya::Pod for super::NodeConfig {}
+    unsafe impl aya::Pod for super::SockAddr {}
+    unsafe impl aya::Pod for super::TupleKey {}
 }
 
 #[cfg(test)]
@@ -108,6 +330,26 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<IfaceStatsKey>(), 8);
         assert_eq!(size_of::<IfaceStats>(), 16);
+        assert_eq!(size_of::<IpKey>(), 16);
+        assert_eq!(size_of::<PodConfig>(), 24 + 32);
+        assert_eq!(size_of::<SockAddr>(), 24);
+        assert_eq!(size_of::<TupleKey>(), 8 + 48);
+    }
+
+    #[test]
+    fn ipv4_keys_are_v4_mapped() {
+        let key = IpKey::v4([10, 0, 0, 1]);
+        assert!(key.is_v4());
+        assert_eq!(&key.addr[10..], &[0xff, 0xff, 10, 0, 0, 1]);
+        assert!(!IpKey::v6([0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]).is_v4());
+    }
+
+    #[test]
+    fn counters_are_indexed_in_order() {
+        for (i, counter) in Counter::ALL.iter().enumerate() {
+            assert_eq!(*counter as u32, i as u32);
+        }
+        assert_eq!(Counter::ALL.len() as u32, Counter::COUNT);
     }
 
     #[test]

@@ -6,7 +6,12 @@
 #![no_std]
 #![no_main]
 
+mod addr;
 mod iface_counter;
+mod maps;
+mod orig_dst;
+mod pod_ingress;
+mod sock_redirect;
 
 /// GPL-compatible licence string: required for GPL-only helpers.
 #[unsafe(no_mangle)]

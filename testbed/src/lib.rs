@@ -6,6 +6,9 @@
 //! namespaces.
 //!
 //! Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2's `ip`.
+//!
+//! [`ztunnel`] is a ztunnel test double: the ZDS client and in-pod proxies the
+//! agent hands pods to.
 
 use std::{
     fs::{self, File},
@@ -20,6 +23,10 @@ use nix::{
     mount::{MntFlags, MsFlags, mount, umount2},
     sched::{CloneFlags, setns},
 };
+
+pub mod bench;
+pub mod cluster;
+pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
 const NETNS_DIR: &str = "/run/netns";
@@ -91,6 +98,18 @@ impl NetnsGuard {
         let mut full = vec!["-n", self.name.as_str()];
         full.extend_from_slice(args);
         ip(&full)
+    }
+
+    /// Sets `key=value` (dotted, as for `sysctl`) inside this namespace.
+    pub fn sysctl(&self, setting: &str) -> io::Result<()> {
+        let (key, value) = setting
+            .split_once('=')
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, setting.to_owned()))?;
+        let path = Path::new("/proc/sys").join(key.replace('.', "/"));
+        // /proc/sys/net resolves against the opening thread's namespace.
+        self.run(|| fs::write(&path, value))?.map_err(|e| {
+            io::Error::new(e.kind(), format!("sysctl {setting} in {}: {e}", self.name))
+        })
     }
 }
 
@@ -258,6 +277,48 @@ impl CgroupGuard {
     /// Moves a process into this cgroup.
     pub fn add_process(&self, pid: u32) -> io::Result<()> {
         fs::write(self.path.join("cgroup.procs"), pid.to_string())
+    }
+}
+
+/// This whole process, moved into a [`CgroupGuard`]'s cgroup until dropped.
+/// Sockets created meanwhile belong to that cgroup, so cgroup BPF programs
+/// attached there see them. A process is in one cgroup at a time: callers
+/// serialize tests that use this.
+#[derive(Debug)]
+pub struct ProcessInCgroup<'a> {
+    cgroup: &'a CgroupGuard,
+    original: PathBuf,
+}
+
+impl CgroupGuard {
+    pub fn enter_process(&self) -> io::Result<ProcessInCgroup<'_>> {
+        // cgroup v2 line of /proc/self/cgroup: "0::/path".
+        let own = fs::read_to_string("/proc/self/cgroup")?;
+        let relative = own
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .ok_or_else(|| io::Error::other("process has no cgroup v2 membership"))?;
+        let original = Path::new(CGROUP2_ROOT).join(relative.trim_start_matches('/'));
+        self.add_process(std::process::id())?;
+        Ok(ProcessInCgroup {
+            cgroup: self,
+            original,
+        })
+    }
+}
+
+impl Drop for ProcessInCgroup<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = fs::write(
+            self.original.join("cgroup.procs"),
+            std::process::id().to_string(),
+        ) {
+            eprintln!(
+                "testbed: cannot move back to {} from {}: {e}",
+                self.original.display(),
+                self.cgroup.path.display()
+            );
+        }
     }
 }
 

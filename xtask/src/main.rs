@@ -3,6 +3,8 @@
 //! - `build-ebpf`: build the kernel programs into `target/bpf/ambpf.bpf.o`.
 //! - `demo`: run the agent against a throwaway pod namespace on this machine.
 //! - `test`: lint, then run every test, privileged ones included (needs root).
+//! - `bench <suite>`: build, then run a benchmark suite of `ambpf-bench`
+//!   (needs root); results in `target/bench/<suite>.json`.
 
 mod ebpf_build;
 
@@ -33,6 +35,15 @@ enum Cmd {
     /// attached to it, traffic, and what is loaded.
     Demo {
         /// Arguments for the demo binary (see `--help` after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Build the agent and the benchmarks, and run one benchmark suite (e.g.
+    /// `zds`), writing `target/bench/<suite>.json`. Needs root.
+    Bench {
+        /// The suite: `zds` (see `target/release/ambpf-bench --help`).
+        suite: String,
+        /// Extra arguments for the suite (e.g. `--pods 100,1000 --runs 7`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -71,6 +82,25 @@ fn main() -> Result<()> {
             let mut cmd = Command::new(demo);
             cmd.arg("--agent")
                 .arg(root.join("target/release/ambpf"))
+                .args(&args);
+            run(&mut cmd)
+        }
+        Cmd::Bench { suite, args } => {
+            require_root(
+                "benchmarks create network namespaces and run the agent, which loads BPF programs",
+            )?;
+            cargo(
+                &root,
+                &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"],
+            )?;
+            let release = root.join("target/release");
+            let out = root.join("target/bench").join(format!("{suite}.json"));
+            let mut cmd = Command::new(release.join("ambpf-bench"));
+            cmd.arg(&suite)
+                .arg("--agent")
+                .arg(release.join("ambpf"))
+                .arg("--out")
+                .arg(out)
                 .args(&args);
             run(&mut cmd)
         }

@@ -1,14 +1,19 @@
 //! The kernel side as the agent sees it: loading the embedded object once,
 //! pinning its maps, attaching programs, and reading their state back.
 
+pub mod cgroup;
 pub mod features;
 pub mod inspect;
 pub mod object;
 pub mod pins;
+pub mod sys;
 pub mod tc;
 
 use ambpf_common::maps;
-use aya::{Ebpf, EbpfLoader, programs::SchedClassifier};
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{Program, SchedClassifier},
+};
 use log::{debug, warn};
 
 pub use pins::{DEFAULT_PIN_ROOT, PinLayout};
@@ -25,11 +30,8 @@ pub enum LoadError {
     Object(#[from] aya::EbpfError),
     #[error("BPF program {name} is missing from the object")]
     ProgramMissing { name: &'static str },
-    #[error("loading BPF program {name} into the kernel: {source}")]
-    Program {
-        name: &'static str,
-        source: aya::programs::ProgramError,
-    },
+    #[error("loading BPF program {name} into the kernel: {reason}")]
+    Program { name: String, reason: String },
 }
 
 /// The loaded programs and maps. Programs are loaded once per agent process;
@@ -60,14 +62,28 @@ impl Dataplane {
         }
         let mut ebpf = loader.load(object::OBJECT)?;
         for name in ambpf_common::programs::ALL {
-            let program: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or(LoadError::ProgramMissing { name })?
-                .try_into()
-                .map_err(|source| LoadError::Program { name, source })?;
-            program
-                .load()
-                .map_err(|source| LoadError::Program { name, source })?;
+            if ebpf.program(name).is_none() {
+                return Err(LoadError::ProgramMissing { name });
+            }
+        }
+        for (name, program) in ebpf.programs_mut() {
+            let loaded = match program {
+                Program::SchedClassifier(p) => p.load(),
+                Program::CgroupSockAddr(p) => p.load(),
+                Program::CgroupSockopt(p) => p.load(),
+                Program::SockOps(p) => p.load(),
+                other => {
+                    return Err(LoadError::Program {
+                        name: name.to_owned(),
+                        reason: format!("unexpected program type {:?}", other.prog_type()),
+                    });
+                }
+            };
+            // The verifier log says which instruction a kernel refused and why.
+            loaded.map_err(|e| LoadError::Program {
+                name: name.to_owned(),
+                reason: crate::error_chain(&e),
+            })?;
             debug!("loaded BPF program {name}");
         }
         Ok(Self { ebpf, pins })
@@ -75,6 +91,18 @@ impl Dataplane {
 
     pub fn pins(&self) -> &PinLayout {
         &self.pins
+    }
+
+    pub(crate) fn program_mut(&mut self, name: &'static str) -> &mut Program {
+        self.ebpf
+            .program_mut(name)
+            .unwrap_or_else(|| unreachable!("{name} checked at load"))
+    }
+
+    pub(crate) fn map_mut(&mut self, name: &'static str) -> &mut aya::maps::Map {
+        self.ebpf
+            .map_mut(name)
+            .unwrap_or_else(|| unreachable!("{name} is in the object"))
     }
 
     pub(crate) fn classifier(&mut self, name: &'static str) -> &mut SchedClassifier {

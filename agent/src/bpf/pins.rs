@@ -3,7 +3,9 @@
 //! ```text
 //! <root>/                       default /sys/fs/bpf/ambpf
 //!   maps/<map name>             every map the programs share with the agent
-//!   links/tc/<netns inode>/<ifindex>-<ingress|egress>
+//!   links/tc/<netns inode>/<ifindex>-<ingress|egress>    interface counters
+//!   links/pods/<netns inode>/<ifindex>-ingress           a pod's inbound steering
+//!   links/cgroup/<cgroup inode>/<program>                socket programs
 //! ```
 //! Links are pinned so attachments survive the agent (restarts, upgrades);
 //! removing a link's pin while no process holds it detaches the program.
@@ -66,7 +68,12 @@ impl PinLayout {
 
     pub fn tc_link(&self, netns_inode: u64, ifindex: u32, direction: Direction) -> PathBuf {
         self.tc_netns_dir(netns_inode)
-            .join(format!("{ifindex}-{}", direction.as_str()))
+            .join(tc_link_name(ifindex, direction))
+    }
+
+    /// Links of one enrolled pod (its inbound steering), by netns inode.
+    pub fn pod_links_dir(&self, netns_inode: u64) -> PathBuf {
+        self.root.join("links/pods").join(netns_inode.to_string())
     }
 
     /// Checks that the root lies on bpffs and creates the directory tree.
@@ -77,6 +84,11 @@ impl PinLayout {
         }
         Ok(())
     }
+}
+
+/// A TC link's pin file name.
+pub fn tc_link_name(ifindex: u32, direction: Direction) -> String {
+    format!("{ifindex}-{}", direction.as_str())
 }
 
 /// Parses a link pin's file name back into ifindex and direction.

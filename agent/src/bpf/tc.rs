@@ -60,7 +60,11 @@ pub struct TcAttachment {
     pub links: Vec<TcLink>,
 }
 
-const HOOKS: [(Direction, TcAttachType, &str); 2] = [
+/// A TC program and the side of an interface it runs on.
+pub type TcHook = (Direction, TcAttachType, &'static str);
+
+/// The interface counters: both directions.
+pub const COUNTER_HOOKS: [TcHook; 2] = [
     (
         Direction::Ingress,
         TcAttachType::Ingress,
@@ -84,14 +88,26 @@ impl Dataplane {
         netns: &Netns,
         iface: &str,
     ) -> Result<TcAttachment, AttachError> {
+        let links_dir = self.pins.tc_netns_dir(netns.inode());
+        self.attach_tc(netns, iface, &COUNTER_HOOKS, &links_dir)
+    }
+
+    /// Attaches `hooks` to `iface` in `netns`, pinning each link in
+    /// `links_dir` as `<ifindex>-<direction>`; see `attach_iface_counters`.
+    pub(crate) fn attach_tc(
+        &mut self,
+        netns: &Netns,
+        iface: &str,
+        hooks: &[TcHook],
+        links_dir: &std::path::Path,
+    ) -> Result<TcAttachment, AttachError> {
         let ifindex = ifindex_in(netns, iface)?;
-        let pins = self.pins.clone();
         // New links stay unpinned (owned by this process, detached on drop)
         // until every direction is attached.
         let mut fresh: Vec<(FdLink, PathBuf, &'static str)> = Vec::new();
         let mut links = Vec::new();
-        for (direction, attach_type, program) in HOOKS {
-            let pin = pins.tc_link(netns.inode(), ifindex, direction);
+        for &(direction, attach_type, program) in hooks {
+            let pin = links_dir.join(super::pins::tc_link_name(ifindex, direction));
             let attach_err = |source| AttachError::Attach {
                 program,
                 iface: iface.to_owned(),
@@ -138,8 +154,10 @@ impl Dataplane {
             });
         }
         pin_all(fresh)?;
+        let names: Vec<_> = hooks.iter().map(|(_, _, program)| *program).collect();
         info!(
-            "attached interface counters to {iface} (ifindex {ifindex}) in {}",
+            "attached {} to {iface} (ifindex {ifindex}) in {}",
+            names.join(", "),
             netns.path().display()
         );
         Ok(TcAttachment {
@@ -208,7 +226,7 @@ pub fn detach_iface_counters(
     let ifindex = ifindex_in(netns, iface)?;
     let netns_inode = netns.inode();
     let mut removed = Vec::new();
-    for (direction, _, _) in HOOKS {
+    for (direction, _, _) in COUNTER_HOOKS {
         let pin = pins.tc_link(netns_inode, ifindex, direction);
         match fs::remove_file(&pin) {
             Ok(()) => removed.push(pin),

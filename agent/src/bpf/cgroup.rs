@@ -1,0 +1,152 @@
+//! The socket programs, attached once to the cgroup that holds the pods
+//! (the node's root cgroup in production), each through a pinned bpf_link.
+//!
+//! Re-attaching where a link is pinned swaps the program inside the link
+//! (BPF_LINK_UPDATE), so an upgraded agent replaces its programs without a
+//! moment in which sockets escape redirection.
+
+use std::{
+    fs::{self, File},
+    io,
+    os::{fd::AsFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
+};
+
+use ambpf_common::programs;
+use aya::programs::Program;
+use log::info;
+
+use super::{
+    Dataplane, PinLayout,
+    sys::{self, CgroupHook},
+};
+
+/// Each socket program and the hook it attaches to.
+pub const HOOKS: &[(&str, CgroupHook)] = &[
+    (programs::CONNECT4, CgroupHook::Inet4Connect),
+    (programs::CONNECT6, CgroupHook::Inet6Connect),
+    (programs::SENDMSG4, CgroupHook::Udp4Sendmsg),
+    (programs::SENDMSG6, CgroupHook::Udp6Sendmsg),
+    (programs::RECVMSG4, CgroupHook::Udp4Recvmsg),
+    (programs::RECVMSG6, CgroupHook::Udp6Recvmsg),
+    (programs::GETPEERNAME4, CgroupHook::Inet4Getpeername),
+    (programs::GETPEERNAME6, CgroupHook::Inet6Getpeername),
+    (programs::GETSOCKOPT, CgroupHook::Getsockopt),
+    (programs::SOCK_OPS, CgroupHook::SockOps),
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("cgroup {path}: {source} (ambpf needs a cgroup v2 directory)")]
+    Open { path: PathBuf, source: io::Error },
+    #[error("{path} is not a cgroup v2 directory")]
+    NotCgroup2 { path: PathBuf },
+    #[error("attaching {program} to cgroup {path}: {source}")]
+    Attach {
+        program: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("pinning the link of {program} at {pin}: {source}")]
+    Pin {
+        program: &'static str,
+        pin: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl PinLayout {
+    pub fn cgroup_links_dir(&self, cgroup_inode: u64) -> PathBuf {
+        self.root()
+            .join("links/cgroup")
+            .join(cgroup_inode.to_string())
+    }
+}
+
+/// `CGROUP2_SUPER_MAGIC` from linux/magic.h.
+const CGROUP2_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6367_7270);
+
+impl Dataplane {
+    /// Attaches every socket program to `cgroup`. Idempotent: programs in
+    /// pinned links are replaced atomically, missing links are created.
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), CgroupError> {
+        let open_err = |source| CgroupError::Open {
+            path: cgroup.to_owned(),
+            source,
+        };
+        let dir = File::open(cgroup).map_err(open_err)?;
+        let is_cgroup2 =
+            nix::sys::statfs::fstatfs(&dir).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC);
+        if !is_cgroup2 {
+            return Err(CgroupError::NotCgroup2 {
+                path: cgroup.to_owned(),
+            });
+        }
+        let inode = dir.metadata().map_err(open_err)?.ino();
+        let links_dir = self.pins().cgroup_links_dir(inode);
+        fs::create_dir_all(&links_dir).map_err(|source| CgroupError::Pin {
+            program: "-",
+            pin: links_dir.clone(),
+            source,
+        })?;
+
+        for &(program, hook) in HOOKS {
+            let pin = links_dir.join(program);
+            let attach_err = |source| CgroupError::Attach {
+                program,
+                path: cgroup.to_owned(),
+                source,
+            };
+            let prog_fd = program_fd(self.program_mut(program)).map_err(attach_err)?;
+            match sys::obj_get(&pin) {
+                Ok(link) => sys::link_update(link.as_fd(), prog_fd.as_fd()).map_err(attach_err)?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    let link = sys::cgroup_link_create(prog_fd.as_fd(), dir.as_fd(), hook)
+                        .map_err(attach_err)?;
+                    // Once pinned, the link outlives this process; the fd can go.
+                    sys::obj_pin(&link, &pin).map_err(|source| CgroupError::Pin {
+                        program,
+                        pin: pin.clone(),
+                        source,
+                    })?;
+                }
+                Err(source) => {
+                    return Err(CgroupError::Pin {
+                        program,
+                        pin,
+                        source,
+                    });
+                }
+            }
+        }
+        info!("socket programs attached to cgroup {}", cgroup.display());
+        Ok(())
+    }
+}
+
+/// Detaches the socket programs from the cgroup with inode `cgroup_inode` by
+/// removing their link pins. Returns how many were removed.
+pub fn detach_cgroup(pins: &PinLayout, cgroup_inode: u64) -> io::Result<usize> {
+    let dir = pins.cgroup_links_dir(cgroup_inode);
+    let mut removed = 0;
+    for &(program, _) in HOOKS {
+        match fs::remove_file(dir.join(program)) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let _ = fs::remove_dir(&dir);
+    Ok(removed)
+}
+
+fn program_fd(program: &Program) -> io::Result<std::os::fd::OwnedFd> {
+    let fd = match program {
+        Program::CgroupSockAddr(p) => p.fd(),
+        Program::CgroupSockopt(p) => p.fd(),
+        Program::SockOps(p) => p.fd(),
+        _ => return Err(io::Error::other("not a cgroup socket program")),
+    }
+    .map_err(|e| io::Error::other(e.to_string()))?;
+    fd.as_fd().try_clone_to_owned()
+}

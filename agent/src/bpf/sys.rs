@@ -1,0 +1,107 @@
+//! The few bpf(2) link commands aya 0.14 does not expose for every program
+//! type: creating a cgroup link for any program, replacing a link's program
+//! atomically, and pinning/opening link objects.
+
+use std::{
+    ffi::CString,
+    io,
+    os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+    path::Path,
+};
+
+// enum bpf_cmd
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_LINK_UPDATE: libc::c_long = 29;
+
+/// enum bpf_attach_type values of the cgroup hooks ambpf uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum CgroupHook {
+    SockOps = 3,
+    Inet4Connect = 10,
+    Inet6Connect = 11,
+    Udp4Sendmsg = 14,
+    Udp6Sendmsg = 15,
+    Udp4Recvmsg = 19,
+    Udp6Recvmsg = 20,
+    Getsockopt = 21,
+    Inet4Getpeername = 29,
+    Inet6Getpeername = 30,
+}
+
+/// The largest bpf_attr prefix used here; the kernel accepts a shorter
+/// attr as long as the unused tail is zero.
+#[repr(C)]
+#[derive(Default)]
+struct Attr {
+    words: [u32; 16],
+}
+
+fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a valid, zero-padded bpf_attr prefix of the given size.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut Attr,
+            size_of::<Attr>() as u32,
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+/// BPF_LINK_CREATE of `program` on the cgroup `cgroup`. Cgroup links always
+/// attach alongside other programs (no flags allowed): other agents' cgroup
+/// programs keep running beside ours.
+pub fn cgroup_link_create(
+    program: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    hook: CgroupHook,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    attr.words[0] = program.as_raw_fd() as u32; // prog_fd
+    attr.words[1] = cgroup.as_raw_fd() as u32; // target_fd
+    attr.words[2] = hook as u32; // attach_type
+    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new link fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_LINK_UPDATE: `link` runs `program` from now on, with no gap.
+pub fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = Attr::default();
+    attr.words[0] = link.as_raw_fd() as u32; // link_fd
+    attr.words[1] = program.as_raw_fd() as u32; // new_prog_fd
+    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+fn path_attr(path: &Path) -> io::Result<(CString, Attr)> {
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pin path contains NUL"))?;
+    let mut attr = Attr::default();
+    let ptr = c_path.as_ptr() as u64;
+    attr.words[0] = ptr as u32; // pathname (u64, little-endian halves)
+    attr.words[1] = (ptr >> 32) as u32;
+    Ok((c_path, attr))
+}
+
+/// BPF_OBJ_PIN of any bpf object fd at `path` (on bpffs).
+pub fn obj_pin(fd: impl AsFd, path: &Path) -> io::Result<()> {
+    let (_c_path, mut attr) = path_attr(path)?;
+    attr.words[2] = fd.as_fd().as_raw_fd() as u32; // bpf_fd
+    bpf(BPF_OBJ_PIN, &mut attr).map(drop)
+}
+
+/// BPF_OBJ_GET: opens the bpf object pinned at `path`.
+pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let (_c_path, mut attr) = path_attr(path)?;
+    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: the kernel returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}

@@ -1,0 +1,57 @@
+//! Maps shared by the redirection programs; all pinned by the agent.
+
+use ambpf_common::{Counter, IpKey, NodeConfig, PodConfig, SockAddr, TupleKey};
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+
+/// Pods one node can run, with headroom.
+const MAX_PODS: u32 = 4096;
+/// Redirected connections remembered at once; LRU, so the oldest (long
+/// closed) go first.
+const MAX_REDIRECTED: u32 = 65536;
+
+#[map(name = "ambpf_pods")]
+pub static PODS_BY_NETNS: HashMap<u64, PodConfig> = HashMap::with_max_entries(MAX_PODS, 0);
+
+#[map(name = "ambpf_pod_ips")]
+pub static PODS_BY_IP: HashMap<IpKey, PodConfig> = HashMap::with_max_entries(2 * MAX_PODS, 0);
+
+#[map(name = "ambpf_host_ips")]
+pub static HOST_ADDRS: HashMap<IpKey, u8> = HashMap::with_max_entries(256, 0);
+
+#[map(name = "ambpf_node_cfg")]
+pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);
+
+#[map(name = "ambpf_orig_ck")]
+pub static ORIG_BY_COOKIE: LruHashMap<u64, SockAddr> =
+    LruHashMap::with_max_entries(MAX_REDIRECTED, 0);
+
+#[map(name = "ambpf_orig_tpl")]
+pub static ORIG_BY_TUPLE: LruHashMap<TupleKey, SockAddr> =
+    LruHashMap::with_max_entries(MAX_REDIRECTED, 0);
+
+#[map(name = "ambpf_counters")]
+pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
+
+#[inline(always)]
+pub fn count(counter: Counter) {
+    if let Some(value) = COUNTERS.get_ptr_mut(counter as u32) {
+        // Per-CPU slot: no other CPU writes it.
+        unsafe { *value += 1 };
+    }
+}
+
+/// Whether DNS capture is on for `pod`: on for the node and for the pod.
+#[inline(always)]
+pub fn dns_capture(pod: &PodConfig) -> bool {
+    let node = NODE_CONFIG.get(0).is_some_and(|c| c.dns_capture != 0);
+    node && pod.flags & ambpf_common::pod_flags::DNS_CAPTURE != 0
+}
+
+/// Whether `ip` is one of the pod's own addresses.
+#[inline(always)]
+pub fn is_pod_ip(pod: &PodConfig, ip: &IpKey) -> bool {
+    pod.ips[0].addr == ip.addr || pod.ips[1].addr == ip.addr
+}

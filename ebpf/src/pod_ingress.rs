@@ -1,0 +1,178 @@
+//! TC ingress on an enrolled pod's interfaces: inbound capture.
+//!
+//! A TCP SYN to one of the pod's addresses is handed to ztunnel's inbound
+//! listener (15006) with `bpf_sk_assign`, as TPROXY would: the accepted
+//! socket's local address is the original destination, so ztunnel needs no
+//! SO_ORIGINAL_DST. Only SYNs are steered; the rest of the handshake and the
+//! connection find their socket through the kernel's established lookup.
+//!
+//! Not captured, as in Istio: HBONE (15008, straight to ztunnel's listener),
+//! and traffic from this node's own addresses (the host network namespace,
+//! where kubelet probes come from). With no ztunnel listener the SYN is
+//! dropped, never passed to the app: the client retries until ztunnel is up.
+
+use ambpf_common::{Counter, IpKey, ztunnel};
+use aya_ebpf::{
+    bindings::{
+        BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple, tcx_action_base::TCX_NEXT,
+    },
+    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    macros::classifier,
+    programs::TcContext,
+};
+
+use crate::{
+    addr::{v4, v6},
+    maps::{HOST_ADDRS, PODS_BY_IP, count},
+};
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPPROTO_TCP: u8 = 6;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+const BPF_TCP_LISTEN: u32 = 10;
+/// IPv6 extension headers skipped on the way to TCP.
+const IPV6_HOP_BY_HOP: u8 = 0;
+const IPV6_ROUTING: u8 = 43;
+const IPV6_DEST_OPTS: u8 = 60;
+const MAX_IPV6_EXT_HEADERS: usize = 3;
+
+#[classifier]
+pub fn ambpf_pod_in(ctx: TcContext) -> i32 {
+    steer(&ctx).unwrap_or(TCX_NEXT)
+}
+
+/// A parsed TCP SYN.
+struct Syn {
+    src: IpKey,
+    dst: IpKey,
+    /// Host order.
+    dport: u16,
+    tuple: bpf_sock_tuple,
+}
+
+/// Sizes of `bpf_sock_tuple`'s IPv4 and IPv6 variants.
+const TUPLE_V4_LEN: u32 = 12;
+const TUPLE_V6_LEN: u32 = 36;
+
+#[inline(always)]
+fn steer(ctx: &TcContext) -> Result<i32, i64> {
+    let Some(syn) = parse_syn(ctx)? else {
+        return Ok(TCX_NEXT);
+    };
+    if unsafe { PODS_BY_IP.get(&syn.dst) }.is_none() {
+        return Ok(TCX_NEXT); // not (or no longer) enrolled
+    }
+    if syn.dport == ztunnel::HBONE_PORT {
+        return Ok(TCX_NEXT);
+    }
+    if unsafe { HOST_ADDRS.get(&syn.src) }.is_some() {
+        count(Counter::ProbeBypassed);
+        return Ok(TCX_NEXT);
+    }
+    Ok(assign_to_inbound_listener(ctx, syn))
+}
+
+#[inline(always)]
+fn assign_to_inbound_listener(ctx: &TcContext, mut syn: Syn) -> i32 {
+    // Look up ztunnel's listener on the same destination address, port 15006.
+    // (Writing a union field is safe; reading one is not.)
+    if syn.dst.is_v4() {
+        syn.tuple.__bindgen_anon_1.ipv4.dport = ztunnel::INBOUND_PORT.to_be();
+    } else {
+        syn.tuple.__bindgen_anon_1.ipv6.dport = ztunnel::INBOUND_PORT.to_be();
+    }
+    let skb = ctx.skb.skb.cast();
+    // The tuple size must be a constant the verifier can see at the call.
+    let netns = BPF_F_CURRENT_NETNS as u64;
+    let sk = unsafe {
+        if syn.dst.is_v4() {
+            bpf_skc_lookup_tcp(skb, &raw mut syn.tuple, TUPLE_V4_LEN, netns, 0)
+        } else {
+            bpf_skc_lookup_tcp(skb, &raw mut syn.tuple, TUPLE_V6_LEN, netns, 0)
+        }
+    };
+    if sk.is_null() {
+        count(Counter::InboundNoListener);
+        return TC_ACT_SHOT;
+    }
+    if unsafe { (*sk).state } != BPF_TCP_LISTEN {
+        unsafe { bpf_sk_release(sk.cast()) };
+        count(Counter::InboundNoListener);
+        return TC_ACT_SHOT;
+    }
+    let assigned = unsafe { bpf_sk_assign(skb, sk.cast(), 0) };
+    unsafe { bpf_sk_release(sk.cast()) };
+    if assigned != 0 {
+        return TC_ACT_SHOT;
+    }
+    count(Counter::InboundRedirected);
+    TC_ACT_OK
+}
+
+/// The packet as a TCP SYN (without ACK), or `None` for anything else.
+#[inline(always)]
+fn parse_syn(ctx: &TcContext) -> Result<Option<Syn>, i64> {
+    let proto = u16::from_be(ctx.load::<u16>(12)?);
+    // SAFETY: an all-zero tuple is a valid value of the union.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let (src, dst, l4) = match proto {
+        ETH_P_IP => {
+            let version_ihl: u8 = ctx.load(ETH_HLEN)?;
+            let frag: u16 = u16::from_be(ctx.load(ETH_HLEN + 6)?);
+            let next: u8 = ctx.load(ETH_HLEN + 9)?;
+            // Later fragments carry no TCP header.
+            if next != IPPROTO_TCP || frag & 0x1fff != 0 {
+                return Ok(None);
+            }
+            let saddr: u32 = ctx.load(ETH_HLEN + 12)?;
+            let daddr: u32 = ctx.load(ETH_HLEN + 16)?;
+            tuple.__bindgen_anon_1.ipv4.saddr = saddr;
+            tuple.__bindgen_anon_1.ipv4.daddr = daddr;
+            let l4 = ETH_HLEN + usize::from(version_ihl & 0x0f) * 4;
+            (v4(saddr), v4(daddr), l4)
+        }
+        ETH_P_IPV6 => {
+            let mut next: u8 = ctx.load(ETH_HLEN + 6)?;
+            let saddr: [u32; 4] = ctx.load(ETH_HLEN + 8)?;
+            let daddr: [u32; 4] = ctx.load(ETH_HLEN + 24)?;
+            let mut l4 = ETH_HLEN + 40;
+            for _ in 0..MAX_IPV6_EXT_HEADERS {
+                if next != IPV6_HOP_BY_HOP && next != IPV6_ROUTING && next != IPV6_DEST_OPTS {
+                    break;
+                }
+                let header_len: u8 = ctx.load(l4 + 1)?;
+                next = ctx.load(l4)?;
+                l4 += (usize::from(header_len) + 1) * 8;
+            }
+            if next != IPPROTO_TCP {
+                return Ok(None);
+            }
+            tuple.__bindgen_anon_1.ipv6.saddr = saddr;
+            tuple.__bindgen_anon_1.ipv6.daddr = daddr;
+            (v6(saddr), v6(daddr), l4)
+        }
+        _ => return Ok(None),
+    };
+    let flags: u8 = ctx.load(l4 + 13)?;
+    if flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+        return Ok(None);
+    }
+    let sport: u16 = ctx.load(l4)?;
+    let dport: u16 = ctx.load(l4 + 2)?;
+    if proto == ETH_P_IP {
+        tuple.__bindgen_anon_1.ipv4.sport = sport;
+        tuple.__bindgen_anon_1.ipv4.dport = dport;
+    } else {
+        tuple.__bindgen_anon_1.ipv6.sport = sport;
+        tuple.__bindgen_anon_1.ipv6.dport = dport;
+    }
+    Ok(Some(Syn {
+        src,
+        dst,
+        dport: u16::from_be(dport),
+        tuple,
+    }))
+}

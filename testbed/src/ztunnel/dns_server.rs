@@ -1,0 +1,233 @@
+//! ztunnel's DNS proxy in one pod: `127.0.0.1:15053` and `[::1]:15053`, UDP
+//! and TCP. The double has no upstream and no service registry: it answers
+//! every A query with one configured IPv4 address, every AAAA query with one
+//! IPv6 address, anything else with NOERROR and no answer.
+
+use std::{
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::Arc,
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream, UdpSocket},
+    task::JoinSet,
+};
+
+use super::{
+    DnsQuery, DnsTransport, Shared,
+    dns::{self, Parsed},
+    sockets::canonical,
+};
+
+/// Datagrams are read into this, allocated once per socket. Queries are far
+/// smaller (a question is at most 255 + 4 octets); a longer datagram is
+/// truncated, which leaves its header and question intact.
+const UDP_BUFFER_LEN: usize = 4096;
+/// A response: header, question, one AAAA record, TCP length prefix.
+const RESPONSE_CAPACITY: usize = 2 + dns::HEADER_LEN + dns::MAX_NAME_LEN + 4 + 28;
+/// After an error that is not about one peer, do not spin.
+const ERROR_PAUSE: Duration = Duration::from_millis(50);
+
+/// What the double answers.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DnsAnswers {
+    pub(super) v4: Ipv4Addr,
+    pub(super) v6: Ipv6Addr,
+}
+
+impl DnsAnswers {
+    /// A and AAAA of class IN (or ANY) get the configured address.
+    fn answer(&self, question: &dns::Question<'_>) -> Option<IpAddr> {
+        if question.qclass != dns::CLASS_IN && question.qclass != dns::CLASS_ANY {
+            return None;
+        }
+        match question.qtype {
+            dns::TYPE_A => Some(self.v4.into()),
+            dns::TYPE_AAAA => Some(self.v6.into()),
+            _ => None,
+        }
+    }
+}
+
+/// What every DNS socket of one pod needs.
+pub(super) struct DnsContext {
+    pub(super) uid: String,
+    pub(super) answers: DnsAnswers,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl DnsContext {
+    /// Appends the response to `message` to `out`, recording the query;
+    /// false if the message is dropped unanswered.
+    fn respond(
+        &self,
+        message: &[u8],
+        transport: DnsTransport,
+        client: SocketAddr,
+        server: SocketAddr,
+        out: &mut Vec<u8>,
+    ) -> bool {
+        match dns::parse_query(message) {
+            Some(Parsed::Query(header, question)) => {
+                let answer = self.answers.answer(&question);
+                dns::write_response(&header, Some(&question), dns::RCODE_NOERROR, answer, out);
+                // Recorded before the answer leaves, so a test that has the
+                // answer finds the record.
+                self.shared.record_dns(DnsQuery {
+                    uid: self.uid.clone(),
+                    transport,
+                    client,
+                    server,
+                    name: question.name(),
+                    qtype: question.qtype,
+                    answer,
+                });
+                true
+            }
+            Some(Parsed::Reject(header, rcode)) => {
+                dns::write_response(&header, None, rcode, None, out);
+                self.shared.record_dns_rejected();
+                true
+            }
+            None => {
+                self.shared.record_dns_rejected();
+                false
+            }
+        }
+    }
+}
+
+/// Answers datagrams on `socket` until aborted; buffers are reused.
+pub(super) async fn serve_udp(socket: UdpSocket, server: SocketAddr, dns: Arc<DnsContext>) {
+    let mut request = vec![0u8; UDP_BUFFER_LEN].into_boxed_slice();
+    let mut response = Vec::with_capacity(RESPONSE_CAPACITY);
+    loop {
+        let (len, client) = match socket.recv_from(&mut request).await {
+            Ok(received) => received,
+            Err(e) if is_per_peer_error(&e) => continue,
+            Err(e) => {
+                eprintln!("ztunnel double: pod {}: DNS on udp {server}: {e}", dns.uid);
+                tokio::time::sleep(ERROR_PAUSE).await;
+                continue;
+            }
+        };
+        let client = canonical(client);
+        response.clear();
+        if dns.respond(
+            &request[..len],
+            DnsTransport::Udp,
+            client,
+            server,
+            &mut response,
+        ) {
+            // A client that went away is not the server's problem.
+            let _ = socket.send_to(&response, client).await;
+        }
+    }
+}
+
+/// Accepts DNS-over-TCP connections until aborted; they live in a set owned
+/// by this task, so aborting it aborts them too.
+pub(super) async fn serve_tcp(listener: TcpListener, server: SocketAddr, dns: Arc<DnsContext>) {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, client)) => {
+                    connections.spawn(serve_tcp_connection(stream, canonical(client), server, dns.clone()));
+                }
+                Err(e) if is_per_peer_error(&e) => {}
+                Err(e) => {
+                    eprintln!("ztunnel double: pod {}: DNS accept on tcp {server}: {e}", dns.uid);
+                    tokio::time::sleep(ERROR_PAUSE).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+}
+
+/// Length-prefixed messages, answered in order, until the client closes the
+/// connection; a message without a readable header closes it.
+async fn serve_tcp_connection(
+    mut stream: TcpStream,
+    client: SocketAddr,
+    server: SocketAddr,
+    dns: Arc<DnsContext>,
+) {
+    let _ = stream.set_nodelay(true);
+    let mut request = Vec::with_capacity(512);
+    let mut response = Vec::with_capacity(RESPONSE_CAPACITY);
+    loop {
+        let mut prefix = [0u8; 2];
+        if stream.read_exact(&mut prefix).await.is_err() {
+            return;
+        }
+        request.resize(usize::from(u16::from_be_bytes(prefix)), 0);
+        if stream.read_exact(&mut request).await.is_err() {
+            return;
+        }
+        response.clear();
+        response.extend_from_slice(&[0, 0]);
+        if !dns.respond(&request, DnsTransport::Tcp, client, server, &mut response) {
+            return;
+        }
+        let Ok(len) = u16::try_from(response.len() - 2) else {
+            return;
+        };
+        response[..2].copy_from_slice(&len.to_be_bytes());
+        if stream.write_all(&response).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Errors about one peer (an ICMP error for an earlier datagram, a
+/// connection gone before it was accepted): carry on at once.
+fn is_per_peer_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::HostUnreachable
+            | io::ErrorKind::NetworkUnreachable
+            | io::ErrorKind::Interrupted
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn question(message: &[u8]) -> dns::Question<'_> {
+        match dns::parse_query(message) {
+            Some(Parsed::Query(_, question)) => question,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_and_aaaa_of_class_in_or_any_are_answered() {
+        let answers = DnsAnswers {
+            v4: Ipv4Addr::new(10, 96, 0, 53),
+            v6: "fd00:96::53".parse().unwrap(),
+        };
+        let a = dns::encode_query(1, "a.example", dns::TYPE_A).unwrap();
+        assert_eq!(answers.answer(&question(&a)), Some(answers.v4.into()));
+        let aaaa = dns::encode_query(1, "a.example", dns::TYPE_AAAA).unwrap();
+        assert_eq!(answers.answer(&question(&aaaa)), Some(answers.v6.into()));
+        let txt = dns::encode_query(1, "a.example", 16).unwrap();
+        assert_eq!(answers.answer(&question(&txt)), None);
+        // Class CHAOS gets nothing; class ANY is answered.
+        let mut chaos = a.clone();
+        let len = chaos.len();
+        chaos[len - 1] = 3;
+        assert_eq!(answers.answer(&question(&chaos)), None);
+        chaos[len - 1] = 255;
+        assert_eq!(answers.answer(&question(&chaos)), Some(answers.v4.into()));
+    }
+}
