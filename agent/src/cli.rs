@@ -8,9 +8,12 @@ use log::info;
 
 use crate::{
     bpf::{self, Dataplane, PinLayout, inspect},
+    controller::Controller,
     netns::Netns,
+    redirect::{PodRedirection, RedirectMode, podnet},
     sources, zds,
 };
+use ambpf_common::NodeConfig;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -65,6 +68,19 @@ pub struct RunArgs {
     /// (re-read when it changes).
     #[arg(long, value_name = "FILE")]
     pub pods_file: Option<PathBuf>,
+
+    /// How pods' traffic reaches ztunnel.
+    #[arg(long, value_enum, env = "AMBPF_REDIRECT_MODE", default_value = "ebpf")]
+    pub redirect_mode: RedirectMode,
+
+    /// The cgroup v2 directory whose sockets the eBPF socket programs see:
+    /// the node's root cgroup (default: the cgroup2 mount).
+    #[arg(long, env = "AMBPF_CGROUP")]
+    pub cgroup: Option<PathBuf>,
+
+    /// Capture pods' DNS into ztunnel's DNS proxy (a pod can opt out).
+    #[arg(long, env = "AMBPF_DNS_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub dns_capture: bool,
 }
 
 #[derive(Debug, Args)]
@@ -151,29 +167,73 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             .context("--zds-ack-timeout")?,
         ..Default::default()
     };
+    let cgroup = match args.cgroup {
+        Some(path) => path,
+        None => default_cgroup()?,
+    };
     runtime.block_on(async move {
-        let mut dataplane = Dataplane::load(pins)?;
-        dataplane.forward_kernel_logs()?;
-        for (netns, iface) in &targets {
-            dataplane.attach_iface_counters(netns, iface)?;
-        }
+        let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
+            RedirectMode::Ebpf => {
+                let mut dataplane = Dataplane::load(pins)?;
+                dataplane.forward_kernel_logs()?;
+                for (netns, iface) in &targets {
+                    dataplane.attach_iface_counters(netns, iface)?;
+                }
+                dataplane.attach_cgroup(&cgroup)?;
+                dataplane.set_node_config(NodeConfig {
+                    dns_capture: u32::from(args.dns_capture),
+                    _pad: 0,
+                })?;
+                dataplane.set_host_addresses(&podnet::host_addresses()?)?;
+                info!("eBPF redirection ready (pin root {}, cgroup {})", pins_root(&dataplane), cgroup.display());
+                Box::new(dataplane)
+            }
+            RedirectMode::Iptables => {
+                anyhow::bail!("--redirect-mode iptables is not available in this build")
+            }
+        };
         let zds = zds::ZdsHandle::new(zds_config);
-        // Pods first, so the first ztunnel connection gets a complete snapshot.
+        let (pods_tx, pods_rx) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
         if let Some(path) = args.pods_file {
-            sources::local::watch(path, zds.clone()).await?;
+            sources::local::watch(path, pods_tx.clone())?;
         }
-        let server = tokio::spawn(zds.clone().serve());
+        // Program every current pod before ztunnel can connect, so that its
+        // first snapshot is complete (and restarts reconcile pinned state).
+        let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
+        let first = controller.apply(&pods_rx.borrow());
         info!(
-            "ambpf agent ready (pin root {})",
-            dataplane.pins().root().display()
+            "initial pods: {} enrolled, {} stale removed, {} failed",
+            first.enrolled,
+            first.removed,
+            first.failed.len()
         );
+        tokio::spawn(controller.run(pods_rx));
+        let server = tokio::spawn(zds.clone().serve());
+        info!("ambpf agent ready");
         tokio::select! {
             served = server => served??,
             signal = wait_for_shutdown() => signal?,
         }
+        drop(pods_tx);
         info!("shutting down; pinned attachments stay in place");
         Ok(())
     })
+}
+
+fn pins_root(dataplane: &Dataplane) -> String {
+    dataplane.pins().root().display().to_string()
+}
+
+/// The cgroup v2 mount: /sys/fs/cgroup on unified hosts, its `unified`
+/// subdirectory on hybrid ones.
+fn default_cgroup() -> Result<PathBuf> {
+    const CGROUP2_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6367_7270);
+    for candidate in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+        if nix::sys::statfs::statfs(candidate).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC) {
+            return Ok(PathBuf::from(candidate));
+        }
+    }
+    anyhow::bail!("no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified; give --cgroup")
 }
 
 async fn wait_for_shutdown() -> Result<()> {

@@ -9,6 +9,7 @@
 
 pub mod bpf;
 pub mod cli;
+pub mod controller;
 pub mod netns;
 pub mod redirect;
 pub mod sources;

@@ -3,9 +3,9 @@
 
 use std::{fmt, fs, io, path::PathBuf};
 
-use ambpf_common::{Direction, IfaceStats, IfaceStatsKey, maps};
+use ambpf_common::{Counter, Direction, IfaceStats, IfaceStatsKey, IpKey, PodConfig, maps};
 use aya::{
-    maps::{Map, MapData, PerCpuHashMap},
+    maps::{HashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
     programs::{
         ProgramInfo,
         links::{FdLink, PinnedLink},
@@ -22,6 +22,28 @@ pub struct Status {
     pub maps: Vec<PinnedMap>,
     pub tc_links: Vec<PinnedTcLink>,
     pub iface_stats: Vec<IfaceStatsEntry>,
+    pub pods: Vec<EnrolledPodEntry>,
+    /// Every other pinned link (socket programs on cgroups, pods' inbound
+    /// steering), with the program it runs.
+    pub links: Vec<PinnedLinkEntry>,
+    /// Redirection events counted in the kernel, summed over CPUs.
+    pub counters: Vec<(&'static str, u64)>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct EnrolledPodEntry {
+    pub netns_cookie: u64,
+    pub netns_inode: u64,
+    pub addresses: Vec<std::net::IpAddr>,
+    pub dns_capture: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PinnedLinkEntry {
+    pub pin: PathBuf,
+    pub link_id: u32,
+    pub program_id: u32,
+    pub program_name: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -93,7 +115,83 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         maps: maps_out,
         tc_links: read_tc_links(pins)?,
         iface_stats: read_iface_stats(pins)?,
+        pods: read_pods(pins)?,
+        links: read_other_links(pins)?,
+        counters: read_counters(pins)?,
     })
+}
+
+/// The enrolled pods, as the socket programs see them.
+pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError> {
+    let path = pins.map(maps::PODS_BY_NETNS);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let map_err = |source| InspectError::Map { path: path.clone(), source };
+    let map: HashMap<_, u64, PodConfig> = HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
+    let mut pods = Vec::new();
+    for entry in map.iter() {
+        let (cookie, pod) = entry.map_err(map_err)?;
+        let addresses = pod
+            .ips
+            .iter()
+            .filter(|ip| **ip != IpKey::default())
+            .map(|ip| {
+                let v6 = std::net::Ipv6Addr::from(ip.addr);
+                v6.to_ipv4_mapped().map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
+            })
+            .collect();
+        pods.push(EnrolledPodEntry {
+            netns_cookie: cookie,
+            netns_inode: pod.netns_inode,
+            addresses,
+            dns_capture: pod.flags & ambpf_common::pod_flags::DNS_CAPTURE != 0,
+        });
+    }
+    pods.sort_by_key(|p| p.netns_inode);
+    Ok(pods)
+}
+
+/// The kernel's redirection counters, summed over CPUs.
+pub fn read_counters(pins: &PinLayout) -> Result<Vec<(&'static str, u64)>, InspectError> {
+    let path = pins.map(maps::COUNTERS);
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let map_err = |source| InspectError::Map { path: path.clone(), source };
+    let array: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::PerCpuArray(open_map(&path)?)).map_err(map_err)?;
+    Counter::ALL
+        .iter()
+        .map(|counter| {
+            let per_cpu = array.get(&(*counter as u32), 0).map_err(map_err)?;
+            Ok((counter.name(), per_cpu.iter().sum()))
+        })
+        .collect()
+}
+
+/// Links pinned outside `links/tc` (cgroup socket programs, pods' steering).
+fn read_other_links(pins: &PinLayout) -> Result<Vec<PinnedLinkEntry>, InspectError> {
+    let programs: Vec<ProgramInfo> = loaded_programs().filter_map(Result::ok).collect();
+    let mut out = Vec::new();
+    for kind in ["links/cgroup", "links/pods"] {
+        for dir in read_dir_sorted(&pins.root().join(kind))? {
+            for pin in read_dir_sorted(&dir)? {
+                let link = PinnedLink::from_pin(&pin)
+                    .map_err(|source| InspectError::Link { path: pin.clone(), source })?;
+                let info = FdLink::from(link)
+                    .info()
+                    .map_err(|source| InspectError::Link { path: pin.clone(), source })?;
+                let program_name = programs
+                    .iter()
+                    .find(|p| p.id() == info.program_id())
+                    .and_then(|p| p.name_as_str())
+                    .unwrap_or("?")
+                    .to_owned();
+                out.push(PinnedLinkEntry { pin, link_id: info.id(), program_id: info.program_id(), program_name });
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn open_map(path: &std::path::Path) -> Result<MapData, InspectError> {
@@ -235,6 +333,30 @@ impl fmt::Display for Status {
                 "  netns {:<11} ifindex {:<4} {:<8} link {:<5} prog {:<5} {}",
                 l.netns_inode, l.ifindex, l.direction, l.link_id, l.program_id, l.program_name
             )?;
+        }
+        writeln!(f, "enrolled pods:")?;
+        if self.pods.is_empty() {
+            writeln!(f, "  (none)")?;
+        }
+        for p in &self.pods {
+            let addrs: Vec<String> = p.addresses.iter().map(|a| a.to_string()).collect();
+            writeln!(
+                f,
+                "  netns {:<11} cookie {:<8} dns {:<5} {}",
+                p.netns_inode,
+                p.netns_cookie,
+                p.dns_capture,
+                addrs.join(" ")
+            )?;
+        }
+        writeln!(f, "links:")?;
+        for l in &self.links {
+            let pin = l.pin.strip_prefix(&self.pin_root).unwrap_or(&l.pin);
+            writeln!(f, "  {:<48} link {:<5} prog {:<5} {}", pin.display(), l.link_id, l.program_id, l.program_name)?;
+        }
+        writeln!(f, "redirection counters:")?;
+        for (name, value) in &self.counters {
+            writeln!(f, "  {name:<24} {value:>10}")?;
         }
         writeln!(f, "interface counters:")?;
         if self.iface_stats.is_empty() {

@@ -244,3 +244,25 @@ impl Dataplane {
             .collect())
     }
 }
+
+impl super::PodRedirection for Dataplane {
+    fn mode(&self) -> super::RedirectMode {
+        super::RedirectMode::Ebpf
+    }
+
+    fn enroll(
+        &mut self,
+        netns: &Netns,
+        options: super::EnrollOptions,
+    ) -> Result<EnrolledPod, EnrollError> {
+        self.enroll_pod(netns, options.dns_capture)
+    }
+
+    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
+        self.unenroll_pod(netns_inode)
+    }
+
+    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
+        Ok(self.enrolled_pods()?.iter().map(|pod| pod.netns_inode).collect())
+    }
+}

@@ -21,9 +21,14 @@ use std::{
 use log::{info, warn};
 use serde::Deserialize;
 
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
 use crate::{
+    controller::PodSpec,
     netns::NAMED_NETNS_DIR,
-    zds::{NetnsSource, Workload, ZdsHandle},
+    zds::{NetnsSource, Workload},
 };
 
 #[derive(Debug, Deserialize)]
@@ -41,6 +46,9 @@ struct LocalPod {
     service_account: String,
     netns: Option<String>,
     pid: Option<u32>,
+    /// The pod's DNS capture choice (Istio: the pod annotation); absent
+    /// follows the node.
+    dns_capture: Option<bool>,
 }
 
 fn default_service_account() -> String {
@@ -63,7 +71,7 @@ pub enum LocalSourceError {
 
 /// The pods of a file, with one message per entry that was skipped.
 pub struct Parsed {
-    pub workloads: Vec<Workload>,
+    pub pods: Vec<PodSpec>,
     pub skipped: Vec<String>,
 }
 
@@ -72,7 +80,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
         path: path.to_owned(),
         source,
     })?;
-    let mut workloads = Vec::new();
+    let mut pods = Vec::new();
     let mut skipped = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for (index, entry) in file.pods.into_iter().enumerate() {
@@ -102,24 +110,28 @@ pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
             ));
             continue;
         }
-        workloads.push(Workload {
-            uid: pod.uid,
-            name: pod.name,
-            namespace: pod.namespace,
-            service_account: pod.service_account,
-            netns,
+        pods.push(PodSpec {
+            workload: Workload {
+                uid: pod.uid,
+                name: pod.name,
+                namespace: pod.namespace,
+                service_account: pod.service_account,
+                netns,
+            },
+            dns_capture: pod.dns_capture,
         });
     }
-    Ok(Parsed { workloads, skipped })
+    Ok(Parsed { pods, skipped })
 }
 
-/// Loads `path` into `zds` now, then again whenever it changes. Returns
-/// after the first load so that the caller can serve a complete snapshot.
-pub async fn watch(
+/// Publishes the pods of `path` to `pods` now, then again whenever the file
+/// changes. Returns after the first load so that the caller can program a
+/// complete snapshot before serving ztunnel. Needs a tokio runtime.
+pub fn watch(
     path: PathBuf,
-    zds: ZdsHandle,
+    pods: watch::Sender<Arc<Vec<PodSpec>>>,
 ) -> Result<tokio::task::JoinHandle<()>, LocalSourceError> {
-    let mut last = load(&path, &zds)?;
+    let mut last = load(&path, &pods)?;
     Ok(tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         loop {
@@ -128,7 +140,7 @@ pub async fn watch(
             if modified == last {
                 continue;
             }
-            match load(&path, &zds) {
+            match load(&path, &pods) {
                 Ok(stamp) => last = stamp,
                 Err(e) => {
                     warn!("{e}; keeping the previous pods");
@@ -143,7 +155,7 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn load(path: &Path, zds: &ZdsHandle) -> Result<Option<SystemTime>, LocalSourceError> {
+fn load(path: &Path, pods: &watch::Sender<Arc<Vec<PodSpec>>>) -> Result<Option<SystemTime>, LocalSourceError> {
     let stamp = modified(path);
     let text = std::fs::read_to_string(path).map_err(|source| LocalSourceError::Read {
         path: path.to_owned(),
@@ -153,8 +165,8 @@ fn load(path: &Path, zds: &ZdsHandle) -> Result<Option<SystemTime>, LocalSourceE
     for why in &parsed.skipped {
         warn!("{}: skipped {why}", path.display());
     }
-    info!("{}: {} pods", path.display(), parsed.workloads.len());
-    zds.replace_all(parsed.workloads);
+    info!("{}: {} pods", path.display(), parsed.pods.len());
+    pods.send_replace(Arc::new(parsed.pods));
     Ok(stamp)
 }
 
@@ -171,7 +183,7 @@ mod tests {
         ]}"#;
         let parsed = parse(text, Path::new("pods.json")).unwrap();
         assert!(parsed.skipped.is_empty(), "{:?}", parsed.skipped);
-        let netns: Vec<_> = parsed.workloads.iter().map(|w| w.netns.path()).collect();
+        let netns: Vec<_> = parsed.pods.iter().map(|p| p.workload.netns.path()).collect();
         assert_eq!(
             netns,
             [
@@ -180,7 +192,8 @@ mod tests {
                 PathBuf::from("/proc/42/ns/net")
             ]
         );
-        assert_eq!(parsed.workloads[1].service_account, "default");
+        assert_eq!(parsed.pods[1].workload.service_account, "default");
+        assert_eq!(parsed.pods.iter().map(|p| p.dns_capture).collect::<Vec<_>>(), [None, None, None]);
     }
 
     #[test]
@@ -193,7 +206,7 @@ mod tests {
             {"uid": "d", "name": "typo", "namespace": "shop", "netnss": "v"}
         ]}"#;
         let parsed = parse(text, Path::new("pods.json")).unwrap();
-        let uids: Vec<_> = parsed.workloads.iter().map(|w| w.uid.as_str()).collect();
+        let uids: Vec<_> = parsed.pods.iter().map(|p| p.workload.uid.as_str()).collect();
         assert_eq!(uids, ["a"]);
         assert_eq!(parsed.skipped.len(), 4, "{:?}", parsed.skipped);
         assert!(parsed.skipped[0].starts_with("pods[1]"));

@@ -1,29 +1,42 @@
-//! The ambpf demo: runs the agent against a throwaway pod on this machine.
+//! The ambpf demo: the agent redirecting a throwaway pod into ztunnel.
 //!
-//! Creates a pod network namespace joined to a node namespace by a veth and a
-//! private bpffs mount, starts `ambpf run` attached to the pod's eth0, sends
-//! traffic, and prints what the agent loaded and counted. It holds for a while
-//! so `bpftool prog show` / `bpftool map show` can be run alongside, then stops
-//! the agent, uninstalls, and removes everything it created (also on Ctrl-C).
+//! On this machine, in namespaces of its own, it builds a node with one
+//! ambient pod and an off-node client (testbed `Cluster`), a private bpffs
+//! and a cgroup, and then:
+//! 1. starts the real agent (`ambpf run`) in the node's namespace with a
+//!    pods file naming the pod, so it loads and attaches its programs,
+//!    enrols the pod and serves ZDS;
+//! 2. starts the ztunnel test double, which connects over ZDS, receives the
+//!    pod's netns and opens ztunnel's listeners inside it;
+//! 3. sends traffic: the pod's app to the remote server (captured to 15001),
+//!    the remote client to the app (captured to 15006, source kept), and the
+//!    node to the app (a kubelet probe: not captured);
+//! 4. prints what ztunnel proxied, `ambpf status` and `bpftool`'s view, holds
+//!    so you can look around, then stops and removes everything (also on
+//!    Ctrl-C).
 
 use std::{
     io::{Read as _, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command},
     sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
 
-use ambpf_testbed::{BpffsMount, PodAndNode};
+use ambpf_testbed::{
+    BpffsMount, CgroupGuard, NetnsGuard,
+    cluster::Cluster,
+    ztunnel::{ZtunnelConfig, ZtunnelDouble},
+};
 use clap::Parser;
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, kill, sigaction};
 
+type Error = Box<dyn std::error::Error>;
+
 #[derive(Parser)]
-#[command(
-    name = "ambpf-demo",
-    about = "Run ambpf against a throwaway pod on this machine"
-)]
+#[command(name = "ambpf-demo", about = "Run ambpf against a throwaway pod on this machine")]
 struct Args {
     /// The ambpf agent binary.
     #[arg(long, default_value = "target/release/ambpf")]
@@ -33,19 +46,21 @@ struct Args {
     hold: u64,
 }
 
+const POD_UID: &str = "3f0c2a9e-demo-pod-1";
+const APP_PORT: u16 = 8080;
+const REMOTE_PORT: u16 = 9000;
+const PATIENCE: Duration = Duration::from_secs(30);
+
 static STOP: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn request_stop(_: i32) {
     STOP.store(true, Ordering::SeqCst);
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let handler = SigAction::new(
-        SigHandler::Handler(request_stop),
-        SaFlags::empty(),
-        SigSet::empty(),
-    );
+    let handler = SigAction::new(SigHandler::Handler(request_stop), SaFlags::empty(), SigSet::empty());
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         sigaction(Signal::SIGINT, &handler)?;
@@ -54,135 +69,180 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let bpffs = BpffsMount::create()?;
     let pin_root = bpffs.path().join("ambpf");
-    let pn = PodAndNode::create()?;
-    println!(
-        "== pod namespace {} (eth0 {} / {})",
-        pn.pod.name(),
-        PodAndNode::POD.v4,
-        PodAndNode::POD.v6
-    );
-    println!(
-        "== node namespace {} (veth-pod {})",
-        pn.node.name(),
-        PodAndNode::NODE.v4
-    );
-    println!("== pin root {} (private bpffs)", pin_root.display());
+    let cgroup = CgroupGuard::create()?;
+    // The pod's apps and ztunnel live in this cgroup, as pods do under the
+    // node's root cgroup; the agent attaches its socket programs here.
+    let _inside = cgroup.enter_process()?;
+    let cluster = Cluster::create(1)?;
+    let pod = &cluster.pods[0];
+    let work = tempdir()?;
+    let socket = work.0.join("ztunnel.sock");
+    let pods_file = work.0.join("pods.json");
+    std::fs::write(
+        &pods_file,
+        format!(
+            r#"{{"pods": [{{"uid": "{POD_UID}", "name": "web-0", "namespace": "shop", "serviceAccount": "web", "netns": "{}"}}]}}"#,
+            pod.ns.path().display()
+        ),
+    )?;
+    println!("== node {} | pod {} ({}, {}) | remote {} ({})",
+        cluster.node.name(), pod.ns.name(), pod.addrs.v4, pod.addrs.v6, cluster.remote.ns.name(), cluster.remote.addrs.v4);
+    println!("== pin root {} (private bpffs), cgroup {}", pin_root.display(), cgroup.path().display());
 
-    let mut agent = Command::new(&args.agent)
-        .arg("--pin-root")
-        .arg(&pin_root)
-        .args(["run", "--attach", &format!("{}:eth0", pn.pod.name())])
-        .env(
-            "RUST_LOG",
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-        )
-        .spawn()
-        .map_err(|e| format!("starting {}: {e}", args.agent.display()))?;
-    let result = demo(&args, &pn, &pin_root, &mut agent);
+    let mut agent = spawn_agent(&args.agent, &cluster.node, &pin_root, &socket, &pods_file, cgroup.path(), pod)?;
+    let result = demo(&args, &cluster, &pin_root, &socket, &mut agent).await;
     stop(&mut agent);
-    status(&args.agent, &pin_root, &["uninstall"]);
+    run_agent_cli(&args.agent, &pin_root, &["uninstall"]);
     result
 }
 
-fn demo(
-    args: &Args,
-    pn: &PodAndNode,
-    pin_root: &Path,
-    agent: &mut Child,
-) -> Result<(), Box<dyn std::error::Error>> {
-    wait_for_links(pin_root, agent)?;
-    println!("== agent attached; sending traffic from the pod to the node");
-    send_traffic(pn)?;
-    // Give the agent a moment to print the kernel's log records.
-    std::thread::sleep(Duration::from_millis(300));
+async fn demo(args: &Args, cluster: &Cluster, pin_root: &Path, socket: &Path, agent: &mut Child) -> Result<(), Error> {
+    let pod = &cluster.pods[0];
+    println!("== starting the ztunnel double on {}", socket.display());
+    let ztunnel = ZtunnelDouble::connect_with_retry(socket, ZtunnelConfig::default());
+    let deadline = Instant::now() + PATIENCE;
+    while !ztunnel.inspect(|s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running)) {
+        if let Some(exit) = agent.try_wait()? {
+            return Err(format!("the agent exited: {exit}").into());
+        }
+        if Instant::now() > deadline || STOP.load(Ordering::SeqCst) {
+            return Err("ztunnel did not get the pod within 30 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("== ztunnel has the pod and listens in it on 15001/15006/15008");
+
+    let remote = SocketAddr::new(cluster.remote.addrs.v4.into(), REMOTE_PORT);
+    let app = SocketAddr::new(pod.addrs.v4.into(), APP_PORT);
+    echo_server(&cluster.remote.ns, remote)?;
+    echo_server(&pod.ns, SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), APP_PORT))?;
+
+    println!("== pod app -> remote {remote}");
+    exchange(&pod.ns, remote)?;
+    println!("== remote client -> pod app {app}");
+    exchange(&cluster.remote.ns, app)?;
+    println!("== node (kubelet probe) -> pod app {app}");
+    exchange(&cluster.node, app)?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    println!("== what ztunnel proxied");
+    for conn in ztunnel.proxied() {
+        println!(
+            "   listener {:<5} client {:<22} original destination {:<22} {:?}",
+            conn.listener_port, conn.client, conn.original_dst, conn.outcome
+        );
+    }
+    println!("   (the probe is absent: host traffic reaches the app directly)");
 
     println!("== ambpf status");
-    status(&args.agent, pin_root, &["status"]);
+    run_agent_cli(&args.agent, pin_root, &["status"]);
     if Command::new("bpftool").arg("version").output().is_ok() {
-        for what in [
-            ["prog", "show", "name", "ambpf_cnt_in"],
-            ["prog", "show", "name", "ambpf_cnt_out"],
-            ["map", "show", "name", "ambpf_if_stats"],
-        ] {
-            println!("== bpftool {}", what.join(" "));
-            let _ = Command::new("bpftool").args(what).status();
+        println!("== bpftool prog show (ambpf programs)");
+        let out = Command::new("bpftool").args(["prog", "show"]).output()?;
+        for line in String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains(" name ambpf_")) {
+            println!("   {line}");
         }
     }
     println!("== holding for {} s (Ctrl-C to end)", args.hold);
     let until = Instant::now() + Duration::from_secs(args.hold);
     while Instant::now() < until && !STOP.load(Ordering::SeqCst) {
-        std::thread::sleep(Duration::from_millis(100));
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    ztunnel.shutdown().await;
     Ok(())
 }
 
-/// Waits until the agent has pinned both links of the pod's eth0.
-fn wait_for_links(pin_root: &Path, agent: &mut Child) -> Result<(), Box<dyn std::error::Error>> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(exit) = agent.try_wait()? {
-            return Err(format!("the agent exited early: {exit}").into());
-        }
-        let links = std::fs::read_dir(pin_root.join("links/tc"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .flat_map(|ns| std::fs::read_dir(ns.path()).into_iter().flatten().flatten())
-            .count();
-        if links == 2 {
-            return Ok(());
-        }
-        if Instant::now() > deadline || STOP.load(Ordering::SeqCst) {
-            return Err("the agent did not attach within 30 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(50));
+/// Starts `ambpf run` inside the node's namespace: the node's addresses are
+/// then the host's, as for a DaemonSet pod with host networking.
+fn spawn_agent(
+    agent: &Path,
+    node: &NetnsGuard,
+    pin_root: &Path,
+    socket: &Path,
+    pods_file: &Path,
+    cgroup: &Path,
+    pod: &ambpf_testbed::cluster::Pod,
+) -> Result<Child, Error> {
+    let node_ns = std::fs::File::open(node.path())?;
+    let mut cmd = Command::new(agent);
+    cmd.arg("--pin-root")
+        .arg(pin_root)
+        .arg("run")
+        .arg("--pods-file")
+        .arg(pods_file)
+        .arg("--zds-socket")
+        .arg(socket)
+        .arg("--cgroup")
+        .arg(cgroup)
+        .args(["--attach", &format!("{}:eth0", pod.ns.path().display())])
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
+    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+        });
     }
+    cmd.spawn().map_err(|e| format!("starting {}: {e}", agent.display()).into())
 }
 
-/// Five UDP datagrams and one TCP echo exchange, pod to node.
-fn send_traffic(pn: &PodAndNode) -> Result<(), Box<dyn std::error::Error>> {
-    let node = SocketAddr::from((PodAndNode::NODE.v4, 0));
-    let (udp, tcp) = pn
-        .node
-        .run(|| Ok::<_, std::io::Error>((UdpSocket::bind(node)?, TcpListener::bind(node)?)))??;
-    let (udp_to, tcp_to) = (udp.local_addr()?, tcp.local_addr()?);
-    let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut conn, _) = tcp.accept()?;
-        let mut buf = [0u8; 64];
-        let n = conn.read(&mut buf)?;
-        conn.write_all(&buf[..n])
-    });
-    pn.pod.run(|| -> std::io::Result<()> {
-        let s = UdpSocket::bind(SocketAddr::from((PodAndNode::POD.v4, 0)))?;
-        for _ in 0..5 {
-            s.send_to(b"ambpf demo", udp_to)?;
+/// A thread echoing on `addr` inside `ns`; it ends with the process.
+fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> Result<(), Error> {
+    let listener = ns.run(|| TcpListener::bind(addr))??;
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let peer = conn.peer_addr().map(|p| unmap(p.ip()).to_string()).unwrap_or_default();
+            println!("   server {addr} accepted a connection from {peer}");
+            let mut buf = [0u8; 64];
+            if let Ok(n) = conn.read(&mut buf) {
+                let _ = conn.write_all(&buf[..n]);
+            }
         }
-        let mut conn = TcpStream::connect_timeout(&tcp_to, Duration::from_secs(5))?;
+    });
+    Ok(())
+}
+
+/// One request/response from inside `ns`.
+fn exchange(ns: &NetnsGuard, to: SocketAddr) -> Result<(), Error> {
+    ns.run(|| -> std::io::Result<()> {
+        let mut conn = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
+        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
         conn.write_all(b"hello through ambpf")?;
         let mut buf = [0u8; 64];
         let n = conn.read(&mut buf)?;
-        println!("   tcp echo: {:?}", String::from_utf8_lossy(&buf[..n]));
+        println!("   reply {:?}, the app saw its peer as {}", String::from_utf8_lossy(&buf[..n]), conn.peer_addr()?);
         Ok(())
     })??;
-    echo.join().map_err(|_| "echo thread panicked")??;
     Ok(())
 }
 
-fn status(agent: &Path, pin_root: &Path, args: &[&str]) {
-    if let Err(e) = Command::new(agent)
-        .arg("--pin-root")
-        .arg(pin_root)
-        .args(args)
-        .status()
-    {
+fn unmap(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+fn run_agent_cli(agent: &Path, pin_root: &Path, args: &[&str]) {
+    if let Err(e) = Command::new(agent).arg("--pin-root").arg(pin_root).args(args).status() {
         eprintln!("running {} {}: {e}", agent.display(), args.join(" "));
     }
 }
 
 fn stop(agent: &mut Child) {
-    let _ = kill(
-        nix::unistd::Pid::from_raw(agent.id() as i32),
-        Signal::SIGTERM,
-    );
+    let _ = kill(nix::unistd::Pid::from_raw(agent.id() as i32), Signal::SIGTERM);
     let _ = agent.wait();
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir() -> std::io::Result<TempDir> {
+    let dir = std::env::temp_dir().join(format!("ambpf-demo-{}", ambpf_testbed::unique_name("")));
+    std::fs::create_dir_all(&dir)?;
+    Ok(TempDir(dir))
 }

@@ -1,0 +1,309 @@
+//! Programs the pods a source wants: redirection first, then ztunnel.
+//!
+//! For each pod the sources report, the controller enrols its network
+//! namespace in the redirection and then hands it to ztunnel over ZDS, in
+//! the order Istio's node agent uses (rules before the Add, so ztunnel never
+//! serves a pod whose traffic would bypass it). Pods that go away are
+//! unenrolled first (new connections go direct at once) and then deleted
+//! from ztunnel. Pods enrolled by an earlier agent (pinned state) that no
+//! source reports any more are removed on the first pass: on restart state
+//! is reconciled, not recreated.
+//!
+//! A pod that cannot be enrolled (its netns not ready yet, a netlink error)
+//! is reported, left out of ztunnel, and retried on the next pass; the other
+//! pods proceed.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    sync::Arc,
+    time::Duration,
+};
+
+use log::{info, warn};
+use tokio::sync::watch;
+
+use crate::{
+    netns::Netns,
+    redirect::{EnrollOptions, PodRedirection},
+    zds::{Workload, ZdsHandle},
+};
+
+/// A pod as a source describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodSpec {
+    pub workload: Workload,
+    /// The pod's own DNS capture choice; `None` follows the node.
+    pub dns_capture: Option<bool>,
+}
+
+/// What one pass achieved.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PassReport {
+    pub enrolled: usize,
+    pub removed: usize,
+    /// Pods that could not be enrolled this pass, with why.
+    pub failed: BTreeMap<String, String>,
+}
+
+pub struct Controller {
+    redirection: Box<dyn PodRedirection>,
+    zds: ZdsHandle,
+    node_dns_capture: bool,
+    /// uid -> (netns inode, options) of pods enrolled by this controller.
+    enrolled: HashMap<String, (u64, EnrollOptions)>,
+}
+
+/// How often failed pods are retried without a new event.
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+impl Controller {
+    pub fn new(redirection: Box<dyn PodRedirection>, zds: ZdsHandle, node_dns_capture: bool) -> Self {
+        Self { redirection, zds, node_dns_capture, enrolled: HashMap::new() }
+    }
+
+    pub fn redirection_mut(&mut self) -> &mut dyn PodRedirection {
+        self.redirection.as_mut()
+    }
+
+    /// Brings the redirection and ztunnel in line with `pods`.
+    pub fn apply(&mut self, pods: &[PodSpec]) -> PassReport {
+        let mut report = PassReport::default();
+        let mut ready = Vec::new();
+        let mut wanted_inodes = HashSet::new();
+        for pod in pods {
+            let uid = &pod.workload.uid;
+            let options = EnrollOptions { dns_capture: pod.dns_capture.unwrap_or(true) && self.node_dns_capture };
+            let netns = match Netns::open(&pod.workload.netns.path().to_string_lossy()) {
+                Ok(netns) => netns,
+                Err(e) => {
+                    report.failed.insert(uid.clone(), e.to_string());
+                    continue;
+                }
+            };
+            wanted_inodes.insert(netns.inode());
+            if self.enrolled.get(uid) == Some(&(netns.inode(), options)) {
+                ready.push(pod.workload.clone());
+                continue;
+            }
+            // A pod whose netns changed (sandbox recreated) leaves the old one.
+            if let Some((old_inode, _)) = self.enrolled.get(uid).copied()
+                && old_inode != netns.inode()
+                && let Err(e) = self.redirection.unenroll(old_inode)
+            {
+                warn!("pod {uid}: removing its previous netns: {e}");
+            }
+            match self.redirection.enroll(&netns, options) {
+                Ok(_) => {
+                    self.enrolled.insert(uid.clone(), (netns.inode(), options));
+                    report.enrolled += 1;
+                    ready.push(pod.workload.clone());
+                }
+                Err(e) => {
+                    warn!("pod {}/{} ({uid}) not enrolled: {e}", pod.workload.namespace, pod.workload.name);
+                    report.failed.insert(uid.clone(), e.to_string());
+                }
+            }
+        }
+
+        // Gone pods: ours, and any left enrolled by an earlier agent.
+        let wanted_uids: HashSet<&str> = pods.iter().map(|p| p.workload.uid.as_str()).collect();
+        let gone: Vec<(String, u64)> = self
+            .enrolled
+            .iter()
+            .filter(|(uid, _)| !wanted_uids.contains(uid.as_str()))
+            .map(|(uid, (inode, _))| (uid.clone(), *inode))
+            .collect();
+        let mut stale: Vec<u64> = gone.iter().map(|(_, inode)| *inode).collect();
+        match self.redirection.enrolled() {
+            Ok(inodes) => stale.extend(inodes.into_iter().filter(|i| !wanted_inodes.contains(i))),
+            Err(e) => warn!("listing enrolled pods: {e}"),
+        }
+        stale.sort_unstable();
+        stale.dedup();
+        for inode in stale {
+            match self.redirection.unenroll(inode) {
+                Ok(true) => report.removed += 1,
+                Ok(false) => {}
+                Err(e) => warn!("removing the pod with netns inode {inode}: {e}"),
+            }
+        }
+        for (uid, _) in gone {
+            self.enrolled.remove(&uid);
+        }
+
+        // ztunnel gets exactly the pods whose redirection is in place.
+        self.zds.replace_all(ready);
+        report
+    }
+
+    /// Applies every update from `pods`, and retries failed pods every
+    /// [`RETRY_INTERVAL`], until the sender is gone.
+    pub async fn run(mut self, mut pods: watch::Receiver<Arc<Vec<PodSpec>>>) {
+        loop {
+            let current = pods.borrow_and_update().clone();
+            let report = self.apply(&current);
+            if report.enrolled > 0 || report.removed > 0 || !report.failed.is_empty() {
+                info!(
+                    "pods: {} desired, {} enrolled, {} removed, {} failed",
+                    current.len(),
+                    report.enrolled,
+                    report.removed,
+                    report.failed.len()
+                );
+            }
+            let retry = !report.failed.is_empty();
+            tokio::select! {
+                changed = pods.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep(RETRY_INTERVAL), if retry => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use ambpf_testbed::NetnsGuard;
+
+    use super::*;
+    use crate::{
+        redirect::{EnrollError, EnrolledPod, RedirectMode},
+        zds::{NetnsSource, ZdsConfig},
+    };
+
+    /// Records what the controller asked of the redirection; the decision
+    /// logic is under test here, the real modes in tests/redirect.rs.
+    #[derive(Default)]
+    struct Recorder {
+        log: Arc<Mutex<Vec<String>>>,
+        enrolled: HashSet<u64>,
+        refuse: HashSet<u64>,
+    }
+
+    impl PodRedirection for Recorder {
+        fn mode(&self) -> RedirectMode {
+            RedirectMode::Ebpf
+        }
+
+        fn enroll(&mut self, netns: &Netns, options: EnrollOptions) -> Result<EnrolledPod, EnrollError> {
+            self.log.lock().unwrap().push(format!("enroll {} dns={}", netns.inode(), options.dns_capture));
+            if self.refuse.contains(&netns.inode()) {
+                return Err(EnrollError::NoAddress { netns: netns.path().to_owned() });
+            }
+            self.enrolled.insert(netns.inode());
+            Ok(EnrolledPod {
+                netns: netns.path().to_owned(),
+                netns_inode: netns.inode(),
+                netns_cookie: 0,
+                addresses: vec![],
+                interfaces: vec![],
+                dns_capture: options.dns_capture,
+            })
+        }
+
+        fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
+            self.log.lock().unwrap().push(format!("unenroll {netns_inode}"));
+            Ok(self.enrolled.remove(&netns_inode))
+        }
+
+        fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
+            Ok(self.enrolled.iter().copied().collect())
+        }
+    }
+
+    fn spec(uid: &str, ns: &NetnsGuard, dns: Option<bool>) -> PodSpec {
+        PodSpec {
+            workload: Workload {
+                uid: uid.into(),
+                name: uid.into(),
+                namespace: "shop".into(),
+                service_account: "default".into(),
+                netns: NetnsSource::Path(ns.path()),
+            },
+            dns_capture: dns,
+        }
+    }
+
+    fn inode(ns: &NetnsGuard) -> u64 {
+        Netns::open(ns.name()).unwrap().inode()
+    }
+
+    fn controller(recorder: Recorder, node_dns: bool) -> (Controller, ZdsHandle) {
+        let zds = ZdsHandle::new(ZdsConfig::default());
+        (Controller::new(Box::new(recorder), zds.clone(), node_dns), zds)
+    }
+
+    #[test]
+    fn pods_are_enrolled_once_then_handed_to_ztunnel_and_removed_when_gone() {
+        let (a, b) = (NetnsGuard::create("ctl").unwrap(), NetnsGuard::create("ctl").unwrap());
+        let recorder = Recorder::default();
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+
+        let report = ctl.apply(&[spec("a", &a, None), spec("b", &b, Some(false))]);
+        assert_eq!((report.enrolled, report.removed), (2, 0));
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a", "b"]);
+        // A second pass with nothing new does nothing.
+        assert_eq!(ctl.apply(&[spec("a", &a, None), spec("b", &b, Some(false))]), PassReport::default());
+
+        let report = ctl.apply(&[spec("b", &b, Some(false))]);
+        assert_eq!((report.enrolled, report.removed), (0, 1));
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["b"]);
+        assert_eq!(
+            *log.lock().unwrap(),
+            [
+                format!("enroll {} dns=true", inode(&a)),
+                format!("enroll {} dns=false", inode(&b)),
+                format!("unenroll {}", inode(&a)),
+            ]
+        );
+    }
+
+    #[test]
+    fn node_dns_setting_overrides_pods_and_a_change_re_enrols() {
+        let a = NetnsGuard::create("ctl").unwrap();
+        let recorder = Recorder::default();
+        let log = recorder.log.clone();
+        let (mut ctl, _zds) = controller(recorder, false);
+        ctl.apply(&[spec("a", &a, Some(true))]);
+        ctl.node_dns_capture = true;
+        ctl.apply(&[spec("a", &a, Some(true))]);
+        assert_eq!(
+            *log.lock().unwrap(),
+            [format!("enroll {} dns=false", inode(&a)), format!("enroll {} dns=true", inode(&a))]
+        );
+    }
+
+    #[test]
+    fn a_pod_that_cannot_be_enrolled_is_kept_from_ztunnel_and_the_rest_proceed() {
+        let (a, b) = (NetnsGuard::create("ctl").unwrap(), NetnsGuard::create("ctl").unwrap());
+        let mut recorder = Recorder::default();
+        recorder.refuse.insert(inode(&a));
+        let (mut ctl, zds) = controller(recorder, true);
+        let mut missing = spec("gone", &a, None);
+        missing.workload.netns = NetnsSource::Path("/run/netns/ambpf-no-such-pod".into());
+
+        let report = ctl.apply(&[spec("a", &a, None), spec("b", &b, None), missing]);
+        assert_eq!(report.enrolled, 1);
+        assert_eq!(report.failed.keys().collect::<Vec<_>>(), ["a", "gone"]);
+        assert!(report.failed["gone"].contains("does not exist"), "{:?}", report.failed);
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["b"]);
+    }
+
+    #[test]
+    fn pods_left_enrolled_by_an_earlier_agent_are_reconciled_not_recreated() {
+        let (kept, stale) = (NetnsGuard::create("ctl").unwrap(), NetnsGuard::create("ctl").unwrap());
+        let mut recorder = Recorder::default();
+        recorder.enrolled.extend([inode(&kept), inode(&stale)]);
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+
+        let report = ctl.apply(&[spec("kept", &kept, None)]);
+        assert_eq!(report.removed, 1);
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["kept"]);
+        let log = log.lock().unwrap();
+        assert!(log.contains(&format!("unenroll {}", inode(&stale))), "{log:?}");
+        assert!(!log.iter().any(|l| l == &format!("unenroll {}", inode(&kept))), "{log:?}");
+    }
+}
