@@ -21,10 +21,30 @@ struct Requirement {
     since: (u8, u8, u16),
 }
 
+/// In kernel order. The version check runs first so that an old kernel is
+/// refused with the feature it lacks named; a kernel that has the version but
+/// not the feature (a distribution that disabled it) is caught when the
+/// program using it fails to load, with the verifier's reason.
 const REQUIREMENTS: &[Requirement] = &[
+    Requirement {
+        feature: "bpf_sk_assign in TC programs (inbound capture)",
+        since: (5, 7, 0),
+    },
     Requirement {
         feature: "BPF ring buffers (kernel log records)",
         since: (5, 8, 0),
+    },
+    Requirement {
+        feature: "cgroup getpeername hooks (apps see their original peer)",
+        since: (5, 8, 0),
+    },
+    Requirement {
+        feature: "SO_NETNS_COOKIE (identifying pods' namespaces)",
+        since: (5, 14, 0),
+    },
+    Requirement {
+        feature: "bpf_get_netns_cookie in sock_ops and sockopt programs",
+        since: (5, 15, 0),
     },
     Requirement {
         feature: "TCX links (tc attachment with bpf_link)",
@@ -55,6 +75,17 @@ fn check_version(current: KernelVersion) -> Result<(), FeatureError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_requirement_names_its_feature() {
+        let err = check_version(KernelVersion::new(5, 10, 0)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "kernel 5.10.0 lacks SO_NETNS_COOKIE (identifying pods' namespaces) (needs Linux 5.14 or later)"
+        );
+        let err = check_version(KernelVersion::new(4, 19, 0)).unwrap_err();
+        assert!(err.to_string().contains("bpf_sk_assign"), "{err}");
+    }
 
     #[test]
     fn old_kernel_is_refused_naming_the_feature() {
