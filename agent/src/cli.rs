@@ -10,7 +10,11 @@ use crate::{
     bpf::{self, Dataplane, PinLayout, inspect},
     controller::Controller,
     netns::Netns,
-    redirect::{PodRedirection, RedirectMode, podnet},
+    redirect::{
+        PodRedirection, RedirectMode,
+        iptables::{IptablesBackend, IptablesRedirection},
+        podnet,
+    },
     sources, zds,
 };
 use ambpf_common::NodeConfig;
@@ -77,6 +81,10 @@ pub struct RunArgs {
     /// the node's root cgroup (default: the cgroup2 mount).
     #[arg(long, env = "AMBPF_CGROUP")]
     pub cgroup: Option<PathBuf>,
+
+    /// Which iptables the iptables mode writes with (auto: what the host uses).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub iptables_backend: IptablesBackend,
 
     /// Capture pods' DNS into ztunnel's DNS proxy (a pod can opt out).
     #[arg(long, env = "AMBPF_DNS_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
@@ -189,7 +197,11 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 Box::new(dataplane)
             }
             RedirectMode::Iptables => {
-                anyhow::bail!("--redirect-mode iptables is not available in this build")
+                // The host side (probe SNAT) lives in the agent's own namespace.
+                let host = Netns::open("/proc/self/ns/net")?;
+                let redirection = IptablesRedirection::new(host, args.iptables_backend)?;
+                info!("iptables redirection ready ({:?} backend)", redirection.backend());
+                Box::new(redirection)
             }
         };
         let zds = zds::ZdsHandle::new(zds_config);

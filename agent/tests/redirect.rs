@@ -1,14 +1,19 @@
-//! Privileged: the eBPF redirection with real traffic between real network
+//! Privileged: both redirection modes with real traffic between real network
 //! namespaces, through the ztunnel double (its proxies run inside the pod
 //! exactly where ztunnel's would).
 //!
 //! Topology (testbed `Cluster`): pod 1 is enrolled, pod 2 is its
 //! non-enrolled neighbour, `remote` is an off-node client/server, and the node
 //! namespace forwards between them; the node's own addresses are the "host".
+//!
+//! Every behaviour runs once per mode: `<behaviour>::ebpf` (the `Dataplane`,
+//! its cgroup programs attached to a test cgroup this process enters) and
+//! `<behaviour>::iptables` (`IptablesRedirection`, Istio's in-pod rules, with
+//! the node namespace as the host and the backend detected there).
 
 use std::{
     io::{Read, Write},
-    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -16,16 +21,24 @@ use std::{
 use ambpf::{
     bpf::{Dataplane, PinLayout},
     netns::Netns,
+    redirect::{
+        EnrollOptions, PodRedirection, RedirectMode,
+        iptables::{self, Family, IptablesBackend, IptablesRedirection},
+    },
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
 use ambpf_common::NodeConfig;
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
-    ztunnel::{ConnectionOutcome, ProxiedConnection, ZtunnelConfig, ZtunnelDouble},
+    ztunnel::{
+        ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, ProxiedConnection, ZtunnelConfig,
+        ZtunnelDouble, dns,
+    },
 };
 
-/// Tests move this process between cgroups: one at a time.
+/// Tests move this process between cgroups (eBPF mode) and share the
+/// namespaces' names: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const PATIENCE: Duration = Duration::from_secs(10);
 const APP_PORT: u16 = 8080;
@@ -119,10 +132,15 @@ fn echo_once(
     })
 }
 
+const ENROLL: EnrollOptions = EnrollOptions { dns_capture: true };
+
 /// An enrolled pod 1 with ztunnel serving it, a neighbour and a remote peer.
 struct Fixture {
+    mode: RedirectMode,
     ztunnel: ZtunnelDouble,
-    dataplane: Dataplane,
+    redirection: Box<dyn PodRedirection>,
+    /// iptables mode: the backend in use.
+    iptables_backend: Option<IptablesBackend>,
     remote_v4: EchoServer,
     remote_v6: EchoServer,
     app: EchoServer,
@@ -130,7 +148,8 @@ struct Fixture {
     _zds: tokio::task::JoinHandle<()>,
     _zds_dir: TempDir,
     cluster: Cluster,
-    _bpffs: BpffsMount,
+    /// eBPF mode: where the programs are pinned.
+    _bpffs: Option<BpffsMount>,
 }
 
 struct TempDir(std::path::PathBuf);
@@ -160,6 +179,16 @@ impl Fixture {
         self.ztunnel.proxied()
     }
 
+    fn pod_netns(&self) -> Netns {
+        Netns::open(self.pod().name()).unwrap()
+    }
+
+    /// iptables mode: pod 1's rules for `family`, as iptables-save prints them.
+    fn pod_rules(&self, family: Family) -> iptables::SavedRules {
+        let backend = self.iptables_backend.expect("iptables mode");
+        iptables::saved_rules(&self.pod_netns(), backend, family).unwrap()
+    }
+
     async fn wait_proxied(&self, port: u16, original_dst: SocketAddr) -> ProxiedConnection {
         self.ztunnel
             .wait_until(
@@ -179,24 +208,41 @@ impl Fixture {
     }
 }
 
-async fn fixture(cgroup: &CgroupGuard) -> Fixture {
-    let bpffs = BpffsMount::create().unwrap();
+/// `cgroup`: the cgroup this process is in, for the eBPF mode's programs.
+async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
     let cluster = Cluster::create(2).unwrap();
-    let mut dataplane = Dataplane::load(PinLayout::new(bpffs.path().join("ambpf"))).unwrap();
-    dataplane.attach_cgroup(cgroup.path()).unwrap();
-    dataplane
-        .set_node_config(NodeConfig {
-            dns_capture: 1,
-            _pad: 0,
-        })
-        .unwrap();
-    dataplane
-        .set_host_addresses(&cluster.node_addresses())
-        .unwrap();
+    let (mut redirection, bpffs, iptables_backend): (Box<dyn PodRedirection>, _, _) = match mode {
+        RedirectMode::Ebpf => {
+            let bpffs = BpffsMount::create().unwrap();
+            let mut dataplane =
+                Dataplane::load(PinLayout::new(bpffs.path().join("ambpf"))).unwrap();
+            dataplane
+                .attach_cgroup(cgroup.expect("eBPF mode needs a cgroup").path())
+                .unwrap();
+            dataplane
+                .set_node_config(NodeConfig {
+                    dns_capture: 1,
+                    _pad: 0,
+                })
+                .unwrap();
+            dataplane
+                .set_host_addresses(&cluster.node_addresses())
+                .unwrap();
+            (Box::new(dataplane), Some(bpffs), None)
+        }
+        RedirectMode::Iptables => {
+            // The node namespace is the host: the probe SNAT goes there.
+            let host = Netns::open(cluster.node.name()).unwrap();
+            let redirection = IptablesRedirection::new(host, IptablesBackend::Auto).unwrap();
+            let backend = redirection.backend();
+            (Box::new(redirection), None, Some(backend))
+        }
+    };
+    assert_eq!(redirection.mode(), mode);
 
     let pod = &cluster.pods[0];
-    dataplane
-        .enroll_pod(&Netns::open(pod.ns.name()).unwrap(), true)
+    redirection
+        .enroll(&Netns::open(pod.ns.name()).unwrap(), ENROLL)
         .unwrap();
 
     let dir =
@@ -232,8 +278,10 @@ async fn fixture(cgroup: &CgroupGuard) -> Fixture {
     let app = EchoServer::start(&pod.ns, any(unspecified, APP_PORT));
     let neighbour_app = EchoServer::start(&cluster.pods[1].ns, any(unspecified, APP_PORT));
     Fixture {
+        mode,
         ztunnel,
-        dataplane,
+        redirection,
+        iptables_backend,
         remote_v4,
         remote_v6,
         app,
@@ -245,21 +293,43 @@ async fn fixture(cgroup: &CgroupGuard) -> Fixture {
     }
 }
 
-/// Runs `test` with a fresh fixture, this process inside the test's cgroup.
+/// Runs `test` with a fresh fixture in `mode`; in eBPF mode this process is
+/// inside the test's cgroup meanwhile.
 macro_rules! with_fixture {
-    (|$f:ident| $body:block) => {{
+    ($mode:expr, |$f:ident| $body:block) => {{
+        let mode: RedirectMode = $mode;
         let _serial = SERIAL.lock().await;
-        let cgroup = CgroupGuard::create().unwrap();
-        let _inside = cgroup.enter_process().unwrap();
+        let cgroup = (mode == RedirectMode::Ebpf).then(|| CgroupGuard::create().unwrap());
+        let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
         #[allow(unused_mut)]
-        let mut $f = fixture(&cgroup).await;
+        let mut $f = fixture(mode, cgroup.as_ref()).await;
         $body
     }};
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn outbound_tcp_reaches_ztunnel_which_recovers_the_original_destination() {
-    with_fixture!(|f| {
+/// One behaviour, tested in both modes: `<name>::ebpf` and
+/// `<name>::iptables`.
+macro_rules! in_both_modes {
+    ($name:ident, |$f:ident| $body:block) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn ebpf() {
+                with_fixture!(RedirectMode::Ebpf, |$f| $body)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn iptables() {
+                with_fixture!(RedirectMode::Iptables, |$f| $body)
+            }
+        }
+    };
+}
+
+in_both_modes!(
+    outbound_tcp_reaches_ztunnel_which_recovers_the_original_destination,
+    |f| {
         for v6 in [false, true] {
             let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
             // The app sees the peer it asked for (getpeername).
@@ -271,12 +341,12 @@ async fn outbound_tcp_reaches_ztunnel_which_recovers_the_original_destination() 
             let server = if v6 { &f.remote_v6 } else { &f.remote_v4 };
             assert_eq!(server.last_peer().unwrap().ip(), f.pod_ip(v6));
         }
-    })
-}
+    }
+);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn inbound_tcp_reaches_ztunnel_and_the_app_sees_the_client_source() {
-    with_fixture!(|f| {
+in_both_modes!(
+    inbound_tcp_reaches_ztunnel_and_the_app_sees_the_client_source,
+    |f| {
         for v6 in [false, true] {
             let dst = SocketAddr::new(f.pod_ip(v6), APP_PORT);
             echo_once(&f.cluster.remote.ns, dst, None, None);
@@ -287,23 +357,43 @@ async fn inbound_tcp_reaches_ztunnel_and_the_app_sees_the_client_source() {
             // app's replies found their way back (the echo above completed).
             assert_eq!(f.app.last_peer().unwrap().ip(), f.remote_ip(v6));
         }
-    })
-}
+    }
+);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn hbone_port_goes_straight_to_ztunnel_and_probes_straight_to_the_app() {
-    with_fixture!(|f| {
+in_both_modes!(
+    hbone_port_goes_straight_to_ztunnel_and_probes_straight_to_the_app,
+    |f| {
         let before = f.proxied().len();
         // Host (kubelet) traffic: from the node's own address, to the app.
+        // The eBPF mode leaves its source alone, so the app sees the node's
+        // address. The iptables mode does what Istio does: the host SNATs
+        // traffic from host processes to ambient pods to 169.254.7.127, which
+        // the in-pod rules let through, so the app sees 169.254.7.127.
         let node_ip: IpAddr = f.cluster.node_addresses()[2];
+        let app_sees = match f.mode {
+            RedirectMode::Ebpf => node_ip,
+            RedirectMode::Iptables => iptables::PROBE_SNAT_V4.into(),
+        };
         echo_once(
             &f.cluster.node,
             SocketAddr::new(f.pod_ip(false), APP_PORT),
             None,
             None,
         );
-        assert_eq!(f.app.last_peer().unwrap().ip(), node_ip);
+        assert_eq!(f.app.last_peer().unwrap().ip(), app_sees);
         assert_eq!(f.proxied().len(), before, "a probe went through ztunnel");
+        if f.mode == RedirectMode::Iptables {
+            // And Istio's IPv6 equivalent.
+            echo_once(
+                &f.cluster.node,
+                SocketAddr::new(f.pod_ip(true), APP_PORT),
+                None,
+                None,
+            );
+            let snat_v6: IpAddr = iptables::PROBE_SNAT_V6.into();
+            assert_eq!(f.app.last_peer().unwrap().ip(), snat_v6);
+            assert_eq!(f.proxied().len(), before, "a probe went through ztunnel");
+        }
 
         // HBONE: the CONNECT stand-in on 15008 tunnels to the app.
         let hbone = SocketAddr::new(f.pod_ip(false), 15008);
@@ -331,12 +421,12 @@ async fn hbone_port_goes_straight_to_ztunnel_and_probes_straight_to_the_app() {
                 .any(|c| c.listener_port == 15006 && c.original_dst.port() == 15008),
             "HBONE traffic was captured by the inbound listener"
         );
-    })
-}
+    }
+);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn ztunnel_marked_loopback_own_address_and_neighbour_traffic_is_never_captured() {
-    with_fixture!(|f| {
+in_both_modes!(
+    ztunnel_marked_loopback_own_address_and_neighbour_traffic_is_never_captured,
+    |f| {
         let before = f.proxied().len();
         let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
         // A socket carrying ztunnel's mark.
@@ -374,12 +464,12 @@ async fn ztunnel_marked_loopback_own_address_and_neighbour_traffic_is_never_capt
             f.remote_ip(false)
         );
         assert_eq!(f.proxied().len(), before, "{:#?}", &f.proxied()[before..]);
-    })
-}
+    }
+);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn unenrolling_keeps_open_connections_and_stops_capturing_new_ones() {
-    with_fixture!(|f| {
+in_both_modes!(
+    unenrolling_keeps_open_connections_and_stops_capturing_new_ones,
+    |f| {
         let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
         let inbound = SocketAddr::new(f.pod_ip(false), APP_PORT);
         // Open one connection each way through ztunnel and keep them.
@@ -399,12 +489,32 @@ async fn unenrolling_keeps_open_connections_and_stops_capturing_new_ones() {
         f.wait_proxied(15001, remote).await;
         f.wait_proxied(15006, inbound).await;
 
-        let netns = Netns::open(f.pod().name()).unwrap();
-        assert!(f.dataplane.unenroll_pod(netns.inode()).unwrap());
+        let netns = f.pod_netns();
+        assert!(f.redirection.unenroll(netns.inode()).unwrap());
         assert!(
-            f.dataplane.enrolled_pods().unwrap().is_empty(),
+            f.redirection.enrolled().unwrap().is_empty(),
             "an entry was left behind"
         );
+        if f.mode == RedirectMode::Iptables {
+            // The capture rules (nat, raw) and the probe ipset entries are
+            // gone; the reply path (the mangle connmark chains and the policy
+            // routing) stays for the connections ztunnel holds, as the eBPF
+            // mode keeps its reply routing.
+            let node = Netns::open(f.cluster.node.name()).unwrap();
+            for family in Family::ALL {
+                assert_eq!(
+                    f.pod_rules(family).tables_with_istio_chains(),
+                    ["mangle"],
+                    "{family}"
+                );
+                assert!(
+                    iptables::probe_set_members(&node, family)
+                        .unwrap()
+                        .is_empty(),
+                    "{family}"
+                );
+            }
+        }
 
         tokio::task::block_in_place(|| {
             for conn in [&mut out_conn, &mut in_conn] {
@@ -425,11 +535,82 @@ async fn unenrolling_keeps_open_connections_and_stops_capturing_new_ones() {
         assert_eq!(f.proxied().len(), before);
 
         // And enrolling again captures them again.
-        f.dataplane.enroll_pod(&netns, true).unwrap();
+        f.redirection.enroll(&netns, ENROLL).unwrap();
         echo_once(f.pod(), remote, None, None);
         assert!(f.proxied().len() > before);
-    })
-}
+    }
+);
+
+in_both_modes!(
+    dns_to_any_resolver_is_answered_by_ztunnels_dns_proxy_as_if_by_that_resolver,
+    |f| {
+        // Nothing serves DNS at the remote's address: only the capture can
+        // answer there.
+        let resolver = SocketAddr::new(f.remote_ip(false), 53);
+        let (udp_from, udp_answer, tcp_peer, tcp_answer) = tokio::task::block_in_place(|| {
+            f.pod()
+                .run(|| {
+                    // UDP, unconnected: send_to and recv_from, as a stub
+                    // resolver does.
+                    let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+                    udp.set_read_timeout(Some(PATIENCE)).unwrap();
+                    let query = dns::encode_query(0x0a17, "udp.ambpf.test", dns::TYPE_A).unwrap();
+                    udp.send_to(&query, resolver).unwrap();
+                    let mut buffer = [0u8; 512];
+                    let (len, from) = udp
+                        .recv_from(&mut buffer)
+                        .unwrap_or_else(|e| panic!("UDP answer from {resolver}: {e}"));
+                    let udp_answer = dns::Response::parse(&buffer[..len]).unwrap();
+
+                    // TCP: a 2-byte length before each message.
+                    let mut tcp = TcpStream::connect_timeout(&resolver, PATIENCE)
+                        .unwrap_or_else(|e| panic!("TCP to {resolver}: {e}"));
+                    tcp.set_read_timeout(Some(PATIENCE)).unwrap();
+                    let query = dns::encode_query(0x7c90, "tcp.ambpf.test", dns::TYPE_A).unwrap();
+                    let mut framed = u16::try_from(query.len()).unwrap().to_be_bytes().to_vec();
+                    framed.extend_from_slice(&query);
+                    tcp.write_all(&framed).unwrap();
+                    let mut len = [0u8; 2];
+                    tcp.read_exact(&mut len)
+                        .unwrap_or_else(|e| panic!("TCP answer from {resolver}: {e}"));
+                    let mut body = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                    tcp.read_exact(&mut body).unwrap();
+                    let tcp_answer = dns::Response::parse(&body).unwrap();
+                    (from, udp_answer, tcp.peer_addr().unwrap(), tcp_answer)
+                })
+                .unwrap()
+        });
+        // The app sees its answers come from the resolver it asked.
+        assert_eq!(udp_from, resolver);
+        assert_eq!(tcp_peer, resolver);
+        let answer: IpAddr = DEFAULT_DNS_ANSWER_V4.into();
+        assert_eq!(udp_answer.header.id, 0x0a17);
+        assert_eq!(udp_answer.addresses(), [answer]);
+        assert_eq!(tcp_answer.header.id, 0x7c90);
+        assert_eq!(tcp_answer.addresses(), [answer]);
+
+        // ztunnel's DNS proxy in pod 1 answered both.
+        let queries = f.ztunnel.dns_queries();
+        for (transport, name) in [
+            (DnsTransport::Udp, "udp.ambpf.test"),
+            (DnsTransport::Tcp, "tcp.ambpf.test"),
+        ] {
+            let query = queries
+                .iter()
+                .find(|q| q.transport == transport && q.name == name)
+                .unwrap_or_else(|| panic!("no {transport:?} query for {name}: {queries:#?}"));
+            assert_eq!(query.uid, POD_UID);
+            assert_eq!(query.qtype, dns::TYPE_A);
+            assert_eq!(query.server.port(), 15053, "{query:?}");
+        }
+        // TCP DNS went to the DNS proxy, not through the outbound listener.
+        assert!(
+            !f.proxied().iter().any(|c| c.original_dst == resolver),
+            "{:#?}",
+            f.proxied()
+        );
+    }
+);
 
 fn unmap(ip: IpAddr) -> IpAddr {
     match ip {

@@ -127,8 +127,12 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
     if !path.exists() {
         return Ok(Vec::new());
     }
-    let map_err = |source| InspectError::Map { path: path.clone(), source };
-    let map: HashMap<_, u64, PodConfig> = HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
+    let map_err = |source| InspectError::Map {
+        path: path.clone(),
+        source,
+    };
+    let map: HashMap<_, u64, PodConfig> =
+        HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
     let mut pods = Vec::new();
     for entry in map.iter() {
         let (cookie, pod) = entry.map_err(map_err)?;
@@ -138,7 +142,8 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             .filter(|ip| **ip != IpKey::default())
             .map(|ip| {
                 let v6 = std::net::Ipv6Addr::from(ip.addr);
-                v6.to_ipv4_mapped().map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
+                v6.to_ipv4_mapped()
+                    .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4)
             })
             .collect();
         pods.push(EnrolledPodEntry {
@@ -158,8 +163,12 @@ pub fn read_counters(pins: &PinLayout) -> Result<Vec<(&'static str, u64)>, Inspe
     if !path.exists() {
         return Ok(Vec::new());
     }
-    let map_err = |source| InspectError::Map { path: path.clone(), source };
-    let array: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::PerCpuArray(open_map(&path)?)).map_err(map_err)?;
+    let map_err = |source| InspectError::Map {
+        path: path.clone(),
+        source,
+    };
+    let array: PerCpuArray<_, u64> =
+        PerCpuArray::try_from(Map::PerCpuArray(open_map(&path)?)).map_err(map_err)?;
     Counter::ALL
         .iter()
         .map(|counter| {
@@ -176,18 +185,13 @@ fn read_other_links(pins: &PinLayout) -> Result<Vec<PinnedLinkEntry>, InspectErr
     for kind in ["links/cgroup", "links/pods"] {
         for dir in read_dir_sorted(&pins.root().join(kind))? {
             for pin in read_dir_sorted(&dir)? {
-                let link = PinnedLink::from_pin(&pin)
-                    .map_err(|source| InspectError::Link { path: pin.clone(), source })?;
-                let info = FdLink::from(link)
-                    .info()
-                    .map_err(|source| InspectError::Link { path: pin.clone(), source })?;
-                let program_name = programs
-                    .iter()
-                    .find(|p| p.id() == info.program_id())
-                    .and_then(|p| p.name_as_str())
-                    .unwrap_or("?")
-                    .to_owned();
-                out.push(PinnedLinkEntry { pin, link_id: info.id(), program_id: info.program_id(), program_name });
+                let (link_id, program_id, program_name) = pinned_link(&pin, &programs)?;
+                out.push(PinnedLinkEntry {
+                    pin,
+                    link_id,
+                    program_id,
+                    program_name,
+                });
             }
         }
     }
@@ -215,29 +219,14 @@ pub fn read_tc_links(pins: &PinLayout) -> Result<Vec<PinnedTcLink>, InspectError
             else {
                 continue;
             };
-            let link = PinnedLink::from_pin(&pin).map_err(|source| InspectError::Link {
-                path: pin.clone(),
-                source,
-            })?;
-            let info = FdLink::from(link)
-                .info()
-                .map_err(|source| InspectError::Link {
-                    path: pin.clone(),
-                    source,
-                })?;
-            let program_name = programs
-                .iter()
-                .find(|p| p.id() == info.program_id())
-                .and_then(|p| p.name_as_str())
-                .unwrap_or("?")
-                .to_owned();
+            let (link_id, program_id, program_name) = pinned_link(&pin, &programs)?;
             out.push(PinnedTcLink {
                 pin,
                 netns_inode,
                 ifindex,
                 direction: direction.as_str(),
-                link_id: info.id(),
-                program_id: info.program_id(),
+                link_id,
+                program_id,
                 program_name,
             });
         }
@@ -302,6 +291,27 @@ fn read_dir_sorted(dir: &std::path::Path) -> Result<Vec<PathBuf>, InspectError> 
     Ok(paths)
 }
 
+/// The link pinned at `pin`: its id, its program's id and name.
+fn pinned_link(
+    pin: &std::path::Path,
+    programs: &[ProgramInfo],
+) -> Result<(u32, u32, String), InspectError> {
+    let link_err = |source| InspectError::Link {
+        path: pin.to_owned(),
+        source,
+    };
+    let info = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err)?)
+        .info()
+        .map_err(link_err)?;
+    let name = programs
+        .iter()
+        .find(|p| p.id() == info.program_id())
+        .and_then(|p| p.name_as_str())
+        .unwrap_or("?")
+        .to_owned();
+    Ok((info.id(), info.program_id(), name))
+}
+
 fn file_name(path: &std::path::Path) -> Option<&str> {
     path.file_name()?.to_str()
 }
@@ -352,7 +362,14 @@ impl fmt::Display for Status {
         writeln!(f, "links:")?;
         for l in &self.links {
             let pin = l.pin.strip_prefix(&self.pin_root).unwrap_or(&l.pin);
-            writeln!(f, "  {:<48} link {:<5} prog {:<5} {}", pin.display(), l.link_id, l.program_id, l.program_name)?;
+            writeln!(
+                f,
+                "  {:<48} link {:<5} prog {:<5} {}",
+                pin.display(),
+                l.link_id,
+                l.program_id,
+                l.program_name
+            )?;
         }
         writeln!(f, "redirection counters:")?;
         for (name, value) in &self.counters {

@@ -45,6 +45,8 @@ pub enum EnrollError {
     Routing(#[from] routing::RoutingError),
     #[error(transparent)]
     Attach(#[from] AttachError),
+    #[error(transparent)]
+    Iptables(#[from] super::iptables::IptablesError),
     #[error("pod in {netns} has no IPv4 or IPv6 address to redirect")]
     NoAddress { netns: PathBuf },
     #[error("updating map {map}: {source}")]
@@ -263,6 +265,10 @@ impl super::PodRedirection for Dataplane {
     }
 
     fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
-        Ok(self.enrolled_pods()?.iter().map(|pod| pod.netns_inode).collect())
+        Ok(self
+            .enrolled_pods()?
+            .iter()
+            .map(|pod| pod.netns_inode)
+            .collect())
     }
 }

@@ -3,12 +3,13 @@
 //!
 //! - [`ebpf`] (the default): programs loaded and attached once per node,
 //!   per-pod state in pinned maps, the reply routing of [`routing`];
-//! - `iptables`: Istio's in-pod rule set, the baseline ambpf is measured
+//! - [`iptables`]: Istio's in-pod rule set, the baseline ambpf is measured
 //!   against.
 //!
 //! [`podnet`] and [`routing`] are the netlink plumbing both use.
 
 pub mod ebpf;
+pub mod iptables;
 pub mod podnet;
 pub mod routing;
 
@@ -37,7 +38,8 @@ pub trait PodRedirection: Send {
     fn mode(&self) -> RedirectMode;
 
     /// Starts redirecting new connections of the pod in `netns`. Idempotent.
-    fn enroll(&mut self, netns: &Netns, options: EnrollOptions) -> Result<EnrolledPod, EnrollError>;
+    fn enroll(&mut self, netns: &Netns, options: EnrollOptions)
+    -> Result<EnrolledPod, EnrollError>;
 
     /// Stops redirecting new connections of the pod whose netns has inode
     /// `netns_inode` (works when the namespace is already gone); open

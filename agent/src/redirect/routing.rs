@@ -140,10 +140,7 @@ pub fn install_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     let path = netns.path();
     netns.run(|| {
         let mut here = Here::open(path)?;
-        for family in here.families() {
-            here.add_route(family)?;
-            here.add_rule(family)?;
-        }
+        here.add_policy_routing()?;
         // Why the sysctl: ztunnel's connection to an app (from the client's
         // address) is answered by the app's accepted socket, and eBPF has no
         // connmark to restore a mark onto those replies as Istio's iptables
@@ -159,6 +156,26 @@ pub fn install_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     })?
 }
 
+/// Installs only the policy routing of [`install_reply_routing`], for IPv4
+/// and IPv6, idempotently: the route `local default dev lo table 100` and
+/// the rule `fwmark 0x111/0xfff lookup 100`, without the
+/// `tcp_fwmark_accept` sysctl. For the iptables redirection, where the mark
+/// comes from Istio's connmark rules (`CONNMARK --restore-mark` on every
+/// packet of a connection ztunnel made), as in Istio itself. IPv6 is
+/// skipped when the namespace has none.
+pub fn install_policy_routing(netns: &Netns) -> Result<(), RoutingError> {
+    let path = netns.path();
+    netns.run(|| Here::open(path)?.add_policy_routing())?
+}
+
+/// Removes what [`install_policy_routing`] installs (every copy of the rule
+/// and the route, both IP versions), idempotently, leaving the sysctl
+/// alone.
+pub fn remove_policy_routing(netns: &Netns) -> Result<(), RoutingError> {
+    let path = netns.path();
+    netns.run(|| Here::open(path)?.delete_policy_routing())?
+}
+
 /// Removes what [`install_reply_routing`] installs, idempotently: sets
 /// `net.ipv4.tcp_fwmark_accept` back to 0 (the kernel default), then deletes
 /// every copy of the rules and the routes of both IP versions. IPv6 is
@@ -168,15 +185,7 @@ pub fn remove_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     netns.run(|| {
         let mut here = Here::open(path)?;
         here.write_sysctl(TCP_FWMARK_ACCEPT, "net.ipv4.tcp_fwmark_accept", 0)?;
-        let mut families = vec![IpFamily::V4];
-        if Path::new(IPV6_SYSCTLS).exists() {
-            families.push(IpFamily::V6);
-        }
-        for family in families {
-            here.delete_rules(family)?;
-            here.delete_routes(family)?;
-        }
-        Ok(())
+        here.delete_policy_routing()
     })?
 }
 
@@ -386,6 +395,29 @@ impl<'a> Here<'a> {
             netns: self.netns.to_owned(),
             source,
         }
+    }
+
+    /// Route, then rule, of each IP version in use.
+    fn add_policy_routing(&mut self) -> Result<(), RoutingError> {
+        for family in self.families() {
+            self.add_route(family)?;
+            self.add_rule(family)?;
+        }
+        Ok(())
+    }
+
+    /// Rules, then routes, of both IP versions (IPv6 whenever the kernel has
+    /// it, even if it was disabled since).
+    fn delete_policy_routing(&mut self) -> Result<(), RoutingError> {
+        let mut families = vec![IpFamily::V4];
+        if Path::new(IPV6_SYSCTLS).exists() {
+            families.push(IpFamily::V6);
+        }
+        for family in families {
+            self.delete_rules(family)?;
+            self.delete_routes(family)?;
+        }
+        Ok(())
     }
 
     fn add_rule(&mut self, family: IpFamily) -> Result<Applied, RoutingError> {
@@ -635,6 +667,36 @@ mod tests {
                 tcp_fwmark_accept: false
             }
         );
+    }
+
+    #[test]
+    fn policy_routing_alone_leaves_the_sysctl_alone() {
+        let pn = PodAndNode::create().unwrap();
+        let pod = open(&pn.pod);
+        install_policy_routing(&pod).unwrap();
+        install_policy_routing(&pod).unwrap();
+        let status = reply_routing_status(&pod).unwrap();
+        let both = FamilyStatus {
+            rule: true,
+            route: true,
+        };
+        assert_eq!(status.ipv4, both);
+        assert_eq!(status.ipv6, Some(both));
+        assert!(!status.tcp_fwmark_accept);
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let (rules, routes) = dump_reply_routing(&pn.pod, family);
+            assert_eq!((rules, routes.len()), (1, 1), "{family}");
+        }
+
+        // Removing it does not touch a sysctl someone else set.
+        pn.pod.sysctl("net.ipv4.tcp_fwmark_accept=1").unwrap();
+        remove_policy_routing(&pod).unwrap();
+        remove_policy_routing(&pod).unwrap();
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let (rules, routes) = dump_reply_routing(&pn.pod, family);
+            assert_eq!((rules, routes.len()), (0, 0), "{family}");
+        }
+        assert_eq!(sysctl(&pn.pod, TCP_FWMARK_ACCEPT), "1");
     }
 
     #[test]
