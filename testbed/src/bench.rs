@@ -13,7 +13,8 @@
 //!   results from different machines apart;
 //! - [`cpu_time`] / [`CpuWatch`]: per-process CPU time from `/proc/<pid>/stat`,
 //!   to tell which process saturated the CPU (agent, ztunnel double, traffic
-//!   generator) when a suite is CPU bound;
+//!   generator) when a suite is CPU bound; [`on_cpu`] / [`thread_on_cpu`]:
+//!   the same to the nanosecond from `schedstat`, for short spans;
 //! - [`memory`]: VmRSS and VmHWM from `/proc/<pid>/status`;
 //! - [`ProcessGuard`]: a child process (the real agent binary) with its output
 //!   in a log file, stopped with SIGTERM (then SIGKILL) when dropped;
@@ -296,6 +297,43 @@ fn clock_ticks_per_second() -> u64 {
     // SAFETY: sysconf only reads a configuration value.
     let ticks = unsafe { nix::libc::sysconf(nix::libc::_SC_CLK_TCK) };
     if ticks > 0 { ticks as u64 } else { 100 }
+}
+
+/// Time `pid`'s live threads have spent on a CPU, to the nanosecond: the
+/// sum of `/proc/<pid>/task/*/schedstat`. Precise enough for per-run deltas
+/// of a few milliseconds, where [`cpu_time`]'s clock ticks are not; time of
+/// threads that have exited is not counted, so measure processes whose
+/// threads live across the span (tokio workers do).
+pub fn on_cpu(pid: u32) -> std::io::Result<Duration> {
+    let mut total = Duration::ZERO;
+    for task in fs::read_dir(format!("/proc/{pid}/task"))? {
+        // A thread that exited since readdir simply no longer counts.
+        if let Ok(text) = fs::read_to_string(task?.path().join("schedstat")) {
+            total += parse_schedstat(&text)?;
+        }
+    }
+    Ok(total)
+}
+
+/// [`on_cpu`] for one thread (`tid` from `gettid()`).
+pub fn thread_on_cpu(pid: u32, tid: u32) -> std::io::Result<Duration> {
+    parse_schedstat(&fs::read_to_string(format!(
+        "/proc/{pid}/task/{tid}/schedstat"
+    ))?)
+}
+
+/// The first field of `schedstat`: nanoseconds on a CPU.
+fn parse_schedstat(text: &str) -> std::io::Result<Duration> {
+    text.split_whitespace()
+        .next()
+        .and_then(|ns| ns.parse().ok())
+        .map(Duration::from_nanos)
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("unexpected schedstat {text:?} (kernel without CONFIG_SCHED_INFO?)"),
+            )
+        })
 }
 
 /// CPU used by one process over a span, and how many cores' worth that is.
@@ -672,12 +710,24 @@ mod tests {
         let pid = std::process::id();
         let before = cpu_time(pid).unwrap();
         assert!(cpu_time(pid).unwrap().total() >= before.total());
+        assert!(on_cpu(pid).unwrap() > Duration::ZERO);
+        let tid = nix::unistd::gettid().as_raw() as u32;
+        assert!(thread_on_cpu(pid, tid).unwrap() <= on_cpu(pid).unwrap());
         let mem = memory(pid).unwrap();
         assert!(mem.vm_rss_kib > 0 && mem.vm_hwm_kib >= mem.vm_rss_kib);
         assert!(!open_fds(pid).unwrap().is_empty());
         let usage = CpuWatch::start([("self", pid)]).unwrap().finish().unwrap();
         assert_eq!(usage.len(), 1);
         assert_eq!(usage[0].label, "self");
+    }
+
+    #[test]
+    fn schedstat_is_nanoseconds_on_cpu() {
+        assert_eq!(
+            parse_schedstat("1500000 20 3\n").unwrap(),
+            Duration::from_micros(1500)
+        );
+        assert!(parse_schedstat("").is_err());
     }
 
     #[test]

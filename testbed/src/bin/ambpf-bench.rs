@@ -16,12 +16,15 @@
 //! using the helpers of `ambpf_testbed::bench`.
 //!
 //! Needs root: the agent loads BPF programs and the suites create network
-//! namespaces and bpffs mounts. Everything is removed on exit, on errors and
-//! on Ctrl-C.
+//! namespaces, cgroups and bpffs mounts. Everything is removed on exit, on
+//! errors and on Ctrl-C (SIGINT or SIGTERM).
 
 use std::{
     fs::File,
-    os::{fd::AsFd, unix::fs::FileTypeExt},
+    os::{
+        fd::AsFd,
+        unix::{fs::FileTypeExt, process::CommandExt as _},
+    },
     path::{Path, PathBuf},
     process::{Command, ExitCode},
     sync::Arc,
@@ -33,8 +36,9 @@ use ambpf_proto::{
     zds::{WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello},
 };
 use ambpf_testbed::{
-    BpffsMount, NetnsGuard,
-    bench::{self, Machine, Memory, ProcessGuard, Report, Stats, Table, TempDir, cpu_time, ms},
+    BpffsMount, CgroupGuard,
+    bench::{self, Machine, Memory, ProcessGuard, Report, Stats, Table, TempDir, ms},
+    cluster::Cluster,
     ztunnel::{ZdsEvent, ZtunnelConfig, ZtunnelDouble, ZtunnelState},
 };
 use anyhow::{Context as _, Result, bail, ensure};
@@ -207,13 +211,38 @@ mod zds {
     //! per-pod open and no state. Agent and floor runs alternate, so drift
     //! (frequency scaling, noisy neighbours) affects both alike.
     //!
-    //! Pods are spread over a pool of 16 throwaway network namespaces rather
-    //! than one namespace each: what ZDS costs is per message and per fd, and
-    //! the agent still opens, sends and closes its own fd for every Add
-    //! whichever namespace the path names, while creating and deleting 1000
-    //! namespaces would take longer than the benchmark and measure nothing of
-    //! ZDS. (Should the agent come to do per-namespace work on enrolment,
-    //! that belongs to the `enroll` suite, with a namespace per pod.)
+    //! The floor runs on a thread with a tokio runtime of its own, as the
+    //! agent is a separate process with its own runtime: every ack then wakes
+    //! the server's event loop, as it wakes the agent's, and that round-trip
+    //! wake-up is most of a snapshot's wall time. With `--floor-thread
+    //! shared` the floor is a task on the bench's runtime beside the double,
+    //! where a hand-off between the two tasks is often a wake-up within one
+    //! worker: a floor below what any out-of-process server can reach (about
+    //! half the own-thread floor's wall time on a 2-CPU VM), useful to see how
+    //! much of a snapshot is scheduling rather than work.
+    //!
+    //! Besides wall time, each run records the server's CPU time (the agent's
+    //! threads, or the floor's thread) from before the connection until the
+    //! server has closed it, via schedstat (nanoseconds): the CPU ratio is
+    //! the steadier measure of the agent's own per-pod work.
+    //!
+    //! Pods are spread over a pool of 16 pod network namespaces (a testbed
+    //! [`Cluster`]: each pod namespace has an `eth0` with IPv4 and IPv6
+    //! addresses, veth'd to a node namespace) rather than one namespace each:
+    //! what ZDS costs is per message and per fd, and the agent still opens,
+    //! sends and closes its own fd for every Add whichever namespace the path
+    //! names, while creating and deleting 1000 namespaces would take longer
+    //! than the benchmark and measure nothing of ZDS. The pods need real
+    //! addresses because the agent enrols each pod in the eBPF redirection
+    //! before handing it to ztunnel; it does so once, at start-up, before it
+    //! listens, so enrolment is not part of any snapshot timed here (the
+    //! start-up time is recorded, but with 16 namespaces it says little about
+    //! enrolling N real pods: that is the `enroll` suite's job).
+    //!
+    //! As in the demo, the agent runs in the cluster's node namespace (its
+    //! "host" addresses are the node's) with its socket programs attached to
+    //! a throwaway cgroup, so the machine's own traffic is never touched; its
+    //! pins live in a private bpffs.
 
     use super::*;
 
@@ -240,6 +269,18 @@ mod zds {
         /// Network namespaces the pods are spread over.
         #[arg(long, default_value_t = DEFAULT_NETNS_POOL)]
         netns: usize,
+        /// Where the floor server runs: on a thread and tokio runtime of its
+        /// own (like a server in another process), or as a task on the bench's
+        /// runtime, beside the double (cheaper hand-offs: a lower floor).
+        #[arg(long, value_enum, default_value_t = FloorThread::Own)]
+        floor_thread: FloorThread,
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+    #[serde(rename_all = "snake_case")]
+    pub(super) enum FloorThread {
+        Own,
+        Shared,
     }
 
     #[derive(Serialize)]
@@ -248,39 +289,58 @@ mod zds {
         runs: usize,
         warmup: usize,
         netns_pool: usize,
+        floor_thread: FloorThread,
         agent: PathBuf,
     }
 
-    /// One side's timings: snapshot wall time (connect → ready) per run.
+    /// One measured snapshot.
+    struct Sample {
+        /// Connect to ready.
+        wall: Duration,
+        /// CPU time of the server from just before the connection to after it
+        /// closed (`None`: a floor on the double's runtime, not separable).
+        server_cpu: Option<Duration>,
+        /// CPU time of this process's other threads (the ztunnel double; and
+        /// the floor when it shares the double's runtime) over the snapshot.
+        double_cpu: Duration,
+    }
+
+    /// One server's results over the runs.
     #[derive(Serialize)]
     struct Timing {
         samples_ms: Vec<f64>,
+        /// Connect to ready (SnapshotSent acked), per snapshot.
         snapshot_ms: Stats,
         per_pod_us: Stats,
-        /// CPU time of this bench process (the ztunnel double, plus the floor
-        /// server for the floor) per snapshot. Per-run deltas of clock-tick
-        /// counters: approximate for short snapshots.
-        bench_cpu_ms_per_snapshot: f64,
+        /// CPU time of the server per snapshot (schedstat, all its threads).
+        server_cpu_ms: Option<Stats>,
+        /// CPU time of the double per snapshot.
+        double_cpu_ms: Stats,
     }
 
     impl Timing {
-        fn new(samples: &[Duration], pods: usize, bench_cpu: Duration) -> Result<Self> {
-            let samples_ms: Vec<f64> = samples.iter().copied().map(ms).collect();
+        fn new(samples: &[Sample], pods: usize) -> Result<Self> {
+            let samples_ms: Vec<f64> = samples.iter().map(|s| ms(s.wall)).collect();
             let snapshot_ms = Stats::of(&samples_ms).context("no measured runs")?;
+            let server_cpu: Option<Vec<f64>> =
+                samples.iter().map(|s| s.server_cpu.map(ms)).collect();
+            let double_cpu: Vec<f64> = samples.iter().map(|s| ms(s.double_cpu)).collect();
             Ok(Self {
                 per_pod_us: snapshot_ms.scaled(1e3 / pods as f64),
                 snapshot_ms,
                 samples_ms,
-                bench_cpu_ms_per_snapshot: ms(bench_cpu) / samples.len() as f64,
+                server_cpu_ms: server_cpu.as_deref().and_then(Stats::of),
+                double_cpu_ms: Stats::of(&double_cpu).context("no measured runs")?,
             })
         }
     }
 
     #[derive(Serialize)]
     struct AgentResources {
-        /// Agent CPU time per snapshot, over the whole measured span (the agent
-        /// idles during the floor's runs).
-        cpu_ms_per_snapshot: f64,
+        /// From spawning the agent to its ZDS socket appearing: loading the
+        /// programs and enrolling the N pods (in 16 namespaces; see the
+        /// module docs), before ztunnel can connect.
+        startup_ms: f64,
         /// Agent CPU time over the wall time of its snapshots: 1.0 is one core
         /// kept busy.
         cores_while_serving: f64,
@@ -297,10 +357,12 @@ mod zds {
         pods: usize,
         agent: Timing,
         floor: Timing,
-        /// agent median / floor median.
+        /// Snapshot wall time, agent median / floor median.
         ratio_median: f64,
-        /// agent min / floor min (the least disturbed runs).
+        /// Snapshot wall time, agent min / floor min (the least disturbed runs).
         ratio_min: f64,
+        /// Server CPU per snapshot, agent median / floor median.
+        cpu_ratio_median: Option<f64>,
         agent_resources: AgentResources,
     }
 
@@ -361,7 +423,10 @@ mod zds {
             "--pods: counts must be positive"
         );
         ensure!(args.runs > 0, "--runs must be at least 1");
-        ensure!(args.netns > 0, "--netns must be at least 1");
+        ensure!(
+            (1..=200).contains(&args.netns),
+            "--netns: between 1 and 200 (the testbed cluster's limit)"
+        );
         let started_unix = bench::unix_now();
         let started = Instant::now();
         let machine = Machine::collect();
@@ -373,16 +438,15 @@ mod zds {
         );
 
         let work = TempDir::create("ambpf-bench-zds")?;
-        let pool = (0..args.netns)
-            .map(|_| NetnsGuard::create("bench"))
-            .collect::<std::io::Result<Vec<_>>>()
-            .context("creating the network namespace pool")?;
+        let cluster = Cluster::create(args.netns as u8)
+            .context("creating the pod namespaces (testbed cluster)")?;
+        let cgroup = CgroupGuard::create().context("creating a throwaway cgroup")?;
         // The floor's one netns fd, re-sent with every Add.
-        let floor_netns = Arc::new(File::open(pool[0].path())?);
+        let floor_netns = Arc::new(File::open(cluster.pods[0].ns.path())?);
 
         let mut results = Vec::new();
         for &n in &args.pods {
-            let result = measure(&args, &agent, &work, &pool, &floor_netns, n)
+            let result = measure(&args, &agent, &work, &cluster, &cgroup, &floor_netns, n)
                 .await
                 .with_context(|| format!("{n} pods"))?;
             results.push(result);
@@ -400,6 +464,7 @@ mod zds {
                     runs: args.runs,
                     warmup: args.warmup,
                     netns_pool: args.netns,
+                    floor_thread: args.floor_thread,
                     agent,
                 },
                 results: &results,
@@ -416,11 +481,12 @@ mod zds {
         args: &ZdsArgs,
         agent_binary: &Path,
         work: &TempDir,
-        pool: &[NetnsGuard],
+        cluster: &Cluster,
+        cgroup: &CgroupGuard,
         floor_netns: &Arc<File>,
         n: usize,
     ) -> Result<PodsResult> {
-        let paths: Vec<PathBuf> = pool.iter().map(NetnsGuard::path).collect();
+        let paths: Vec<PathBuf> = cluster.pods.iter().map(|p| p.ns.path()).collect();
         let pods = Arc::new(bench_pods(n, &paths));
         let pods_path = work.join(format!("pods-{n}.json"));
         bench::write_json(&pods_path, &pods_file(&pods))?;
@@ -438,39 +504,51 @@ mod zds {
             .arg(&pods_path)
             .arg("--zds-socket")
             .arg(&socket)
+            .arg("--cgroup")
+            .arg(cgroup.path())
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".to_owned()),
             );
+        let node_ns = File::open(cluster.node.path())?;
+        // SAFETY: setns is async-signal-safe, and `node_ns` outlives the spawn.
+        unsafe {
+            command.pre_exec(move || {
+                nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(std::io::Error::from)
+            });
+        }
+        let spawned = Instant::now();
         let mut agent =
             ProcessGuard::spawn("the agent", command, &work.join(format!("agent-{n}.log")))?;
         wait_for_socket(&mut agent, &socket, SOCKET_TIMEOUT).await?;
+        let startup = spawned.elapsed();
         let pid = agent.pid();
         let memory_idle = bench::memory(pid)?;
         let idle_sockets = bench::socket_count(pid)?;
 
         let floor_socket = work.join(format!("floor-{n}.sock"));
-        let floor = Floor::start(&floor_socket, pods.clone(), floor_netns.clone())?;
+        let floor = Floor::start(
+            &floor_socket,
+            pods.clone(),
+            floor_netns.clone(),
+            args.floor_thread,
+        )?;
 
+        let bench_pid = std::process::id();
         let mut agent_samples = Vec::new();
         let mut floor_samples = Vec::new();
-        let mut agent_bench_cpu = Duration::ZERO;
-        let mut floor_bench_cpu = Duration::ZERO;
-        let mut agent_cpu_start = None;
         for i in 0..args.warmup + args.runs {
-            let measured = i >= args.warmup;
-            if measured && agent_cpu_start.is_none() {
-                agent_cpu_start = Some(cpu_time(pid)?);
-            }
-
-            let self_before = cpu_time(std::process::id())?;
-            let agent_time = snapshot(&socket, n)
+            // Agent: connect → ready, then until the agent has closed the
+            // connection, so its CPU time covers the whole connection.
+            let (server_before, double_before) = (bench::on_cpu(pid)?, bench::on_cpu(bench_pid)?);
+            let wall = snapshot(&socket, n)
                 .await
                 .with_context(|| format!("agent run {}", i + 1))
                 .map_err(|e| with_log(e, &agent))?;
-            let self_agent = cpu_time(std::process::id())?.since(&self_before);
-            // The agent noticed the disconnect once the connection's socket
-            // is closed (its task ends after unregistering the connection).
+            let double_cpu = bench::on_cpu(bench_pid)?.saturating_sub(double_before);
+            // The agent has noticed the disconnect once the connection's
+            // socket is closed (its task ends after unregistering it).
             poll_until(
                 "the agent closing the previous connection",
                 DISCONNECT_TIMEOUT,
@@ -481,53 +559,95 @@ mod zds {
             )
             .await
             .map_err(|e| with_log(e, &agent))?;
+            let agent_sample = Sample {
+                wall,
+                server_cpu: Some(bench::on_cpu(pid)?.saturating_sub(server_before)),
+                double_cpu,
+            };
 
-            let self_before = cpu_time(std::process::id())?;
-            let floor_time = snapshot(&floor_socket, n)
+            // Floor: the same, its end being the floor seeing the close.
+            let (server_before, double_before) = (floor.on_cpu()?, bench::on_cpu(bench_pid)?);
+            let wall = snapshot(&floor_socket, n)
                 .await
                 .with_context(|| format!("floor run {}", i + 1))?;
-            let self_floor = cpu_time(std::process::id())?.since(&self_before);
+            let bench_cpu = bench::on_cpu(bench_pid)?.saturating_sub(double_before);
             floor.wait_served(i as u64 + 1).await?;
+            let server_cpu = match (floor.on_cpu()?, server_before) {
+                (Some(after), Some(before)) => Some(after.saturating_sub(before)),
+                _ => None,
+            };
+            let floor_sample = Sample {
+                wall,
+                server_cpu,
+                // The floor thread is part of this process.
+                double_cpu: bench_cpu.saturating_sub(server_cpu.unwrap_or_default()),
+            };
 
+            let measured = i >= args.warmup;
             eprintln!(
-                "zds: {n:>5} pods, {} {}/{}: agent {:8.2} ms, floor {:8.2} ms",
+                "zds: {n:>5} pods, {} {}/{}: agent {:8.2} ms (cpu {:6.2} ms), floor {:8.2} ms (cpu {} ms)",
                 if measured { "run   " } else { "warmup" },
                 if measured { i - args.warmup + 1 } else { i + 1 },
                 if measured { args.runs } else { args.warmup },
-                ms(agent_time),
-                ms(floor_time)
+                ms(agent_sample.wall),
+                ms(agent_sample.server_cpu.unwrap_or_default()),
+                ms(floor_sample.wall),
+                floor_sample
+                    .server_cpu
+                    .map_or("-".to_owned(), |c| format!("{:6.2}", ms(c))),
             );
             if measured {
-                agent_samples.push(agent_time);
-                floor_samples.push(floor_time);
-                agent_bench_cpu += self_agent.total();
-                floor_bench_cpu += self_floor.total();
+                agent_samples.push(agent_sample);
+                floor_samples.push(floor_sample);
             }
         }
-        let agent_cpu = cpu_time(pid)?.since(&agent_cpu_start.unwrap_or_default());
         let memory_after = bench::memory(pid)?;
         let exit = agent.stop()?;
+        if let Some(out) = &args.common.out {
+            keep_log(&agent, out, n);
+        }
         drop(floor);
         drop(bpffs);
 
-        let agent_wall: Duration = agent_samples.iter().sum();
-        let agent = Timing::new(&agent_samples, n, agent_bench_cpu)?;
-        let floor = Timing::new(&floor_samples, n, floor_bench_cpu)?;
+        let agent_wall: Duration = agent_samples.iter().map(|s| s.wall).sum();
+        let agent_cpu: Duration = agent_samples.iter().filter_map(|s| s.server_cpu).sum();
+        let agent = Timing::new(&agent_samples, n)?;
+        let floor = Timing::new(&floor_samples, n)?;
         Ok(PodsResult {
             pods: n,
             ratio_median: agent.snapshot_ms.median / floor.snapshot_ms.median,
             ratio_min: agent.snapshot_ms.min / floor.snapshot_ms.min,
+            cpu_ratio_median: match (&agent.server_cpu_ms, &floor.server_cpu_ms) {
+                (Some(a), Some(f)) => Some(a.median / f.median),
+                _ => None,
+            },
             agent,
             floor,
             agent_resources: AgentResources {
-                cpu_ms_per_snapshot: ms(agent_cpu.total()) / args.runs as f64,
-                cores_while_serving: agent_cpu.total().as_secs_f64()
-                    / agent_wall.as_secs_f64().max(1e-9),
+                startup_ms: ms(startup),
+                cores_while_serving: agent_cpu.as_secs_f64() / agent_wall.as_secs_f64().max(1e-9),
                 memory_idle,
                 memory_after,
                 exit: exit.to_string(),
             },
         })
+    }
+
+    /// Copies the agent's log next to the JSON result (`zds-agent-<n>.log`),
+    /// for the agent's own view (e.g. its "snapshot of N pods acked in" lines).
+    fn keep_log(agent: &ProcessGuard, out: &Path, n: usize) {
+        let stem = out.file_stem().unwrap_or_default().to_string_lossy();
+        let kept = out.with_file_name(format!("{stem}-agent-{n}.log"));
+        let copied = kept
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|()| std::fs::copy(agent.log_path(), &kept));
+        if let Err(e) = copied {
+            eprintln!(
+                "zds: cannot keep the agent's log at {}: {e}",
+                kept.display()
+            );
+        }
     }
 
     fn with_log(e: anyhow::Error, agent: &ProcessGuard) -> anyhow::Error {
@@ -586,39 +706,130 @@ mod zds {
         Ok(())
     }
 
-    /// The floor ZDS server: one connection at a time; hello, N Adds with the
-    /// same pre-opened netns fd, SnapshotSent, each acked; then waits for the
-    /// peer to close.
+    /// The floor ZDS server: one connection at a time; hello, N Adds with
+    /// the same pre-opened netns fd, SnapshotSent, each acked; then waits for
+    /// the peer to close.
     struct Floor {
         served: watch::Receiver<u64>,
-        _task: AbortOnDrop,
+        /// [`FloorThread::Own`]: stops the thread's runtime, then it is joined.
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
+        /// [`FloorThread::Own`]: the thread's id, for its CPU time.
+        tid: Option<u32>,
+        thread: Option<std::thread::JoinHandle<()>>,
+        /// [`FloorThread::Shared`]: the task on the bench's runtime.
+        _task: Option<AbortOnDrop>,
+    }
+
+    impl Drop for Floor {
+        fn drop(&mut self) {
+            if let Some(stop) = self.stop.take() {
+                let _ = stop.send(());
+            }
+            if let Some(thread) = self.thread.take() {
+                let _ = thread.join();
+            }
+        }
+    }
+
+    async fn floor_loop(
+        mut listener: UnixSeqpacketListener,
+        pods: Arc<Vec<BenchPod>>,
+        netns: Arc<File>,
+        tx: watch::Sender<u64>,
+    ) {
+        loop {
+            let socket = match listener.accept().await {
+                Ok(socket) => socket,
+                Err(e) => {
+                    eprintln!("zds floor: accept failed: {e}");
+                    return;
+                }
+            };
+            if let Err(e) = serve_floor(&socket, &pods, &netns).await {
+                eprintln!("zds floor: {e:#}");
+            }
+            drop(socket);
+            tx.send_modify(|n| *n += 1);
+        }
     }
 
     impl Floor {
-        fn start(path: &Path, pods: Arc<Vec<BenchPod>>, netns: Arc<File>) -> Result<Self> {
-            let mut listener = UnixSeqpacketListener::bind(path)
-                .with_context(|| format!("binding the floor socket {}", path.display()))?;
+        fn start(
+            path: &Path,
+            pods: Arc<Vec<BenchPod>>,
+            netns: Arc<File>,
+            thread: FloorThread,
+        ) -> Result<Self> {
             let (tx, served) = watch::channel(0u64);
-            let task = tokio::spawn(async move {
-                loop {
-                    let socket = match listener.accept().await {
-                        Ok(socket) => socket,
+            if thread == FloorThread::Shared {
+                let listener = UnixSeqpacketListener::bind(path)
+                    .with_context(|| format!("binding the floor socket {}", path.display()))?;
+                let task = tokio::spawn(floor_loop(listener, pods, netns, tx));
+                return Ok(Self {
+                    served,
+                    stop: None,
+                    tid: None,
+                    thread: None,
+                    _task: Some(AbortOnDrop(task)),
+                });
+            }
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let (bound_tx, bound) = std::sync::mpsc::channel();
+            let path = path.to_owned();
+            let thread = std::thread::Builder::new()
+                .name("zds-floor".to_owned())
+                .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(runtime) => runtime,
                         Err(e) => {
-                            eprintln!("zds floor: accept failed: {e}");
+                            let _ = bound_tx.send(Err(e));
                             return;
                         }
                     };
-                    if let Err(e) = serve_floor(&socket, &pods, &netns).await {
-                        eprintln!("zds floor: {e:#}");
-                    }
-                    drop(socket);
-                    tx.send_modify(|n| *n += 1);
-                }
-            });
-            Ok(Self {
+                    runtime.block_on(async move {
+                        let listener = match UnixSeqpacketListener::bind(&path) {
+                            Ok(listener) => {
+                                let tid = nix::unistd::gettid().as_raw() as u32;
+                                let _ = bound_tx.send(Ok(tid));
+                                listener
+                            }
+                            Err(e) => {
+                                let _ = bound_tx.send(Err(e));
+                                return;
+                            }
+                        };
+                        tokio::select! {
+                            () = floor_loop(listener, pods, netns, tx) => {}
+                            _ = stopped => {}
+                        }
+                    });
+                })?;
+            let mut floor = Self {
                 served,
-                _task: AbortOnDrop(task),
-            })
+                stop: Some(stop),
+                tid: None,
+                thread: Some(thread),
+                _task: None,
+            };
+            // On error, dropping `floor` stops and joins the thread.
+            let tid = bound
+                .recv()
+                .context("the floor thread died")?
+                .context("binding the floor socket")?;
+            floor.tid = Some(tid);
+            Ok(floor)
+        }
+
+        /// CPU time of the floor's thread so far (`None` when it shares the
+        /// double's runtime).
+        fn on_cpu(&self) -> Result<Option<Duration>> {
+            self.tid
+                .map(|tid| bench::thread_on_cpu(std::process::id(), tid))
+                .transpose()
+                .context("reading the floor thread's CPU time")
         }
 
         /// Waits until `count` connections have been served and closed.
@@ -677,8 +888,13 @@ mod zds {
     fn print_tables(results: &[PodsResult], args: &ZdsArgs) {
         println!();
         println!(
-            "ZDS snapshot, connect to ready ({} runs each, {} network namespaces)",
-            args.runs, args.netns
+            "ZDS snapshot, connect to ready ({} runs each, {} network namespaces, floor on {} thread)",
+            args.runs,
+            args.netns,
+            match args.floor_thread {
+                FloorThread::Own => "its own",
+                FloorThread::Shared => "the double's",
+            }
         );
         let mut timing = Table::new([
             "pods",
@@ -688,7 +904,8 @@ mod zds {
             "min ms",
             "max ms",
             "µs/pod",
-            "bench cpu ms",
+            "server cpu ms",
+            "double cpu ms",
         ]);
         for r in results {
             for (who, t) in [("agent", &r.agent), ("floor", &r.floor)] {
@@ -701,18 +918,22 @@ mod zds {
                     format!("{:.2}", s.min),
                     format!("{:.2}", s.max),
                     format!("{:.1}", t.per_pod_us.median),
-                    format!("{:.1}", t.bench_cpu_ms_per_snapshot),
+                    t.server_cpu_ms
+                        .map_or("-".to_owned(), |c| format!("{:.2}", c.median)),
+                    format!("{:.2}", t.double_cpu_ms.median),
                 ]);
             }
         }
         print!("{timing}");
+        println!("(cpu: median per snapshot; the double is the ztunnel double in this process)");
         println!();
         let mut agent = Table::new([
             "pods",
             "agent/floor",
             "min/min",
-            "agent cpu ms",
+            "cpu agent/floor",
             "agent cores",
+            "startup ms",
             "VmRSS MiB idle",
             "VmRSS MiB",
             "VmHWM MiB",
@@ -724,17 +945,16 @@ mod zds {
                 r.pods.to_string(),
                 format!("{:.2}x", r.ratio_median),
                 format!("{:.2}x", r.ratio_min),
-                format!("{:.1}", a.cpu_ms_per_snapshot),
+                r.cpu_ratio_median
+                    .map_or("-".to_owned(), |c| format!("{c:.2}x")),
                 format!("{:.2}", a.cores_while_serving),
+                format!("{:.0}", a.startup_ms),
                 mib(a.memory_idle.vm_rss_kib),
                 mib(a.memory_after.vm_rss_kib),
                 mib(a.memory_after.vm_hwm_kib),
             ]);
         }
         print!("{agent}");
-        println!(
-            "(cpu ms: per snapshot; bench cpu is this process: the double, plus the floor server on floor rows)"
-        );
     }
 
     #[cfg(test)]
