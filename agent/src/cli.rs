@@ -10,6 +10,7 @@ use crate::{
     bpf::{self, Dataplane, PinLayout, inspect},
     controller::Controller,
     netns::Netns,
+    observe,
     redirect::{
         PodRedirection, RedirectMode,
         iptables::{IptablesBackend, IptablesRedirection},
@@ -81,6 +82,14 @@ pub struct RunArgs {
     /// the node's root cgroup (default: the cgroup2 mount).
     #[arg(long, env = "AMBPF_CGROUP")]
     pub cgroup: Option<PathBuf>,
+
+    /// Where /healthz and /readyz are served.
+    #[arg(long, env = "AMBPF_HEALTH_LISTEN", default_value = observe::DEFAULT_HEALTH_LISTEN)]
+    pub health_listen: std::net::SocketAddr,
+
+    /// Where Prometheus /metrics are served.
+    #[arg(long, env = "AMBPF_METRICS_LISTEN", default_value = observe::DEFAULT_METRICS_LISTEN)]
+    pub metrics_listen: std::net::SocketAddr,
 
     /// Which iptables the iptables mode writes with (auto: what the host uses).
     #[arg(long, value_enum, default_value = "auto")]
@@ -179,7 +188,15 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         Some(path) => path,
         None => default_cgroup()?,
     };
+    let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
     runtime.block_on(async move {
+        // Endpoints first: a port already taken is a start-up error.
+        let health = tokio::net::TcpListener::bind(args.health_listen)
+            .await
+            .with_context(|| format!("binding the health endpoint {}", args.health_listen))?;
+        let metrics = tokio::net::TcpListener::bind(args.metrics_listen)
+            .await
+            .with_context(|| format!("binding the metrics endpoint {}", args.metrics_listen))?;
         let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
             RedirectMode::Ebpf => {
                 let mut dataplane = Dataplane::load(pins)?;
@@ -193,14 +210,21 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     _pad: 0,
                 })?;
                 dataplane.set_host_addresses(&podnet::host_addresses()?)?;
-                info!("eBPF redirection ready (pin root {}, cgroup {})", pins_root(&dataplane), cgroup.display());
+                info!(
+                    "eBPF redirection ready (pin root {}, cgroup {})",
+                    pins_root(&dataplane),
+                    cgroup.display()
+                );
                 Box::new(dataplane)
             }
             RedirectMode::Iptables => {
                 // The host side (probe SNAT) lives in the agent's own namespace.
                 let host = Netns::open("/proc/self/ns/net")?;
                 let redirection = IptablesRedirection::new(host, args.iptables_backend)?;
-                info!("iptables redirection ready ({:?} backend)", redirection.backend());
+                info!(
+                    "iptables redirection ready ({:?} backend)",
+                    redirection.backend()
+                );
                 Box::new(redirection)
             }
         };
@@ -219,6 +243,16 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             first.removed,
             first.failed.len()
         );
+        let registry = observe::registry(observe::AgentCollector {
+            zds: zds.clone(),
+            controller: controller.stats(),
+            pins: kernel_pins,
+        });
+        tokio::spawn(observe::serve_metrics(
+            metrics,
+            std::sync::Arc::new(registry),
+        ));
+        tokio::spawn(observe::serve_health(health, zds.clone()));
         tokio::spawn(controller.run(pods_rx));
         let server = tokio::spawn(zds.clone().serve());
         info!("ambpf agent ready");
@@ -241,11 +275,14 @@ fn pins_root(dataplane: &Dataplane) -> String {
 fn default_cgroup() -> Result<PathBuf> {
     const CGROUP2_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6367_7270);
     for candidate in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
-        if nix::sys::statfs::statfs(candidate).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC) {
+        if nix::sys::statfs::statfs(candidate).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC)
+        {
             return Ok(PathBuf::from(candidate));
         }
     }
-    anyhow::bail!("no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified; give --cgroup")
+    anyhow::bail!(
+        "no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified; give --cgroup"
+    )
 }
 
 async fn wait_for_shutdown() -> Result<()> {

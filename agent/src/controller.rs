@@ -22,8 +22,11 @@ use std::{
 use log::{info, warn};
 use tokio::sync::watch;
 
+use std::sync::atomic::Ordering;
+
 use crate::{
     netns::Netns,
+    observe::ControllerStats,
     redirect::{EnrollOptions, PodRedirection},
     zds::{Workload, ZdsHandle},
 };
@@ -51,14 +54,30 @@ pub struct Controller {
     node_dns_capture: bool,
     /// uid -> (netns inode, options) of pods enrolled by this controller.
     enrolled: HashMap<String, (u64, EnrollOptions)>,
+    stats: Arc<ControllerStats>,
 }
 
 /// How often failed pods are retried without a new event.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(5);
 
 impl Controller {
-    pub fn new(redirection: Box<dyn PodRedirection>, zds: ZdsHandle, node_dns_capture: bool) -> Self {
-        Self { redirection, zds, node_dns_capture, enrolled: HashMap::new() }
+    pub fn new(
+        redirection: Box<dyn PodRedirection>,
+        zds: ZdsHandle,
+        node_dns_capture: bool,
+    ) -> Self {
+        Self {
+            redirection,
+            zds,
+            node_dns_capture,
+            enrolled: HashMap::new(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// Counters for metrics, updated after every pass.
+    pub fn stats(&self) -> Arc<ControllerStats> {
+        self.stats.clone()
     }
 
     pub fn redirection_mut(&mut self) -> &mut dyn PodRedirection {
@@ -72,7 +91,9 @@ impl Controller {
         let mut wanted_inodes = HashSet::new();
         for pod in pods {
             let uid = &pod.workload.uid;
-            let options = EnrollOptions { dns_capture: pod.dns_capture.unwrap_or(true) && self.node_dns_capture };
+            let options = EnrollOptions {
+                dns_capture: pod.dns_capture.unwrap_or(true) && self.node_dns_capture,
+            };
             let netns = match Netns::open(&pod.workload.netns.path().to_string_lossy()) {
                 Ok(netns) => netns,
                 Err(e) => {
@@ -99,7 +120,10 @@ impl Controller {
                     ready.push(pod.workload.clone());
                 }
                 Err(e) => {
-                    warn!("pod {}/{} ({uid}) not enrolled: {e}", pod.workload.namespace, pod.workload.name);
+                    warn!(
+                        "pod {}/{} ({uid}) not enrolled: {e}",
+                        pod.workload.namespace, pod.workload.name
+                    );
                     report.failed.insert(uid.clone(), e.to_string());
                 }
             }
@@ -133,6 +157,16 @@ impl Controller {
 
         // ztunnel gets exactly the pods whose redirection is in place.
         self.zds.replace_all(ready);
+        let stats = &self.stats;
+        stats
+            .pods_enrolled
+            .store(self.enrolled.len() as u64, Ordering::Relaxed);
+        stats
+            .enroll_failures
+            .fetch_add(report.failed.len() as u64, Ordering::Relaxed);
+        stats
+            .pods_removed
+            .fetch_add(report.removed as u64, Ordering::Relaxed);
         report
     }
 
@@ -186,10 +220,20 @@ mod tests {
             RedirectMode::Ebpf
         }
 
-        fn enroll(&mut self, netns: &Netns, options: EnrollOptions) -> Result<EnrolledPod, EnrollError> {
-            self.log.lock().unwrap().push(format!("enroll {} dns={}", netns.inode(), options.dns_capture));
+        fn enroll(
+            &mut self,
+            netns: &Netns,
+            options: EnrollOptions,
+        ) -> Result<EnrolledPod, EnrollError> {
+            self.log.lock().unwrap().push(format!(
+                "enroll {} dns={}",
+                netns.inode(),
+                options.dns_capture
+            ));
             if self.refuse.contains(&netns.inode()) {
-                return Err(EnrollError::NoAddress { netns: netns.path().to_owned() });
+                return Err(EnrollError::NoAddress {
+                    netns: netns.path().to_owned(),
+                });
             }
             self.enrolled.insert(netns.inode());
             Ok(EnrolledPod {
@@ -203,7 +247,10 @@ mod tests {
         }
 
         fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
-            self.log.lock().unwrap().push(format!("unenroll {netns_inode}"));
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("unenroll {netns_inode}"));
             Ok(self.enrolled.remove(&netns_inode))
         }
 
@@ -231,12 +278,18 @@ mod tests {
 
     fn controller(recorder: Recorder, node_dns: bool) -> (Controller, ZdsHandle) {
         let zds = ZdsHandle::new(ZdsConfig::default());
-        (Controller::new(Box::new(recorder), zds.clone(), node_dns), zds)
+        (
+            Controller::new(Box::new(recorder), zds.clone(), node_dns),
+            zds,
+        )
     }
 
     #[test]
     fn pods_are_enrolled_once_then_handed_to_ztunnel_and_removed_when_gone() {
-        let (a, b) = (NetnsGuard::create("ctl").unwrap(), NetnsGuard::create("ctl").unwrap());
+        let (a, b) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
         let recorder = Recorder::default();
         let log = recorder.log.clone();
         let (mut ctl, zds) = controller(recorder, true);
@@ -245,7 +298,10 @@ mod tests {
         assert_eq!((report.enrolled, report.removed), (2, 0));
         assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a", "b"]);
         // A second pass with nothing new does nothing.
-        assert_eq!(ctl.apply(&[spec("a", &a, None), spec("b", &b, Some(false))]), PassReport::default());
+        assert_eq!(
+            ctl.apply(&[spec("a", &a, None), spec("b", &b, Some(false))]),
+            PassReport::default()
+        );
 
         let report = ctl.apply(&[spec("b", &b, Some(false))]);
         assert_eq!((report.enrolled, report.removed), (0, 1));
@@ -271,13 +327,19 @@ mod tests {
         ctl.apply(&[spec("a", &a, Some(true))]);
         assert_eq!(
             *log.lock().unwrap(),
-            [format!("enroll {} dns=false", inode(&a)), format!("enroll {} dns=true", inode(&a))]
+            [
+                format!("enroll {} dns=false", inode(&a)),
+                format!("enroll {} dns=true", inode(&a))
+            ]
         );
     }
 
     #[test]
     fn a_pod_that_cannot_be_enrolled_is_kept_from_ztunnel_and_the_rest_proceed() {
-        let (a, b) = (NetnsGuard::create("ctl").unwrap(), NetnsGuard::create("ctl").unwrap());
+        let (a, b) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
         let mut recorder = Recorder::default();
         recorder.refuse.insert(inode(&a));
         let (mut ctl, zds) = controller(recorder, true);
@@ -287,13 +349,20 @@ mod tests {
         let report = ctl.apply(&[spec("a", &a, None), spec("b", &b, None), missing]);
         assert_eq!(report.enrolled, 1);
         assert_eq!(report.failed.keys().collect::<Vec<_>>(), ["a", "gone"]);
-        assert!(report.failed["gone"].contains("does not exist"), "{:?}", report.failed);
+        assert!(
+            report.failed["gone"].contains("does not exist"),
+            "{:?}",
+            report.failed
+        );
         assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["b"]);
     }
 
     #[test]
     fn pods_left_enrolled_by_an_earlier_agent_are_reconciled_not_recreated() {
-        let (kept, stale) = (NetnsGuard::create("ctl").unwrap(), NetnsGuard::create("ctl").unwrap());
+        let (kept, stale) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
         let mut recorder = Recorder::default();
         recorder.enrolled.extend([inode(&kept), inode(&stale)]);
         let log = recorder.log.clone();
@@ -303,7 +372,14 @@ mod tests {
         assert_eq!(report.removed, 1);
         assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["kept"]);
         let log = log.lock().unwrap();
-        assert!(log.contains(&format!("unenroll {}", inode(&stale))), "{log:?}");
-        assert!(!log.iter().any(|l| l == &format!("unenroll {}", inode(&kept))), "{log:?}");
+        assert!(
+            log.contains(&format!("unenroll {}", inode(&stale))),
+            "{log:?}"
+        );
+        assert!(
+            !log.iter()
+                .any(|l| l == &format!("unenroll {}", inode(&kept))),
+            "{log:?}"
+        );
     }
 }

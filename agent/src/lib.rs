@@ -11,6 +11,7 @@ pub mod bpf;
 pub mod cli;
 pub mod controller;
 pub mod netns;
+pub mod observe;
 pub mod redirect;
 pub mod sources;
 pub mod zds;

@@ -102,6 +102,15 @@ pub struct ZdsHandle {
     shared: Arc<Shared>,
 }
 
+impl std::fmt::Debug for ZdsHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZdsHandle")
+            .field("socket", &self.shared.config.socket)
+            .field("pods", &self.shared.desired.borrow().len())
+            .finish()
+    }
+}
+
 impl ZdsHandle {
     pub fn new(config: ZdsConfig) -> Self {
         Self {

@@ -1,0 +1,371 @@
+//! Health, readiness and Prometheus metrics.
+//!
+//! - `/healthz`: the agent is running.
+//! - `/readyz`: ready once a ztunnel has acked a full snapshot (as Istio's
+//!   node agent reports ready), 503 before.
+//! - `/metrics`: pods enrolled, ZDS connections, acks, NACKs and timeouts,
+//!   and the redirection counters the kernel programs keep (read from the
+//!   pinned map at scrape time, so they survive agent restarts).
+//!
+//! Served by a deliberately small HTTP/1.1 responder: three GET paths do not
+//! warrant an HTTP server framework.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use log::{debug, warn};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{counter::ConstCounter, gauge::ConstGauge},
+    registry::Registry,
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpListener,
+};
+
+use crate::{
+    bpf::{PinLayout, inspect},
+    zds::{ZdsHandle, ZdsStats},
+};
+
+/// Istio's node agent serves health on :8000 and metrics on :15014.
+pub const DEFAULT_HEALTH_LISTEN: &str = "0.0.0.0:8000";
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:15014";
+
+/// Counters the controller keeps for metrics.
+#[derive(Debug, Default)]
+pub struct ControllerStats {
+    pub pods_enrolled: AtomicU64,
+    pub enroll_failures: AtomicU64,
+    pub pods_removed: AtomicU64,
+}
+
+/// Everything `/metrics` reports, gathered at scrape time.
+#[derive(Debug)]
+pub struct AgentCollector {
+    pub zds: ZdsHandle,
+    pub controller: Arc<ControllerStats>,
+    /// Pins of the eBPF mode's maps (none in iptables mode).
+    pub pins: Option<PinLayout>,
+}
+
+fn counter(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstCounter::new(value);
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let metric = ConstGauge::new(value as i64);
+    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+}
+
+impl Collector for AgentCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let zds = self.zds.stats();
+        gauge(
+            &mut encoder,
+            "pods_enrolled",
+            "Pods whose traffic is redirected to ztunnel.",
+            get(&self.controller.pods_enrolled),
+        )?;
+        counter(
+            &mut encoder,
+            "pod_enroll_failures",
+            "Attempts to enrol a pod that failed (retried).",
+            get(&self.controller.enroll_failures),
+        )?;
+        counter(
+            &mut encoder,
+            "pods_removed",
+            "Pods removed from the redirection.",
+            get(&self.controller.pods_removed),
+        )?;
+        gauge(
+            &mut encoder,
+            "zds_connections_active",
+            "ztunnel connections open now.",
+            ZdsStats::get(&zds.connections_active),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_connections",
+            "ztunnel connections accepted.",
+            ZdsStats::get(&zds.connections_accepted),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_snapshots_acked",
+            "Full snapshots ztunnel acked.",
+            ZdsStats::get(&zds.snapshots_acked),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_adds_acked",
+            "AddWorkload requests acked.",
+            ZdsStats::get(&zds.adds_acked),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_dels_acked",
+            "DelWorkload requests acked.",
+            ZdsStats::get(&zds.dels_acked),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_nacks",
+            "Requests ztunnel refused (NACK).",
+            ZdsStats::get(&zds.nacks),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_ack_timeouts",
+            "Requests ztunnel did not answer in time.",
+            ZdsStats::get(&zds.ack_timeouts),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_peer_errors",
+            "ztunnel connections closed on an error.",
+            ZdsStats::get(&zds.peer_errors),
+        )?;
+        counter(
+            &mut encoder,
+            "zds_send_failures",
+            "Pods that could not be sent to ztunnel.",
+            ZdsStats::get(&zds.send_failures),
+        )?;
+
+        let Some(pins) = &self.pins else {
+            return Ok(());
+        };
+        match inspect::read_counters(pins) {
+            Ok(kernel) => {
+                for (name, value) in kernel {
+                    let help = "Redirection events counted by the kernel programs.";
+                    counter(&mut encoder, &format!("kernel_{name}"), help, value)?;
+                }
+            }
+            Err(e) => warn!("metrics: reading the kernel counters: {e}"),
+        }
+        Ok(())
+    }
+}
+
+/// A registry with every ambpf metric, prefixed `ambpf_`.
+pub fn registry(collector: AgentCollector) -> Registry {
+    let mut registry = Registry::with_prefix("ambpf");
+    registry.register_collector(Box::new(collector));
+    registry
+}
+
+/// Serves `/metrics` from `registry`.
+pub async fn serve_metrics(listener: TcpListener, registry: Arc<Registry>) {
+    serve(listener, move |path| match path {
+        "/metrics" => {
+            let mut body = String::new();
+            match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                Ok(()) => (
+                    200,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    body,
+                ),
+                Err(_) => (500, "text/plain", "encoding failed\n".to_owned()),
+            }
+        }
+        _ => (404, "text/plain", "not found\n".to_owned()),
+    })
+    .await
+}
+
+/// Serves `/healthz` and `/readyz`.
+pub async fn serve_health(listener: TcpListener, zds: ZdsHandle) {
+    serve(listener, move |path| match path {
+        "/healthz" => (200, "text/plain", "ok\n".to_owned()),
+        "/readyz" if ZdsStats::get(&zds.stats().snapshots_acked) > 0 => {
+            (200, "text/plain", "ready\n".to_owned())
+        }
+        "/readyz" => (
+            503,
+            "text/plain",
+            "waiting for ztunnel to ack a snapshot\n".to_owned(),
+        ),
+        _ => (404, "text/plain", "not found\n".to_owned()),
+    })
+    .await
+}
+
+/// Answers each GET with `respond(path)` and closes the connection.
+async fn serve<F>(listener: TcpListener, respond: F)
+where
+    F: Fn(&str) -> (u16, &'static str, String) + Send + Sync + 'static,
+{
+    let respond = Arc::new(respond);
+    loop {
+        let (mut conn, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                warn!("http accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let respond = respond.clone();
+        tokio::spawn(async move {
+            let mut request = [0u8; 2048];
+            let mut read = 0;
+            // Read the request head; slow or oversized clients are dropped.
+            let head = tokio::time::timeout(Duration::from_secs(5), async {
+                while read < request.len() {
+                    let n = conn.read(&mut request[read..]).await.ok()?;
+                    if n == 0 {
+                        return None;
+                    }
+                    read += n;
+                    if request[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                        return Some(());
+                    }
+                }
+                None
+            })
+            .await;
+            if !matches!(head, Ok(Some(()))) {
+                debug!("http: dropped an incomplete request from {peer}");
+                return;
+            }
+            let line = String::from_utf8_lossy(&request[..read]);
+            let mut words = line.split_whitespace();
+            let (status, content_type, body) = match (words.next(), words.next()) {
+                (Some("GET"), Some(path)) => respond(path.split('?').next().unwrap_or(path)),
+                _ => (405, "text/plain", "only GET\n".to_owned()),
+            };
+            let reason = match status {
+                200 => "OK",
+                404 => "Not Found",
+                405 => "Method Not Allowed",
+                503 => "Service Unavailable",
+                _ => "Internal Server Error",
+            };
+            let response = format!(
+                "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(response.as_bytes()).await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zds::ZdsConfig;
+
+    async fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+        conn.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut response = String::new();
+        conn.read_to_string(&mut response).await.unwrap();
+        response
+    }
+
+    #[tokio::test]
+    async fn readiness_waits_for_an_acked_snapshot_and_metrics_report_zds() {
+        let zds = ZdsHandle::new(ZdsConfig::default());
+        let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let metrics = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (health_addr, metrics_addr) =
+            (health.local_addr().unwrap(), metrics.local_addr().unwrap());
+        let controller = Arc::new(ControllerStats::default());
+        controller.pods_enrolled.store(3, Ordering::Relaxed);
+        let registry = Arc::new(registry(AgentCollector {
+            zds: zds.clone(),
+            controller,
+            pins: None,
+        }));
+        tokio::spawn(serve_health(health, zds.clone()));
+        tokio::spawn(serve_metrics(metrics, registry));
+
+        assert!(
+            get(health_addr, "/healthz")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        assert!(
+            get(health_addr, "/readyz")
+                .await
+                .starts_with("HTTP/1.1 503")
+        );
+        assert!(get(health_addr, "/nope").await.starts_with("HTTP/1.1 404"));
+
+        let body = get(metrics_addr, "/metrics").await;
+        assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+        assert!(body.contains("ambpf_pods_enrolled 3"), "{body}");
+        assert!(body.contains("ambpf_zds_nacks_total 0"), "{body}");
+        assert!(body.contains("# EOF"), "{body}");
+
+        // A ztunnel connects and acks the (empty) snapshot: now ready.
+        use ambpf_proto::{Message as _, zds as proto};
+        let dir = std::env::temp_dir().join(format!("ambpf-observe-{}", std::process::id()));
+        let socket = dir.join("ztunnel.sock");
+        let server = ZdsHandle::new(ZdsConfig {
+            socket: socket.clone(),
+            ..ZdsConfig::default()
+        });
+        let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let health_addr = health.local_addr().unwrap();
+        tokio::spawn(serve_health(health, server.clone()));
+        tokio::spawn(
+            server
+                .clone()
+                .serve_on(crate::zds::listener::bind(&socket).unwrap()),
+        );
+        assert!(
+            get(health_addr, "/readyz")
+                .await
+                .starts_with("HTTP/1.1 503")
+        );
+        let peer = tokio_seqpacket::UnixSeqpacket::connect(&socket)
+            .await
+            .unwrap();
+        peer.send(&proto::ZdsHello::v1().encode_to_vec())
+            .await
+            .unwrap();
+        let mut buf = [0u8; 1024];
+        let n = peer.recv(&mut buf).await.unwrap().bytes_read();
+        assert_eq!(
+            proto::WorkloadRequest::decode(&buf[..n]).unwrap(),
+            proto::WorkloadRequest::snapshot_sent()
+        );
+        peer.send(&proto::WorkloadResponse::ack("").encode_to_vec())
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), server.snapshot_acked())
+            .await
+            .unwrap();
+        assert!(
+            get(health_addr, "/readyz")
+                .await
+                .starts_with("HTTP/1.1 200")
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
