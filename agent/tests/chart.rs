@@ -9,7 +9,9 @@ use std::{collections::BTreeSet, path::PathBuf};
 use clap::CommandFactory;
 
 fn chart_file(name: &str) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/ambpf").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../charts/ambpf")
+        .join(name);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -18,7 +20,12 @@ fn templates() -> Vec<(String, String)> {
     let mut out: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read_to_string(&p).unwrap()))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read_to_string(&p).unwrap(),
+            )
+        })
         .collect();
     out.sort();
     out
@@ -45,7 +52,10 @@ fn every_flag_the_daemonset_passes_exists() {
     let flags = daemonset_flags();
     assert!(flags.len() >= 8, "{flags:?}");
     for flag in &flags {
-        assert!(known.contains(flag), "the chart passes --{flag}, which `ambpf run` does not take");
+        assert!(
+            known.contains(flag),
+            "the chart passes --{flag}, which `ambpf run` does not take"
+        );
     }
 }
 
@@ -60,8 +70,14 @@ fn every_value_a_template_reads_is_defined() {
         .collect();
     for (name, text) in templates() {
         for (i, _) in text.match_indices(".Values.") {
-            let key: String = text[i + 8..].chars().take_while(|c| c.is_alphanumeric()).collect();
-            assert!(top_level.contains(key.as_str()), "{name} reads .Values.{key}, not in values.yaml");
+            let key: String = text[i + 8..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric())
+                .collect();
+            assert!(
+                top_level.contains(key.as_str()),
+                "{name} reads .Values.{key}, not in values.yaml"
+            );
         }
     }
 }
@@ -82,7 +98,16 @@ fn the_agent_gets_exactly_the_capabilities_it_needs() {
 #[test]
 fn rbac_is_read_only_but_for_patching_pods() {
     let role = chart_file("templates/clusterrole.yaml");
-    let verbs: Vec<&str> = role.lines().filter(|l| l.trim_start().starts_with("verbs:")).collect();
-    assert_eq!(verbs, ["    verbs: [get, list, watch, patch]", "    verbs: [get, list, watch]"]);
+    let verbs: Vec<&str> = role
+        .lines()
+        .filter(|l| l.trim_start().starts_with("verbs:"))
+        .collect();
+    assert_eq!(
+        verbs,
+        [
+            "    verbs: [get, list, watch, patch]",
+            "    verbs: [get, list, watch]"
+        ]
+    );
     assert!(!role.contains("secrets") && !role.contains("\"*\""));
 }

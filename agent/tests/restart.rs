@@ -1,0 +1,288 @@
+//! Privileged: the agent dies (SIGKILL) and comes back, as in a crash or an
+//! upgrade, while connections are open through ztunnel.
+//!
+//! The real `ambpf` binary runs in the node namespace of a testbed `Cluster`
+//! with a pods file; the ztunnel double reconnects on its own, as ztunnel
+//! does. Checked: open connections survive the kill and the restart, new
+//! connections stay redirected while no agent runs (the pinned state does the
+//! work), the new agent adopts the pinned maps and links (same link ids, new
+//! programs), ztunnel gets a full snapshot again, and removing the pod
+//! afterwards leaves no map entry behind.
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    os::{fd::AsFd, unix::process::CommandExt},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use ambpf_testbed::{
+    BpffsMount, CgroupGuard, NetnsGuard,
+    cluster::Cluster,
+    ztunnel::{ZtunnelConfig, ZtunnelDouble},
+};
+use serde_json::Value;
+
+const PATIENCE: Duration = Duration::from_secs(20);
+const POD_UID: &str = "restart-pod-uid";
+
+struct Agent(Child);
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Agent {
+    let node_ns = std::fs::File::open(node.path()).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambpf"));
+    cmd.arg("--pin-root")
+        .arg(pins)
+        .arg("run")
+        .arg("--pods-file")
+        .arg(pods)
+        .arg("--zds-socket")
+        .arg(socket)
+        .arg("--cgroup")
+        .arg(cgroup)
+        .args([
+            "--health-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null());
+    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(std::io::Error::from)
+        });
+    }
+    Agent(cmd.spawn().unwrap())
+}
+
+fn status(pins: &Path) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
+        .arg("--pin-root")
+        .arg(pins)
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// (pin, link id, program id) of every pinned link.
+fn links(status: &Value) -> Vec<(String, u64, u64)> {
+    let mut out: Vec<_> = status["links"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            (
+                l["pin"].as_str().unwrap().to_owned(),
+                l["link_id"].as_u64().unwrap(),
+                l["program_id"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn echo(conn: &mut TcpStream, what: &[u8]) {
+    conn.write_all(what).unwrap();
+    let mut reply = vec![0u8; what.len()];
+    conn.read_exact(&mut reply).expect("connection broke");
+    assert_eq!(reply, what);
+}
+
+fn connect(ns: &NetnsGuard, to: SocketAddr) -> TcpStream {
+    let conn = ns
+        .run(|| TcpStream::connect_timeout(&to, PATIENCE))
+        .unwrap()
+        .unwrap();
+    conn.set_read_timeout(Some(PATIENCE)).unwrap();
+    conn
+}
+
+fn serve_echo(ns: &NetnsGuard, addr: SocketAddr) {
+    let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut conn = conn;
+                let mut buf = [0u8; 256];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+}
+
+async fn wait_for(mut check: impl FnMut() -> bool, what: &str) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !check() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
+    let bpffs = BpffsMount::create().unwrap();
+    let pins = bpffs.path().join("ambpf");
+    let cgroup = CgroupGuard::create().unwrap();
+    let _inside = cgroup.enter_process().unwrap();
+    let cluster = Cluster::create(1).unwrap();
+    let pod = &cluster.pods[0];
+    let dir =
+        std::env::temp_dir().join(format!("ambpf-restart-{}", ambpf_testbed::unique_name("")));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = TempDir(dir.clone());
+    let (socket, pods_file) = (dir.join("ztunnel.sock"), dir.join("pods.json"));
+    let pods_json = format!(
+        r#"{{"pods": [{{"uid": "{POD_UID}", "name": "web-0", "namespace": "shop", "netns": "{}"}}]}}"#,
+        pod.ns.path().display()
+    );
+    std::fs::write(&pods_file, &pods_json).unwrap();
+
+    let remote = SocketAddr::new(cluster.remote.addrs.v4.into(), 9000);
+    let app = SocketAddr::new(pod.addrs.v4.into(), 8080);
+    serve_echo(&cluster.remote.ns, remote);
+    serve_echo(
+        &pod.ns,
+        SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), 8080),
+    );
+
+    let agent = spawn_agent(&cluster.node, &pins, &socket, &pods_file, cgroup.path());
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+    ztunnel
+        .wait_until(
+            |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+
+    // Open connections through ztunnel, both ways.
+    let (mut outbound, mut inbound) = tokio::task::block_in_place(|| {
+        let mut outbound = connect(&pod.ns, remote);
+        let mut inbound = connect(&cluster.remote.ns, app);
+        echo(&mut outbound, b"before");
+        echo(&mut inbound, b"before");
+        (outbound, inbound)
+    });
+    let proxied = ztunnel.proxied();
+    assert!(
+        proxied
+            .iter()
+            .any(|c| c.listener_port == 15001 && c.original_dst == remote),
+        "{proxied:?}"
+    );
+    assert!(
+        proxied
+            .iter()
+            .any(|c| c.listener_port == 15006 && c.original_dst == app),
+        "{proxied:?}"
+    );
+    let before = status(&pins);
+
+    // SIGKILL: no chance to clean up.
+    drop(agent);
+    tokio::task::block_in_place(|| {
+        echo(&mut outbound, b"agent dead");
+        echo(&mut inbound, b"agent dead");
+        // New connections are still redirected: the pinned state needs no agent.
+        let mut fresh = connect(&pod.ns, remote);
+        echo(&mut fresh, b"fresh");
+    });
+    let outbound_proxied = |z: &ZtunnelDouble| {
+        z.proxied()
+            .iter()
+            .filter(|c| c.listener_port == 15001)
+            .count()
+    };
+    wait_for(
+        || outbound_proxied(&ztunnel) >= 2,
+        "the new connection to reach ztunnel",
+    )
+    .await;
+
+    // The agent comes back: it adopts the pins and ztunnel gets a new snapshot.
+    let _agent = spawn_agent(&cluster.node, &pins, &socket, &pods_file, cgroup.path());
+    ztunnel
+        .wait_until(
+            |s| {
+                s.connections.len() >= 2
+                    && s.connections
+                        .last()
+                        .is_some_and(|c| c.snapshot_sent && c.added.iter().any(|u| u == POD_UID))
+            },
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+    let after = status(&pins);
+    tokio::task::block_in_place(|| {
+        echo(&mut outbound, b"agent back");
+        echo(&mut inbound, b"agent back");
+    });
+    assert_eq!(after["pods"].as_array().unwrap().len(), 1, "{after}");
+    let (before_links, after_links) = (links(&before), links(&after));
+    assert_eq!(before_links.len(), after_links.len());
+    for ((pin, link, prog), (pin2, link2, prog2)) in before_links.iter().zip(&after_links) {
+        assert_eq!(
+            (pin, link),
+            (pin2, link2),
+            "link was recreated, not adopted"
+        );
+        assert_ne!(prog, prog2, "{pin}: program not replaced by the new agent");
+    }
+
+    // Removing the pod leaves no entry behind.
+    std::fs::write(&pods_file, r#"{"pods": []}"#).unwrap();
+    wait_for(
+        || status(&pins)["pods"].as_array().unwrap().is_empty(),
+        "the pod to be removed",
+    )
+    .await;
+    ztunnel
+        .wait_until(|s| !s.workloads.contains_key(POD_UID), PATIENCE)
+        .await
+        .unwrap();
+    let last = status(&pins);
+    assert!(
+        !last["links"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["pin"].as_str().unwrap().contains("links/pods")),
+        "the pod's TC link is still pinned: {last}"
+    );
+    ztunnel.shutdown().await;
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
