@@ -256,6 +256,25 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
         assert_ne!(prog, prog2, "{pin}: program not replaced by the new agent");
     }
 
+    // Closed connections leave no original-destination entry behind.
+    drop((outbound, inbound));
+    let entries = |name: &str| {
+        let status = status(&pins);
+        status["maps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == name)
+            .unwrap()["entries"]
+            .as_u64()
+            .unwrap()
+    };
+    wait_for(
+        || entries("ambpf_orig_tpl") == 0 && entries("ambpf_orig_ck") == 0,
+        "closed connections' entries to go",
+    )
+    .await;
+
     // Removing the pod leaves no entry behind.
     std::fs::write(&pods_file, r#"{"pods": []}"#).unwrap();
     wait_for(

@@ -10,9 +10,12 @@
 //!   routes its replies, SYN-ACK included, back to ztunnel's transparent
 //!   socket instead of out of the pod (Istio: connmark 0x111).
 
-use ambpf_common::{Counter, SockAddr, TupleKey, ztunnel};
+use ambpf_common::{Counter, IpKey, SockAddr, TupleKey, ztunnel};
 use aya_ebpf::{
-    bindings::{BPF_SOCK_OPS_TCP_CONNECT_CB, SO_MARK, SOL_SOCKET, bpf_sock, bpf_sock_ops},
+    bindings::{
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        BPF_TCP_CLOSE, SO_MARK, SOL_SOCKET, bpf_sock, bpf_sock_ops,
+    },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_setsockopt},
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
@@ -34,19 +37,36 @@ const SO_ORIGINAL_DST: i32 = 80;
 
 #[sock_ops]
 pub fn ambpf_sockops(ctx: SockOpsContext) -> u32 {
-    if ctx.op() == BPF_SOCK_OPS_TCP_CONNECT_CB {
-        on_connect(&ctx);
+    match ctx.op() {
+        BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
+        BPF_SOCK_OPS_STATE_CB => on_state_change(&ctx),
+        _ => {}
     }
     1
 }
 
+/// A redirected connection closed: forget its original destination, so
+/// nothing is left behind for it (the LRU is only the backstop).
 #[inline(always)]
-fn on_connect(ctx: &SockOpsContext) {
+fn on_state_change(ctx: &SockOpsContext) {
+    // args[1] is the new state.
+    let new_state: u32 =
+        unsafe { load_field(ctx.ops, offset_of!(bpf_sock_ops, __bindgen_anon_1) + 4) };
+    if new_state != BPF_TCP_CLOSE {
+        return;
+    }
     let ops = ctx.ops;
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
-    let Some(pod) = (unsafe { PODS_BY_NETNS.get(&netns) }) else {
-        return;
-    };
+    let (key, _) = accepted_tuple(ops, netns);
+    let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
+    let _ = ORIG_BY_TUPLE.remove(&key);
+    let _ = ORIG_BY_COOKIE.remove(&cookie);
+}
+
+/// The connection of the socket behind `ops` as the socket accepting it
+/// sees it (local and peer swapped), and the remote address.
+#[inline(always)]
+fn accepted_tuple(ops: *mut bpf_sock_ops, netns: u64) -> (TupleKey, IpKey) {
     let conn = unsafe { read_sock_ops(ops) };
     let (local, remote) = if conn.family == AF_INET {
         (v4(conn.local_ip4), v4(conn.remote_ip4))
@@ -57,23 +77,35 @@ fn on_connect(ctx: &SockOpsContext) {
     // in its upper 16 bits on little-endian machines.
     let local_port_be = (conn.local_port as u16).to_be();
     let remote_port_be = (conn.remote_port >> 16) as u16;
+    let key = TupleKey {
+        netns_cookie: netns,
+        local: SockAddr {
+            ip: remote,
+            port_be: remote_port_be,
+            _pad: [0; 6],
+        },
+        peer: SockAddr {
+            ip: local,
+            port_be: local_port_be,
+            _pad: [0; 6],
+        },
+    };
+    (key, remote)
+}
 
+#[inline(always)]
+fn on_connect(ctx: &SockOpsContext) {
+    let ops = ctx.ops;
+    let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
+    let Some(pod) = (unsafe { PODS_BY_NETNS.get(&netns) }) else {
+        return;
+    };
+    let (key, remote) = accepted_tuple(ops, netns);
     let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
     if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {
-        let key = TupleKey {
-            netns_cookie: netns,
-            local: SockAddr {
-                ip: remote,
-                port_be: remote_port_be,
-                _pad: [0; 6],
-            },
-            peer: SockAddr {
-                ip: local,
-                port_be: local_port_be,
-                _pad: [0; 6],
-            },
-        };
         let _ = ORIG_BY_TUPLE.insert(&key, orig, 0);
+        // Be told when it closes, to forget it then.
+        let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
         return;
     }
 

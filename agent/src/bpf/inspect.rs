@@ -51,6 +51,9 @@ pub struct PinnedMap {
     pub name: String,
     pub id: u32,
     pub max_entries: u32,
+    /// Entries in use, for the hash maps that hold per-pod or per-connection
+    /// state (what must not leak).
+    pub entries: Option<u64>,
     pub pin: PathBuf,
 }
 
@@ -107,6 +110,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
             name: info.name_as_str().unwrap_or(name).to_owned(),
             id: info.id(),
             max_entries: info.max_entries(),
+            entries: count_entries(name, data),
             pin: path,
         });
     }
@@ -119,6 +123,23 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         links: read_other_links(pins)?,
         counters: read_counters(pins)?,
     })
+}
+
+/// Entries of the maps holding per-pod and per-connection state.
+fn count_entries(name: &str, data: MapData) -> Option<u64> {
+    fn keys<K: aya::Pod, V: aya::Pod>(data: MapData) -> Option<u64> {
+        let map: HashMap<_, K, V> = HashMap::try_from(Map::HashMap(data)).ok()?;
+        Some(map.keys().filter(Result::is_ok).count() as u64)
+    }
+    use ambpf_common::{SockAddr, TupleKey};
+    match name {
+        maps::PODS_BY_NETNS => keys::<u64, PodConfig>(data),
+        maps::PODS_BY_IP => keys::<IpKey, PodConfig>(data),
+        maps::HOST_ADDRS => keys::<IpKey, u8>(data),
+        maps::ORIG_BY_COOKIE => keys::<u64, SockAddr>(data),
+        maps::ORIG_BY_TUPLE => keys::<TupleKey, SockAddr>(data),
+        _ => None,
+    }
 }
 
 /// The enrolled pods, as the socket programs see them.
