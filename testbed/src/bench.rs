@@ -738,3 +738,9 @@ mod tests {
         assert_eq!(status_kib(status, "VmSwap"), None);
     }
 }
+
+// ---------------------------------------------------------------------------
+// Traffic and enrolment suites (`redirect`, `enroll`)
+
+pub mod histogram;
+pub mod sys;

@@ -8,10 +8,14 @@
 //! Suites:
 //! - `zds`: how long the agent takes to hand ztunnel a snapshot of N pods over
 //!   ZDS, against a floor server that sends the same messages and nothing else.
+//! - `redirect`: traffic from an enrolled pod through the ztunnel double,
+//!   direct (the floor), iptables and eBPF in the same run: connection rate,
+//!   latency, conntrack entries, CPU per process
+//!   (`testbed/src/bench/suite_redirect.rs`);
+//! - `enroll`: time for the agent to enrol and remove N pods, eBPF against
+//!   iptables in the same run (`testbed/src/bench/suite_enroll.rs`).
 //!
-//! Later suites (`redirect`: traffic through the redirection against
-//! iptables; `enroll`: time from a pod appearing to its traffic being
-//! captured; `control`: the control-plane cost of churn) become further
+//! Further suites (`control`: the control-plane cost of churn) become
 //! variants of [`Suite`], each with its own arguments and [`Common`] ones,
 //! using the helpers of `ambpf_testbed::bench`.
 //!
@@ -62,6 +66,12 @@ enum Suite {
     /// Time for the agent to send ztunnel a full ZDS snapshot of N pods, against
     /// a minimal floor ZDS server sending the same messages.
     Zds(zds::ZdsArgs),
+    /// Traffic from an enrolled pod through the ztunnel double to a peer:
+    /// connection rate, latency, conntrack and CPU, for direct, iptables and
+    /// eBPF redirection.
+    Redirect(redirect::RedirectArgs),
+    /// Time for the agent to enrol and remove N pods, iptables against eBPF.
+    Enroll(enroll::EnrollArgs),
 }
 
 /// Arguments every suite takes.
@@ -107,6 +117,8 @@ fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<()> {
     match cli.suite {
         Suite::Zds(args) => zds::run(args).await,
+        Suite::Redirect(args) => redirect::run(args).await,
+        Suite::Enroll(args) => enroll::run(args).await,
     }
 }
 
@@ -190,6 +202,12 @@ impl Drop for AbortOnDrop {
         self.0.abort();
     }
 }
+
+#[path = "../bench/suite_redirect.rs"]
+mod redirect;
+
+#[path = "../bench/suite_enroll.rs"]
+mod enroll;
 
 mod zds {
     //! The `zds` suite: ZDS snapshot time, agent against floor.
