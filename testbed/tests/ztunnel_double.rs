@@ -7,9 +7,9 @@ use std::{
     collections::BTreeSet,
     fs::{self, File},
     io::{self, BufRead as _, BufReader},
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::{
-        fd::{AsFd, BorrowedFd},
+        fd::{AsFd, BorrowedFd, RawFd},
         unix::fs::MetadataExt as _,
     },
     path::{Path, PathBuf},
@@ -27,13 +27,15 @@ use ambpf_proto::{
 use ambpf_testbed::{
     NetnsGuard, PodAndNode, unique_name,
     ztunnel::{
-        ConnectionOutcome, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, PROCESS_FAILURE,
-        PROXY_START_FAILURE, READ_FAILURE, ZdsEvent, ZtunnelConfig, ZtunnelDouble, ZtunnelState,
+        ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DEFAULT_DNS_ANSWER_V6, DNS_PORT, DnsQuery,
+        DnsTransport, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT, PROCESS_FAILURE,
+        PROXY_START_FAILURE, READ_FAILURE, ZTUNNEL_MARK, ZdsEvent, ZtunnelConfig, ZtunnelDouble,
+        ZtunnelState, dns,
     },
 };
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
-    net::{TcpListener, TcpSocket, TcpStream},
+    net::{TcpListener, TcpSocket, TcpStream, UdpSocket},
     sync::mpsc,
 };
 use tokio_seqpacket::{UnixSeqpacket, UnixSeqpacketListener, ancillary::AncillaryMessageWriter};
@@ -680,12 +682,19 @@ async fn pod_with_proxies(
     pn: &PodAndNode,
     server: &mut ZdsServer,
 ) -> (ZtunnelDouble, ZdsPeer, String) {
-    let double = ZtunnelDouble::connect(server.path(), ZtunnelConfig::default())
-        .await
-        .unwrap();
+    pod_with_config(&pn.pod, server, ZtunnelConfig::default()).await
+}
+
+/// [`pod_with_proxies`] for any pod netns and configuration.
+async fn pod_with_config(
+    pod: &NetnsGuard,
+    server: &mut ZdsServer,
+    config: ZtunnelConfig,
+) -> (ZtunnelDouble, ZdsPeer, String) {
+    let double = ZtunnelDouble::connect(server.path(), config).await.unwrap();
     let peer = server.accept().await;
-    let uid = format!("uid-{}", pn.pod.name());
-    let file = File::open(pn.pod.path()).unwrap();
+    let uid = format!("uid-{}", pod.name());
+    let file = File::open(pod.path()).unwrap();
     assert_eq!(peer.add(&uid, &file).await, Ok(()));
     assert_eq!(peer.snapshot_sent().await, Ok(()));
     assert!(double.workloads()[&uid].proxies_running);
@@ -741,12 +750,25 @@ async fn direct_connections_to_the_capture_listeners_are_refused_as_self_calls()
     // Del stops the proxies: the listeners are closed once it is acked.
     assert_eq!(peer.del(&uid).await, Ok(()));
     for port in [OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT] {
-        let refused = connect_from(&pn.node, pod_v4(port)).await;
-        assert_eq!(
-            refused.map(|_| ()).map_err(|e| e.kind()),
-            Err(io::ErrorKind::ConnectionRefused),
-            "port {port}"
-        );
+        wait_tcp_refused(&pn.node, pod_v4(port)).await;
+    }
+}
+
+/// Waits until connections from `ns` to `target` are refused. The double
+/// closes a listener before it acks the Del, but a concurrent fork (any test
+/// running `ip`) holds a copy of this process's fds until it execs, which can
+/// keep the socket open for a moment longer: so "closed" is waited for.
+async fn wait_tcp_refused(ns: &NetnsGuard, target: SocketAddr) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        match connect_from(ns, target).await {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return,
+            other => assert!(
+                tokio::time::Instant::now() < deadline,
+                "tcp {target} still open: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -994,4 +1016,682 @@ async fn inbound_redirected_by_iptables_keeps_the_client_address() {
     assert_eq!(record.client, client_address);
     assert_eq!(record.original_dst, pod_v4(APP_PORT));
     assert_eq!(record.outcome, ConnectionOutcome::Proxied);
+}
+
+// ---------------------------------------------------------------------------
+// DNS proxy
+
+const DNS_V4: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), DNS_PORT);
+const DNS_V6: SocketAddr = SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), DNS_PORT);
+/// A cluster DNS service, as an app's resolv.conf names it.
+const RESOLVER_V4: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)), 53);
+const RESOLVER_V6: SocketAddr = SocketAddr::new(
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x96, 0, 0, 0, 0, 0, 0xa)),
+    53,
+);
+const SVC: &str = "svc.ns.svc.cluster.local";
+
+/// A UDP socket created inside `ns`, bound to `local`, on tokio.
+fn udp_socket_in(ns: &NetnsGuard, local: SocketAddr) -> UdpSocket {
+    let socket = ns
+        .run(move || -> io::Result<std::net::UdpSocket> {
+            let socket = std::net::UdpSocket::bind(local)?;
+            socket.set_nonblocking(true)?;
+            Ok(socket)
+        })
+        .unwrap()
+        .unwrap();
+    UdpSocket::from_std(socket).unwrap()
+}
+
+/// How long a stub resolver waits before sending a query again.
+const DNS_RETRANSMIT: Duration = Duration::from_secs(1);
+
+/// Asks `target` as a stub resolver does: sends `query`, resending it each
+/// [`DNS_RETRANSMIT`] (a datagram can be lost on a loaded machine, and tests
+/// share the CPUs with whatever else runs), until a response with the
+/// query's id arrives. Returns the response and where it came from. A resent
+/// query is answered (and recorded) again: records are compared deduplicated.
+async fn ask_udp(socket: &UdpSocket, target: SocketAddr, query: &[u8]) -> (Vec<u8>, SocketAddr) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut buffer = [0u8; 1024];
+    loop {
+        socket.send_to(query, target).await.unwrap();
+        let resend = tokio::time::Instant::now() + DNS_RETRANSMIT;
+        while let Ok(received) =
+            tokio::time::timeout_at(resend, socket.recv_from(&mut buffer)).await
+        {
+            let (len, from) = received.unwrap();
+            // A late answer to an earlier query on this socket is skipped.
+            if buffer.get(..2) == query.get(..2) {
+                return (buffer[..len].to_vec(), from);
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no DNS answer to {target}"
+        );
+    }
+}
+
+/// The recorded DNS queries, a resent query's repeats removed.
+fn dns_queries_deduplicated(double: &ZtunnelDouble) -> Vec<DnsQuery> {
+    let mut queries = double.dns_queries();
+    queries.dedup();
+    queries
+}
+
+async fn write_tcp_dns(stream: &mut TcpStream, message: &[u8]) {
+    let len = u16::try_from(message.len()).unwrap();
+    stream.write_all(&len.to_be_bytes()).await.unwrap();
+    stream.write_all(message).await.unwrap();
+}
+
+async fn read_tcp_dns(stream: &mut TcpStream) -> dns::Response {
+    let mut prefix = [0u8; 2];
+    tokio::time::timeout(WAIT, stream.read_exact(&mut prefix))
+        .await
+        .expect("no DNS answer")
+        .unwrap();
+    let mut message = vec![0u8; usize::from(u16::from_be_bytes(prefix))];
+    stream.read_exact(&mut message).await.unwrap();
+    dns::Response::parse(&message).unwrap()
+}
+
+/// Checks a NOERROR response to `id`/`name`/`qtype` with exactly `answer`.
+fn assert_answer(
+    response: &dns::Response,
+    id: u16,
+    name: &str,
+    qtype: u16,
+    answer: Option<IpAddr>,
+) {
+    assert_eq!(response.header.id, id);
+    assert_eq!(response.rcode(), dns::RCODE_NOERROR);
+    assert_ne!(response.header.flags & dns::FLAG_RA, 0, "RA is set");
+    assert_eq!(
+        response.questions,
+        [dns::QuestionEntry {
+            name: name.to_owned(),
+            qtype,
+            qclass: dns::CLASS_IN,
+        }]
+    );
+    assert_eq!(response.addresses(), Vec::from_iter(answer));
+    for record in &response.answers {
+        assert_eq!((record.name.as_str(), record.ttl), (name, dns::ANSWER_TTL));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_over_udp_on_both_loopbacks_gets_the_configured_answers_and_is_recorded() {
+    let v4 = Ipv4Addr::new(10, 1, 2, 3);
+    let v6: Ipv6Addr = "fd00:1::2:3".parse().unwrap();
+    let pn = PodAndNode::create().unwrap();
+    let mut server = ZdsServer::bind();
+    let config = ZtunnelConfig::default().dns_answer_v4(v4).dns_answer_v6(v6);
+    let (double, _peer, uid) = pod_with_config(&pn.pod, &mut server, config).await;
+
+    let cases = [
+        (DNS_V4, 0x4242, dns::TYPE_A, Some(IpAddr::V4(v4))),
+        (DNS_V6, 0x4243, dns::TYPE_AAAA, Some(IpAddr::V6(v6))),
+        // Over IPv4 for an AAAA, over IPv6 for something else.
+        (DNS_V4, 0x4244, dns::TYPE_AAAA, Some(IpAddr::V6(v6))),
+        (DNS_V6, 0x4245, 16, None),
+    ];
+    for (target, id, qtype, answer) in cases {
+        let local = SocketAddr::new(target.ip(), 0);
+        let app = udp_socket_in(&pn.pod, local);
+        let client = app.local_addr().unwrap();
+        let query = dns::encode_query(id, SVC, qtype).unwrap();
+        let (response, from) = ask_udp(&app, target, &query).await;
+        assert_eq!(from, target, "answered from the socket asked");
+        let response = dns::Response::parse(&response).unwrap();
+        assert_answer(&response, id, SVC, qtype, answer);
+
+        // Recorded before the answer was sent.
+        let recorded = double.dns_queries().pop().unwrap();
+        assert_eq!(
+            recorded,
+            DnsQuery {
+                uid: uid.clone(),
+                transport: DnsTransport::Udp,
+                client,
+                server: target,
+                name: SVC.to_owned(),
+                qtype,
+                answer,
+            }
+        );
+    }
+    assert_eq!(dns_queries_deduplicated(&double).len(), cases.len());
+    assert_eq!(double.state().dns_rejected, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_over_tcp_answers_several_queries_per_connection() {
+    let pn = PodAndNode::create().unwrap();
+    let mut server = ZdsServer::bind();
+    let (double, _peer, uid) = pod_with_proxies(&pn, &mut server).await;
+
+    for target in [DNS_V4, DNS_V6] {
+        let mut app = connect_from(&pn.pod, target).await.unwrap();
+        let client = app.local_addr().unwrap();
+        // Two queries written back to back, then a third after the answers.
+        let a = dns::encode_query(1, SVC, dns::TYPE_A).unwrap();
+        let aaaa = dns::encode_query(2, "other.example", dns::TYPE_AAAA).unwrap();
+        let mut both = Vec::new();
+        for query in [&a, &aaaa] {
+            both.extend_from_slice(&u16::try_from(query.len()).unwrap().to_be_bytes());
+            both.extend_from_slice(query);
+        }
+        app.write_all(&both).await.unwrap();
+        let first = read_tcp_dns(&mut app).await;
+        assert_answer(
+            &first,
+            1,
+            SVC,
+            dns::TYPE_A,
+            Some(DEFAULT_DNS_ANSWER_V4.into()),
+        );
+        let second = read_tcp_dns(&mut app).await;
+        let v6 = Some(DEFAULT_DNS_ANSWER_V6.into());
+        assert_answer(&second, 2, "other.example", dns::TYPE_AAAA, v6);
+        write_tcp_dns(&mut app, &dns::encode_query(3, ".", dns::TYPE_A).unwrap()).await;
+        let third = read_tcp_dns(&mut app).await;
+        assert_answer(
+            &third,
+            3,
+            ".",
+            dns::TYPE_A,
+            Some(DEFAULT_DNS_ANSWER_V4.into()),
+        );
+
+        let recorded: Vec<_> = double
+            .dns_queries()
+            .into_iter()
+            .filter(|q| q.client == client)
+            .map(|q| (q.uid, q.transport, q.server, q.name, q.qtype))
+            .collect();
+        let expected = |name: &str, qtype| {
+            (
+                uid.clone(),
+                DnsTransport::Tcp,
+                target,
+                name.to_owned(),
+                qtype,
+            )
+        };
+        assert_eq!(
+            recorded,
+            [
+                expected(SVC, dns::TYPE_A),
+                expected("other.example", dns::TYPE_AAAA),
+                expected(".", dns::TYPE_A),
+            ]
+        );
+        // The client closing ends the connection cleanly.
+        app.shutdown().await.unwrap();
+        expect_closed_by_peer(&mut app).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_dns_gets_formerr_or_is_dropped_and_the_proxy_keeps_answering() {
+    let pn = PodAndNode::create().unwrap();
+    let mut server = ZdsServer::bind();
+    let (double, _peer, _uid) = pod_with_proxies(&pn, &mut server).await;
+    // A header, then a question whose name is a compression pointer.
+    let compressed = b"\x77\x01\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\xc0\x0c\x00\x01\x00\x01";
+    let truncated = &dns::encode_query(0x7702, SVC, dns::TYPE_A).unwrap()[..20];
+
+    // UDP: no header at all is dropped; a bad question gets FORMERR.
+    let app = udp_socket_in(&pn.pod, SocketAddr::new(DNS_V4.ip(), 0));
+    app.send_to(b"\x01\x02\x03", DNS_V4).await.unwrap();
+    for (message, id) in [(&compressed[..], 0x7701), (truncated, 0x7702)] {
+        let (response, _) = ask_udp(&app, DNS_V4, message).await;
+        let response = dns::Response::parse(&response).unwrap();
+        assert_eq!(response.header.id, id);
+        assert_eq!(response.rcode(), dns::RCODE_FORMERR);
+        assert!(response.questions.is_empty() && response.answers.is_empty());
+    }
+    let (response, _) = ask_udp(
+        &app,
+        DNS_V4,
+        &dns::encode_query(5, SVC, dns::TYPE_A).unwrap(),
+    )
+    .await;
+    let answer = Some(DEFAULT_DNS_ANSWER_V4.into());
+    assert_answer(
+        &dns::Response::parse(&response).unwrap(),
+        5,
+        SVC,
+        dns::TYPE_A,
+        answer,
+    );
+
+    // TCP: FORMERR keeps the connection; a message without a header ends it.
+    let mut app = connect_from(&pn.pod, DNS_V6).await.unwrap();
+    write_tcp_dns(&mut app, compressed).await;
+    let response = read_tcp_dns(&mut app).await;
+    assert_eq!(
+        (response.header.id, response.rcode()),
+        (0x7701, dns::RCODE_FORMERR)
+    );
+    write_tcp_dns(
+        &mut app,
+        &dns::encode_query(6, SVC, dns::TYPE_AAAA).unwrap(),
+    )
+    .await;
+    let answer = Some(DEFAULT_DNS_ANSWER_V6.into());
+    assert_answer(
+        &read_tcp_dns(&mut app).await,
+        6,
+        SVC,
+        dns::TYPE_AAAA,
+        answer,
+    );
+    write_tcp_dns(&mut app, b"\x00\x07").await;
+    expect_closed_by_peer(&mut app).await;
+
+    // Dropped: 3 bytes over UDP, 2 over TCP; FORMERR: 3 (more if a UDP
+    // query had to be resent).
+    wait(&double, |s| s.dns_rejected >= 5).await;
+    let queries = dns_queries_deduplicated(&double);
+    assert_eq!(
+        queries.iter().map(|q| q.name.as_str()).collect::<Vec<_>>(),
+        [SVC, SVC]
+    );
+}
+
+/// Inodes of every TCP and UDP socket in `ns`, whoever holds them (the
+/// netns's `/proc/net` tables; TIME_WAIT entries have none).
+fn socket_inodes_in(ns: &NetnsGuard) -> BTreeSet<u64> {
+    ns.run(|| {
+        let mut inodes = BTreeSet::new();
+        for table in ["tcp", "tcp6", "udp", "udp6"] {
+            // thread-self: /proc/self/net would show the main thread's netns.
+            let path = format!("/proc/thread-self/net/{table}");
+            for line in fs::read_to_string(path).unwrap().lines().skip(1) {
+                let inode = line.split_whitespace().nth(9).unwrap();
+                inodes.insert(inode.parse::<u64>().unwrap());
+            }
+        }
+        inodes.remove(&0);
+        inodes
+    })
+    .unwrap()
+}
+
+/// This process's sockets among `inodes`, as getsockopt reads them back:
+/// (local address, "tcp"/"udp", SO_MARK). Only those sockets are touched
+/// (duplicated for a moment), so other tests' sockets close when they close.
+fn own_sockets(inodes: &BTreeSet<u64>) -> BTreeSet<(SocketAddr, &'static str, u32)> {
+    let mut found = BTreeSet::new();
+    for entry in fs::read_dir("/proc/self/fd").unwrap() {
+        let entry = entry.unwrap();
+        let Ok(target) = fs::read_link(entry.path()) else {
+            continue;
+        };
+        let inode = target
+            .to_str()
+            .and_then(|t| t.strip_prefix("socket:["))
+            .and_then(|t| t.strip_suffix(']'))
+            .and_then(|t| t.parse::<u64>().ok());
+        let fd = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<RawFd>().ok());
+        let (Some(inode), Some(fd)) = (inode, fd) else {
+            continue;
+        };
+        if !inodes.contains(&inode) {
+            continue;
+        }
+        // SAFETY: only duplicated, never closed; should the number have been
+        // closed and reused meanwhile, the inode check below skips it.
+        let Ok(dup) = unsafe { BorrowedFd::borrow_raw(fd) }.try_clone_to_owned() else {
+            continue;
+        };
+        if nix::sys::stat::fstat(&dup).map(|st| st.st_ino) != Ok(inode) {
+            continue;
+        }
+        let socket = socket2::Socket::from(dup);
+        let local = socket.local_addr().unwrap().as_socket().unwrap();
+        let kind = match socket.r#type().unwrap() {
+            socket2::Type::STREAM => "tcp",
+            socket2::Type::DGRAM => "udp",
+            other => panic!("unexpected socket type {other:?}"),
+        };
+        found.insert((local, kind, socket.mark().unwrap()));
+    }
+    found
+}
+
+/// The double's own sockets in the pod, read back from the kernel: the
+/// three capture listeners and the four DNS sockets, all marked 0x539, and
+/// nothing else in the pod's netns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_socket_the_double_opens_in_the_pod_carries_the_ztunnel_mark() {
+    let pn = PodAndNode::create().unwrap();
+    assert!(socket_inodes_in(&pn.pod).is_empty());
+    let mut server = ZdsServer::bind();
+    let (double, peer, uid) = pod_with_proxies(&pn, &mut server).await;
+
+    let any = |port| SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), port);
+    let expected = BTreeSet::from([
+        (any(OUTBOUND_PORT), "tcp", ZTUNNEL_MARK),
+        (any(INBOUND_PLAINTEXT_PORT), "tcp", ZTUNNEL_MARK),
+        (any(HBONE_PORT), "tcp", ZTUNNEL_MARK),
+        (DNS_V4, "tcp", ZTUNNEL_MARK),
+        (DNS_V4, "udp", ZTUNNEL_MARK),
+        (DNS_V6, "tcp", ZTUNNEL_MARK),
+        (DNS_V6, "udp", ZTUNNEL_MARK),
+    ]);
+    let inodes = socket_inodes_in(&pn.pod);
+    assert_eq!(inodes.len(), expected.len(), "only the double's sockets");
+    assert_eq!(own_sockets(&inodes), expected);
+
+    assert_eq!(peer.del(&uid).await, Ok(()));
+    assert!(double.workloads().is_empty());
+    // Closed before the ack, but see `wait_tcp_refused` on concurrent forks.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !socket_inodes_in(&pn.pod).is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sockets left after Del"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_ports_are_closed_once_the_pod_is_deleted() {
+    let pn = PodAndNode::create().unwrap();
+    let mut server = ZdsServer::bind();
+    let (double, peer, uid) = pod_with_proxies(&pn, &mut server).await;
+    let query = dns::encode_query(9, SVC, dns::TYPE_A).unwrap();
+    let mut apps = Vec::new();
+    for target in [DNS_V4, DNS_V6] {
+        let app = udp_socket_in(&pn.pod, SocketAddr::new(target.ip(), 0));
+        app.connect(target).await.unwrap();
+        let (response, _) = ask_udp(&app, target, &query).await;
+        assert_eq!(dns::Response::parse(&response).unwrap().header.id, 9);
+        apps.push(app);
+    }
+    assert_eq!(dns_queries_deduplicated(&double).len(), 2);
+
+    assert_eq!(peer.del(&uid).await, Ok(()));
+    for (app, target) in apps.into_iter().zip([DNS_V4, DNS_V6]) {
+        wait_udp_refused(app, &query).await;
+        wait_tcp_refused(&pn.pod, target).await;
+    }
+    assert_eq!(
+        dns_queries_deduplicated(&double).len(),
+        2,
+        "nothing answered after Del"
+    );
+}
+
+/// Waits until `query` sent on `app` (connected) gets ECONNREFUSED: the ICMP
+/// port unreachable of a closed port (see [`wait_tcp_refused`] on why it is
+/// waited for). An answer fails at once.
+async fn wait_udp_refused(app: UdpSocket, query: &[u8]) {
+    let target = app.peer_addr().unwrap();
+    // tokio does not wake a receive for a socket error alone (EPOLLERR is no
+    // read readiness): receive in blocking mode.
+    let app = app.into_std().unwrap();
+    app.set_nonblocking(false).unwrap();
+    app.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let query = query.to_vec();
+    let deadline = std::time::Instant::now() + WAIT;
+    let outcome = tokio::task::spawn_blocking(move || {
+        loop {
+            let received = app.send(&query).and_then(|_| app.recv(&mut [0u8; 512]));
+            match received {
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => return Ok(()),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) && std::time::Instant::now() < deadline => {}
+                other => return Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(outcome, Ok(()), "udp {target} not closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_on_ipv6_is_skipped_in_a_pod_without_ipv6_loopback() {
+    let pod = NetnsGuard::create("pod").unwrap();
+    pod.ip(&["addr", "del", "::1/128", "dev", "lo"]).unwrap();
+    let mut server = ZdsServer::bind();
+    let (double, _peer, uid) = pod_with_config(&pod, &mut server, ZtunnelConfig::default()).await;
+
+    let app = udp_socket_in(&pod, SocketAddr::new(DNS_V4.ip(), 0));
+    let (response, _) = ask_udp(
+        &app,
+        DNS_V4,
+        &dns::encode_query(1, SVC, dns::TYPE_AAAA).unwrap(),
+    )
+    .await;
+    let answer = Some(DEFAULT_DNS_ANSWER_V6.into());
+    assert_answer(
+        &dns::Response::parse(&response).unwrap(),
+        1,
+        SVC,
+        dns::TYPE_AAAA,
+        answer,
+    );
+    assert_eq!(double.dns_queries()[0].uid, uid);
+}
+
+/// DNS capture as Istio's in-pod rules do it (nat REDIRECT of unmarked port
+/// 53 to 15053): the app asks the cluster resolver and gets the double's
+/// answer from the resolver's address. The eBPF redirection must give apps
+/// the same view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn app_dns_redirected_by_iptables_is_answered_as_if_by_the_resolver() {
+    let pn = PodAndNode::create().unwrap();
+    // Routes to the (non-existent) resolver, as a pod has.
+    pn.pod
+        .ip(&[
+            "route",
+            "add",
+            "default",
+            "via",
+            &PodAndNode::NODE.v4.to_string(),
+        ])
+        .unwrap();
+    pn.pod
+        .ip(&[
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &PodAndNode::NODE.v6.to_string(),
+        ])
+        .unwrap();
+    for iptables in ["iptables", "ip6tables"] {
+        for protocol in ["udp", "tcp"] {
+            run_in(
+                &pn.pod,
+                iptables,
+                &[
+                    "-t",
+                    "nat",
+                    "-A",
+                    "OUTPUT",
+                    "-p",
+                    protocol,
+                    "--dport",
+                    "53",
+                    "-m",
+                    "mark",
+                    "!",
+                    "--mark",
+                    "0x539/0xfff",
+                    "-j",
+                    "REDIRECT",
+                    "--to-ports",
+                    "15053",
+                ],
+            );
+        }
+    }
+    let mut server = ZdsServer::bind();
+    let (double, _peer, uid) = pod_with_proxies(&pn, &mut server).await;
+
+    for (resolver, pod_ip, qtype, answer) in [
+        (
+            RESOLVER_V4,
+            IpAddr::V4(PodAndNode::POD.v4),
+            dns::TYPE_A,
+            IpAddr::from(DEFAULT_DNS_ANSWER_V4),
+        ),
+        (
+            RESOLVER_V6,
+            IpAddr::V6(PodAndNode::POD.v6),
+            dns::TYPE_AAAA,
+            IpAddr::from(DEFAULT_DNS_ANSWER_V6),
+        ),
+    ] {
+        // UDP, unconnected, as glibc and musl ask.
+        let app = udp_socket_in(&pn.pod, SocketAddr::new(pod_ip, 0));
+        let client = app.local_addr().unwrap();
+        let query = dns::encode_query(0x5353, SVC, qtype).unwrap();
+        let (response, from) = ask_udp(&app, resolver, &query).await;
+        assert_eq!(
+            from, resolver,
+            "the answer appears to come from the resolver asked"
+        );
+        assert_answer(
+            &dns::Response::parse(&response).unwrap(),
+            0x5353,
+            SVC,
+            qtype,
+            Some(answer),
+        );
+        let recorded = double.dns_queries().pop().unwrap();
+        assert_eq!(
+            (recorded.uid.as_str(), recorded.client),
+            (uid.as_str(), client)
+        );
+        assert_eq!(recorded.transport, DnsTransport::Udp);
+        let loopback = if resolver.is_ipv4() { DNS_V4 } else { DNS_V6 };
+        assert_eq!(recorded.server, loopback);
+
+        // TCP, as resolvers retry a truncated answer.
+        let mut app = connect_from(&pn.pod, resolver).await.unwrap();
+        assert_eq!(app.peer_addr().unwrap(), resolver);
+        write_tcp_dns(&mut app, &query).await;
+        assert_answer(
+            &read_tcp_dns(&mut app).await,
+            0x5353,
+            SVC,
+            qtype,
+            Some(answer),
+        );
+        let recorded = double.dns_queries().pop().unwrap();
+        assert_eq!(recorded.transport, DnsTransport::Tcp);
+        assert_eq!(recorded.client, app.local_addr().unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_answers_dns_as_configured_and_prints_each_query() {
+    let pn = PodAndNode::create().unwrap();
+    let mut server = ZdsServer::bind();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ztunnel-double"))
+        .arg("--socket")
+        .arg(server.path())
+        .args([
+            "--dns-answer-v4",
+            "10.9.9.9",
+            "--dns-answer-v6",
+            "fd00:9::9",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (lines_tx, mut lines) = mpsc::unbounded_channel();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let peer = server.accept().await;
+    let uid = "dns-pod";
+    assert_eq!(
+        peer.add(uid, &File::open(pn.pod.path()).unwrap()).await,
+        Ok(())
+    );
+
+    let app = udp_socket_in(&pn.pod, SocketAddr::new(DNS_V6.ip(), 0));
+    let client = app.local_addr().unwrap();
+    for (id, qtype, answer) in [
+        (1, dns::TYPE_A, "10.9.9.9"),
+        (2, dns::TYPE_AAAA, "fd00:9::9"),
+    ] {
+        let query = dns::encode_query(id, SVC, qtype).unwrap();
+        let (response, _) = ask_udp(&app, DNS_V6, &query).await;
+        let answer: IpAddr = answer.parse().unwrap();
+        assert_answer(
+            &dns::Response::parse(&response).unwrap(),
+            id,
+            SVC,
+            qtype,
+            Some(answer),
+        );
+    }
+    // Up to the AAAA's line (a resent query would be printed again).
+    let mut printed = Vec::new();
+    while printed
+        .last()
+        .is_none_or(|l: &serde_json::Value| l["qtype"] != 28)
+    {
+        let line = tokio::time::timeout(WAIT, lines.recv())
+            .await
+            .expect("no output")
+            .expect("output ended");
+        let line: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if line["event"] == "dns_query" {
+            printed.push(line);
+        }
+    }
+    assert_eq!(
+        printed[0],
+        serde_json::json!({
+            "event": "dns_query",
+            "uid": uid,
+            "transport": "udp",
+            "client": client.to_string(),
+            "server": DNS_V6.to_string(),
+            "name": SVC,
+            "qtype": 1,
+            "answer": "10.9.9.9",
+        })
+    );
+    assert_eq!(printed.last().unwrap()["answer"], "fd00:9::9");
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status}");
+    reader.join().unwrap();
 }
