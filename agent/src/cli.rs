@@ -98,6 +98,60 @@ pub struct RunArgs {
     /// Capture pods' DNS into ztunnel's DNS proxy (a pod can opt out).
     #[arg(long, env = "AMBPF_DNS_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
     pub dns_capture: bool,
+
+    /// Where the pods to enrol come from: `local` (--pods-file) or `kube`
+    /// (the API server). Default: local with --pods-file, else kube when
+    /// --kubeconfig is given or the agent runs in a cluster, else none.
+    #[arg(long, value_enum, env = "AMBPF_POD_SOURCE")]
+    pub pod_source: Option<PodSource>,
+
+    /// This node's name: the kube source enrols the pods scheduled here.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+
+    /// Namespaces whose pods never enrol (kube source), comma-separated.
+    #[arg(
+        long,
+        env = "AMBPF_EXCLUDED_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    pub excluded_namespaces: Vec<String>,
+
+    /// The kubeconfig of the kube source (default: the in-cluster service
+    /// account, else KUBECONFIG or ~/.kube/config).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Where `run` learns which pods are ambient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PodSource {
+    /// A JSON file (--pods-file).
+    Local,
+    /// The Kubernetes API server.
+    Kube,
+}
+
+impl RunArgs {
+    /// The pod source to start, checked against the other options.
+    fn pod_source(&self) -> Result<Option<PodSource>> {
+        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+        let source = match (self.pod_source, &self.pods_file) {
+            (Some(PodSource::Local), None) => anyhow::bail!("--pod-source local needs --pods-file"),
+            (Some(PodSource::Kube), Some(_)) => {
+                anyhow::bail!("--pods-file is for --pod-source local, not kube")
+            }
+            (Some(source), _) => Some(source),
+            (None, Some(_)) => Some(PodSource::Local),
+            (None, None) if self.kubeconfig.is_some() || in_cluster => Some(PodSource::Kube),
+            (None, None) => None,
+        };
+        if source == Some(PodSource::Kube) && self.node_name.as_deref().is_none_or(str::is_empty) {
+            return Err(sources::kube::KubeSourceError::NoNodeName.into());
+        }
+        Ok(source)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -165,6 +219,7 @@ fn parse_attach(spec: &str) -> Result<(&str, &str)> {
 
 fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     // Validate every argument before touching the kernel.
+    let pod_source = args.pod_source()?;
     let targets = args
         .attach
         .iter()
@@ -230,12 +285,37 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         };
         let zds = zds::ZdsHandle::new(zds_config);
         let (pods_tx, pods_rx) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
-        if let Some(path) = args.pods_file {
-            sources::local::watch(path, pods_tx.clone())?;
+        let (programmed_tx, programmed_rx) =
+            tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
+        let mut kube_source = None;
+        match (pod_source, args.pods_file) {
+            (Some(PodSource::Local), Some(path)) => {
+                sources::local::watch(path, pods_tx.clone())?;
+            }
+            (Some(PodSource::Kube), _) => {
+                use sources::kube::{KubeSource, KubeSourceConfig};
+                let client = sources::kube::client(args.kubeconfig.as_deref()).await?;
+                let mut config = KubeSourceConfig::new(args.node_name.unwrap_or_default());
+                config.excluded_namespaces = args
+                    .excluded_namespaces
+                    .into_iter()
+                    .filter(|ns| !ns.is_empty())
+                    .collect();
+                info!(
+                    "waiting for the pods of node {} from the API server",
+                    config.node_name
+                );
+                let source = KubeSource::new(client, config).annotate_from(programmed_rx);
+                kube_source = Some(source.start(pods_tx.clone()).await?);
+            }
+            _ => log::warn!("no pod source (give --pods-file, or run in a cluster): no pods enrol"),
         }
         // Program every current pod before ztunnel can connect, so that its
         // first snapshot is complete (and restarts reconcile pinned state).
         let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
+        if kube_source.is_some() {
+            controller.report_programmed(programmed_tx);
+        }
         let first = controller.apply(&pods_rx.borrow());
         info!(
             "initial pods: {} enrolled, {} stale removed, {} failed",
@@ -310,6 +390,48 @@ mod tests {
         assert!(parse_attach("pod1").is_err());
         assert!(parse_attach("pod1:").is_err());
         assert!(parse_attach(":eth0").is_err());
+    }
+
+    fn run_args(args: &[&str]) -> RunArgs {
+        let mut argv = vec!["ambpf", "run"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(args) => args,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_pod_source_follows_the_options() {
+        let local = run_args(&["--pods-file", "pods.json"]);
+        assert_eq!(local.pod_source().unwrap(), Some(PodSource::Local));
+        let kube = run_args(&["--kubeconfig", "kc", "--node-name", "node-1"]);
+        assert_eq!(kube.pod_source().unwrap(), Some(PodSource::Kube));
+        let explicit = run_args(&["--pod-source", "kube", "--node-name", "node-1"]);
+        assert_eq!(explicit.pod_source().unwrap(), Some(PodSource::Kube));
+        assert_eq!(explicit.excluded_namespaces, ["kube-system"]);
+        let excluded = run_args(&["--excluded-namespaces", "kube-system,infra"]);
+        assert_eq!(excluded.excluded_namespaces, ["kube-system", "infra"]);
+
+        let err = run_args(&["--pod-source", "kube", "--node-name", ""])
+            .pod_source()
+            .unwrap_err();
+        assert!(err.to_string().contains("NODE_NAME"), "{err}");
+        let err = run_args(&["--pod-source", "local"])
+            .pod_source()
+            .unwrap_err();
+        assert!(err.to_string().contains("--pods-file"), "{err}");
+        let err = run_args(&[
+            "--pod-source",
+            "kube",
+            "--node-name",
+            "n",
+            "--pods-file",
+            "p",
+        ])
+        .pod_source()
+        .unwrap_err();
+        assert!(err.to_string().contains("--pods-file"), "{err}");
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! pods proceed.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     sync::Arc,
     time::Duration,
 };
@@ -55,7 +55,14 @@ pub struct Controller {
     /// uid -> (netns inode, options) of pods enrolled by this controller.
     enrolled: HashMap<String, (u64, EnrollOptions)>,
     stats: Arc<ControllerStats>,
+    /// Where the programmed pods are reported, and whether a pass has been.
+    programmed: Option<watch::Sender<Arc<BTreeSet<String>>>>,
+    reported: bool,
 }
+
+/// The UIDs of the pods whose redirection is in place and that were handed
+/// to ztunnel, as of the controller's latest pass.
+pub type ProgrammedPods = watch::Receiver<Arc<BTreeSet<String>>>;
 
 /// How often failed pods are retried without a new event.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(5);
@@ -72,7 +79,18 @@ impl Controller {
             node_dns_capture,
             enrolled: HashMap::new(),
             stats: Arc::default(),
+            programmed: None,
+            reported: false,
         }
+    }
+
+    /// Reports, after each pass, the UIDs of the pods that are programmed
+    /// (redirection in place, handed to ztunnel): the first pass always marks
+    /// the channel changed, later passes only when the set changes. A source
+    /// uses it to record enrolment on its pods.
+    pub fn report_programmed(&mut self, to: watch::Sender<Arc<BTreeSet<String>>>) {
+        self.programmed = Some(to);
+        self.reported = false;
     }
 
     /// Counters for metrics, updated after every pass.
@@ -155,6 +173,17 @@ impl Controller {
             self.enrolled.remove(&uid);
         }
 
+        if let Some(programmed) = &self.programmed {
+            let uids: BTreeSet<String> = ready.iter().map(|w| w.uid.clone()).collect();
+            let first = !std::mem::replace(&mut self.reported, true);
+            programmed.send_if_modified(|current| {
+                let changed = first || **current != uids;
+                if changed {
+                    *current = Arc::new(uids);
+                }
+                changed
+            });
+        }
         // ztunnel gets exactly the pods whose redirection is in place.
         self.zds.replace_all(ready);
         let stats = &self.stats;
@@ -381,5 +410,33 @@ mod tests {
                 .any(|l| l == &format!("unenroll {}", inode(&kept))),
             "{log:?}"
         );
+    }
+
+    #[test]
+    fn programmed_pods_are_reported_after_each_pass_that_changes_them() {
+        let (a, b) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
+        let mut recorder = Recorder::default();
+        recorder.refuse.insert(inode(&b));
+        let (mut ctl, _zds) = controller(recorder, true);
+        let (tx, mut rx) = watch::channel(Arc::new(BTreeSet::new()));
+        ctl.report_programmed(tx);
+
+        // The first pass reports even an empty set.
+        ctl.apply(&[]);
+        assert!(rx.has_changed().unwrap());
+        assert!(rx.borrow_and_update().is_empty());
+
+        // Only pods that were enrolled and handed to ztunnel count.
+        ctl.apply(&[spec("a", &a, None), spec("b", &b, None)]);
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(rx.borrow_and_update().iter().collect::<Vec<_>>(), ["a"]);
+        ctl.apply(&[spec("a", &a, None), spec("b", &b, None)]);
+        assert!(!rx.has_changed().unwrap());
+
+        ctl.apply(&[]);
+        assert!(rx.borrow_and_update().is_empty());
     }
 }

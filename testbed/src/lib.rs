@@ -24,6 +24,7 @@ use nix::{
     sched::{CloneFlags, setns},
 };
 
+pub mod apiserver;
 pub mod bench;
 pub mod cluster;
 pub mod ztunnel;

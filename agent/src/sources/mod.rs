@@ -1,6 +1,11 @@
 //! Where the agent learns which pods on this node are ambient.
 //!
-//! Every source feeds the same [`crate::zds::ZdsHandle`]; everything after
-//! the source is shared.
+//! Every source feeds the same [`crate::zds::ZdsHandle`], through the
+//! controller's watch channel of the full desired set; everything after the
+//! source is shared.
+//!
+//! - [`local`]: a JSON file, for running without Kubernetes.
+//! - [`kube`]: the API server, as Istio's node agent does.
 
+pub mod kube;
 pub mod local;

@@ -1,0 +1,110 @@
+//! Objects that always deserialize, so that one malformed object cannot stop
+//! a list or a watch.
+//!
+//! kube-rs decodes a list as a whole: with `Api<Pod>` a single pod that does
+//! not parse fails the list, the watcher never syncs, and every other pod on
+//! the node goes unserved. [`Lenient<K>`] accepts any JSON object: its
+//! metadata is read as far as it can be (so the reflector can still key it),
+//! and [`Lenient::object`] holds the typed object or why it is malformed. The
+//! source logs and skips the malformed ones.
+
+use k8s_openapi::{Metadata, Resource, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+use serde::{Deserialize, Deserializer, de::DeserializeOwned};
+use serde_json::Value;
+
+#[derive(Clone, Debug)]
+pub struct Lenient<K> {
+    metadata: ObjectMeta,
+    /// The typed object, or why it does not parse.
+    pub object: Result<K, String>,
+}
+
+impl<K> Lenient<K> {
+    pub fn new(object: K) -> Self
+    where
+        K: Metadata<Ty = ObjectMeta>,
+    {
+        Self {
+            metadata: object.metadata().clone(),
+            object: Ok(object),
+        }
+    }
+}
+
+impl<'de, K: DeserializeOwned> Deserialize<'de> for Lenient<K> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = Value::deserialize(deserializer)?;
+        let raw_meta = value.get("metadata").cloned().unwrap_or(Value::Null);
+        let metadata = ObjectMeta::deserialize(&raw_meta).unwrap_or_else(|_| salvage(&raw_meta));
+        let object = K::deserialize(value).map_err(|e| e.to_string());
+        Ok(Self { metadata, object })
+    }
+}
+
+/// The identifying fields of metadata that does not parse as a whole.
+fn salvage(meta: &Value) -> ObjectMeta {
+    let text = |field: &str| meta.get(field).and_then(Value::as_str).map(str::to_owned);
+    ObjectMeta {
+        name: text("name"),
+        namespace: text("namespace"),
+        uid: text("uid"),
+        resource_version: text("resourceVersion"),
+        ..Default::default()
+    }
+}
+
+impl<K: Resource> Resource for Lenient<K> {
+    const API_VERSION: &'static str = K::API_VERSION;
+    const GROUP: &'static str = K::GROUP;
+    const KIND: &'static str = K::KIND;
+    const VERSION: &'static str = K::VERSION;
+    const URL_PATH_SEGMENT: &'static str = K::URL_PATH_SEGMENT;
+    type Scope = K::Scope;
+}
+
+impl<K: Resource> Metadata for Lenient<K> {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::Pod;
+    use kube::api::ObjectList;
+
+    use super::*;
+
+    #[test]
+    fn a_malformed_item_does_not_fail_its_list() {
+        let list: ObjectList<Lenient<Pod>> = serde_json::from_value(serde_json::json!({
+            "kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"},
+            "items": [
+                {"metadata": {"name": "good", "namespace": "shop", "uid": "u1", "resourceVersion": "5"},
+                 "spec": {"containers": [{"name": "web"}]}},
+                {"metadata": {"name": "bad", "namespace": "shop", "uid": "u2", "resourceVersion": "6"},
+                 "spec": {"containers": "not a list"}},
+                {"metadata": {"name": "worse", "namespace": "shop", "labels": ["x"], "resourceVersion": "6"}},
+                "not even an object"
+            ]
+        }))
+        .unwrap();
+        assert_eq!(list.items.len(), 4);
+        assert!(list.items[0].object.is_ok());
+        assert!(list.items[1].object.is_err());
+        assert_eq!(list.items[1].metadata().uid.as_deref(), Some("u2"));
+        // Metadata that does not parse keeps what identifies the object.
+        assert_eq!(list.items[2].metadata().name.as_deref(), Some("worse"));
+        assert_eq!(
+            list.items[2].metadata().resource_version.as_deref(),
+            Some("6")
+        );
+        assert!(list.items[3].object.is_err());
+    }
+}

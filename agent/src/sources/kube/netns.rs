@@ -1,0 +1,597 @@
+//! Finding a pod's network namespace on the host.
+//!
+//! The API server says which pods run here, not where their namespaces are.
+//! As Istio's node agent does for pods that were running before it started,
+//! [`ProcNetnsFinder`] scans `/proc` for processes whose cgroup path names the
+//! pod's UID (`pod<uid>` as cgroupfs writes it, `pod<uid_with_underscores>`
+//! as the systemd driver does; cgroup v1 and v2 lines alike), takes the
+//! network namespace of the oldest such process (the sandbox's pause process
+//! is the first one started), skips the host's own namespace, and, when the
+//! pod has IPs, keeps a namespace only if one of them is configured inside it
+//! (a process of one pod may be visiting another pod's namespace).
+//!
+//! The answer is `/proc/<pid>/ns/net` of a live process. It is cached by pod
+//! UID with the namespace's inode and checked on every pass: while the
+//! process lives, still belongs to the pod and is still in that namespace,
+//! the same path is given (so that ztunnel is not told of a change); when the
+//! sandbox is recreated (the process is gone, or its namespace changed) the
+//! pod is found again.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    fs,
+    net::IpAddr,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
+
+use crate::{netns::Netns, redirect::podnet, zds::NetnsSource};
+
+/// What discovery needs to know of a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodQuery {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    /// The pod's IPs from its status; empty early in its life.
+    pub ips: Vec<IpAddr>,
+}
+
+/// Finds the network namespaces of pods: [`ProcNetnsFinder`], or any
+/// `FnMut(&PodQuery) -> Result<NetnsSource, String>` (for tests where
+/// discovery is not what is tested).
+pub trait NetnsResolver: Send + 'static {
+    /// The namespace of each pod, by UID, or why it was not found. Called
+    /// with every ambient pod on each pass; pods not asked for again may be
+    /// forgotten.
+    fn resolve(&mut self, pods: &[PodQuery]) -> BTreeMap<String, Result<NetnsSource, String>>;
+}
+
+impl<F> NetnsResolver for F
+where
+    F: FnMut(&PodQuery) -> Result<NetnsSource, String> + Send + 'static,
+{
+    fn resolve(&mut self, pods: &[PodQuery]) -> BTreeMap<String, Result<NetnsSource, String>> {
+        pods.iter()
+            .map(|pod| (pod.uid.clone(), self(pod)))
+            .collect()
+    }
+}
+
+/// Checks that the namespace at a path holds one of the IPs.
+pub type Verifier = Box<dyn Fn(&Path, &[IpAddr]) -> Result<bool, String> + Send>;
+
+/// Discovery by scanning a proc filesystem (see the module documentation).
+pub struct ProcNetnsFinder {
+    proc_root: PathBuf,
+    cache: HashMap<String, Found>,
+    host_netns: Option<u64>,
+    verify: Verifier,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Found {
+    pid: u32,
+    inode: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    pid: u32,
+    inode: u64,
+    start: u64,
+}
+
+impl ProcNetnsFinder {
+    /// Scans `proc_root` (normally `/proc`; tests give a fake tree). The
+    /// host namespace skipped is this process's own (the agent runs with the
+    /// host's network).
+    pub fn new(proc_root: impl Into<PathBuf>) -> Self {
+        Self {
+            proc_root: proc_root.into(),
+            cache: HashMap::new(),
+            host_netns: fs::metadata("/proc/self/ns/net").ok().map(|m| m.ino()),
+            verify: Box::new(holds_any_ip),
+        }
+    }
+
+    /// Replaces the check that a namespace holds one of the pod's IPs.
+    pub fn with_verifier(mut self, verify: Verifier) -> Self {
+        self.verify = verify;
+        self
+    }
+
+    /// Treats the namespace with this inode as the host's (never a pod's).
+    pub fn with_host_netns(mut self, inode: Option<u64>) -> Self {
+        self.host_netns = inode;
+        self
+    }
+
+    fn netns_path(&self, pid: u32) -> PathBuf {
+        self.proc_root.join(pid.to_string()).join("ns/net")
+    }
+
+    fn inode_of(&self, pid: u32) -> Option<u64> {
+        fs::metadata(self.netns_path(pid)).ok().map(|m| m.ino())
+    }
+
+    fn uids_of(&self, pid: u32) -> Option<Vec<String>> {
+        let text = fs::read_to_string(self.proc_root.join(pid.to_string()).join("cgroup")).ok()?;
+        Some(pod_uids_in_cgroup(&text))
+    }
+
+    /// The cached answer, if the process still belongs to the pod and is
+    /// still in the same namespace.
+    fn still_valid(&self, uid: &str, found: Found) -> bool {
+        self.uids_of(found.pid)
+            .is_some_and(|uids| uids.iter().any(|u| u == uid))
+            && self.inode_of(found.pid) == Some(found.inode)
+    }
+
+    /// Processes of the wanted pods, by pod UID.
+    fn scan(&self, wanted: &HashSet<&str>) -> Result<HashMap<String, Vec<Candidate>>, String> {
+        let entries = fs::read_dir(&self.proc_root)
+            .map_err(|e| format!("reading {}: {e}", self.proc_root.display()))?;
+        let mut found: HashMap<String, Vec<Candidate>> = HashMap::new();
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Some(uids) = self.uids_of(pid) else {
+                continue;
+            };
+            for uid in uids.into_iter().filter(|u| wanted.contains(u.as_str())) {
+                let Some(inode) = self.inode_of(pid) else {
+                    continue;
+                };
+                if Some(inode) == self.host_netns {
+                    continue;
+                }
+                let start = start_time(&self.proc_root.join(pid.to_string()).join("stat"))
+                    .unwrap_or(u64::MAX);
+                found
+                    .entry(uid)
+                    .or_default()
+                    .push(Candidate { pid, inode, start });
+            }
+        }
+        Ok(found)
+    }
+
+    fn choose(&self, pod: &PodQuery, candidates: Option<&Vec<Candidate>>) -> Result<Found, String> {
+        let mut candidates = candidates.cloned().unwrap_or_default();
+        if candidates.is_empty() {
+            return Err(format!(
+                "no process of the pod in its own network namespace under {}",
+                self.proc_root.display()
+            ));
+        }
+        candidates.sort_by_key(|c| (c.start, c.pid));
+        let mut seen = HashSet::new();
+        let mut rejected = Vec::new();
+        for candidate in candidates.iter().filter(|c| seen.insert(c.inode)) {
+            let found = Found {
+                pid: candidate.pid,
+                inode: candidate.inode,
+            };
+            if pod.ips.is_empty() {
+                return Ok(found);
+            }
+            let path = self.netns_path(candidate.pid);
+            match (self.verify)(&path, &pod.ips) {
+                Ok(true) => return Ok(found),
+                Ok(false) => rejected.push(format!("{} holds none", path.display())),
+                Err(e) => rejected.push(format!("{}: {e}", path.display())),
+            }
+        }
+        let ips: Vec<String> = pod.ips.iter().map(ToString::to_string).collect();
+        Err(format!(
+            "no network namespace of the pod's processes holds its IPs {} ({})",
+            ips.join(", "),
+            rejected.join("; ")
+        ))
+    }
+}
+
+impl NetnsResolver for ProcNetnsFinder {
+    fn resolve(&mut self, pods: &[PodQuery]) -> BTreeMap<String, Result<NetnsSource, String>> {
+        let asked: HashSet<&str> = pods.iter().map(|p| p.uid.as_str()).collect();
+        self.cache.retain(|uid, _| asked.contains(uid.as_str()));
+        let mut results = BTreeMap::new();
+        let mut missing = Vec::new();
+        for pod in pods {
+            match self.cache.get(&pod.uid).copied() {
+                Some(found) if self.still_valid(&pod.uid, found) => {
+                    results.insert(
+                        pod.uid.clone(),
+                        Ok(NetnsSource::Path(self.netns_path(found.pid))),
+                    );
+                }
+                _ => {
+                    self.cache.remove(&pod.uid);
+                    missing.push(pod);
+                }
+            }
+        }
+        if missing.is_empty() {
+            return results;
+        }
+        let wanted: HashSet<&str> = missing.iter().map(|p| p.uid.as_str()).collect();
+        let scanned = self.scan(&wanted);
+        for pod in missing {
+            let result = match &scanned {
+                Ok(scanned) => self.choose(pod, scanned.get(&pod.uid)),
+                Err(e) => Err(e.clone()),
+            };
+            let result = result.map(|found| {
+                self.cache.insert(pod.uid.clone(), found);
+                NetnsSource::Path(self.netns_path(found.pid))
+            });
+            results.insert(pod.uid.clone(), result);
+        }
+        results
+    }
+}
+
+/// Whether the namespace at `path` has one of `ips` on an interface.
+fn holds_any_ip(path: &Path, ips: &[IpAddr]) -> Result<bool, String> {
+    let netns = Netns::open(&path.to_string_lossy()).map_err(|e| e.to_string())?;
+    let network = podnet::inspect(&netns).map_err(|e| crate::error_chain(&e))?;
+    Ok(ips.iter().any(|ip| network.addresses.contains(ip)))
+}
+
+/// `starttime` (field 22) of `/proc/<pid>/stat`: clock ticks after boot.
+fn start_time(stat: &Path) -> Option<u64> {
+    let text = fs::read_to_string(stat).ok()?;
+    // The command name (field 2) may hold spaces and parentheses.
+    let rest = &text[text.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The pod UIDs named in the contents of a `/proc/<pid>/cgroup` file, in
+/// their canonical (dashed, lowercase) form. Each line is
+/// `hierarchy:controllers:path`; in the path a UID follows `pod` after a
+/// separator, dashed (cgroupfs: `/kubepods/burstable/pod<uid>/<container>`)
+/// or with underscores (systemd: `kubepods-burstable-pod<uid_>.slice`).
+pub fn pod_uids_in_cgroup(text: &str) -> Vec<String> {
+    let mut uids = Vec::new();
+    for line in text.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(_), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        let bytes = path.as_bytes();
+        let mut from = 0;
+        while let Some(at) = path[from..].find("pod").map(|i| i + from) {
+            from = at + 3;
+            let after_separator =
+                at > 0 && matches!(bytes[at - 1], b'/' | b'-' | b'_' | b'.' | b':');
+            if let Some(uid) = uid_at(&path[at + 3..])
+                && after_separator
+                && !uids.contains(&uid)
+            {
+                uids.push(uid);
+            }
+        }
+    }
+    uids
+}
+
+/// A UID (8-4-4-4-12 hex digits, grouped by `-` or `_`) at the start of
+/// `text` and followed by a separator or the end.
+fn uid_at(text: &str) -> Option<String> {
+    const GROUPS: [usize; 5] = [8, 4, 4, 4, 12];
+    let bytes = text.as_bytes();
+    let len = GROUPS.iter().sum::<usize>() + 4;
+    if bytes.len() < len {
+        return None;
+    }
+    let separator = bytes[8];
+    if separator != b'-' && separator != b'_' {
+        return None;
+    }
+    let mut at = 0;
+    for (i, group) in GROUPS.iter().enumerate() {
+        if i > 0 {
+            if bytes[at] != separator {
+                return None;
+            }
+            at += 1;
+        }
+        if !bytes[at..at + group].iter().all(u8::is_ascii_hexdigit) {
+            return None;
+        }
+        at += group;
+    }
+    if bytes.get(len).is_some_and(|b| b.is_ascii_alphanumeric()) {
+        return None;
+    }
+    Some(text[..len].replace('_', "-").to_ascii_lowercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    const UID_A: &str = "2c48913c-b29f-11e7-9350-020968147796";
+    const UID_B: &str = "72f7f152-440c-66ac-9084-e0fc1d8a910c";
+
+    #[test]
+    fn cgroup_lines_of_every_driver_and_version_name_the_pod() {
+        let cgroupfs_v2 = format!("0::/kubepods/burstable/pod{UID_A}/9bca8d63d5fa61078384\n");
+        assert_eq!(pod_uids_in_cgroup(&cgroupfs_v2), [UID_A]);
+
+        let systemd_v1 = format!(
+            "12:memory:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-9bca.scope\n\
+             1:name=systemd:/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-9bca.scope\n\
+             0::/\n",
+            UID_A.replace('-', "_"),
+            UID_A.replace('-', "_"),
+        );
+        assert_eq!(pod_uids_in_cgroup(&systemd_v1), [UID_A]);
+
+        // containerd's systemd driver with a colon-separated container part.
+        let cri = format!(
+            "0::/kubepods-besteffort-pod{}.slice:cri-containerd:b2a102854b49\n",
+            UID_B.replace('-', "_")
+        );
+        assert_eq!(pod_uids_in_cgroup(&cri), [UID_B]);
+
+        // Nested under a container runtime's own cgroup (kind, docker).
+        let nested = format!(
+            "0::/docker/8d461fa5/kubepods/besteffort/pod{}/aff34703\n",
+            UID_B.to_uppercase()
+        );
+        assert_eq!(pod_uids_in_cgroup(&nested), [UID_B]);
+    }
+
+    #[test]
+    fn cgroup_lines_without_a_pod_name_none() {
+        for text in [
+            "0::/\n",
+            "0::/system.slice/containerd.service\n",
+            "0::/kubepods/burstable\n",
+            "0::/kubepods.slice/kubepods-burstable.slice\n",
+            // Not a UID: too short, bad digits, mixed separators, glued on.
+            "0::/kubepods/pod2c48913c-b29f-11e7-9350-02096814779\n",
+            "0::/kubepods/pod2c48913c-b29f-11e7-9350-02096814779z/x\n",
+            "0::/kubepods/pod2c48913c-b29f_11e7-9350-020968147796/x\n",
+            "0::/kubepods/mypod2c48913c-b29f-11e7-9350-020968147796/x\n",
+            "0::/kubepods/pod2c48913c-b29f-11e7-9350-020968147796abc\n",
+            "garbage without colons pod2c48913c-b29f-11e7-9350-020968147796\n",
+            "",
+        ] {
+            assert!(pod_uids_in_cgroup(text).is_empty(), "{text:?}");
+        }
+    }
+
+    /// A fake proc tree: `<root>/<pid>/{cgroup,stat,ns/net}`.
+    struct FakeProc {
+        root: PathBuf,
+    }
+
+    impl FakeProc {
+        fn new() -> Self {
+            let root = std::env::temp_dir()
+                .join(format!("ambpf-fakeproc-{}", ambpf_testbed::unique_name("")));
+            fs::create_dir_all(&root).unwrap();
+            Self { root }
+        }
+
+        fn process(&self, pid: u32, cgroup: &str, start: u64) {
+            let dir = self.root.join(pid.to_string());
+            fs::create_dir_all(dir.join("ns")).unwrap();
+            fs::write(dir.join("cgroup"), cgroup).unwrap();
+            let fields: Vec<String> = (3..=21).map(|i| i.to_string()).collect();
+            fs::write(
+                dir.join("stat"),
+                format!(
+                    "{pid} (pause (x)) S {} {start} 0 0\n",
+                    fields[1..].join(" ")
+                ),
+            )
+            .unwrap();
+            fs::write(dir.join("ns/net"), "").unwrap();
+        }
+
+        /// Puts `pid` in the same (fake) namespace as `other`.
+        fn share_netns(&self, pid: u32, other: u32) {
+            let net = self.root.join(pid.to_string()).join("ns/net");
+            fs::remove_file(&net).unwrap();
+            fs::hard_link(self.root.join(other.to_string()).join("ns/net"), net).unwrap();
+        }
+
+        /// A new namespace for `pid` (a new inode).
+        fn new_netns(&self, pid: u32) {
+            let net = self.root.join(pid.to_string()).join("ns/net");
+            let tmp = net.with_extension("new");
+            fs::write(&tmp, "").unwrap();
+            fs::rename(tmp, net).unwrap();
+        }
+
+        fn kill(&self, pid: u32) {
+            fs::remove_dir_all(self.root.join(pid.to_string())).unwrap();
+        }
+
+        fn path(&self, pid: u32) -> NetnsSource {
+            NetnsSource::Path(self.root.join(pid.to_string()).join("ns/net"))
+        }
+    }
+
+    impl Drop for FakeProc {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.root);
+        }
+    }
+
+    fn v2(uid: &str) -> String {
+        format!("0::/kubepods/burstable/pod{uid}/c0ffee\n")
+    }
+
+    fn query(uid: &str, ips: &[&str]) -> PodQuery {
+        PodQuery {
+            uid: uid.into(),
+            namespace: "shop".into(),
+            name: "web".into(),
+            ips: ips.iter().map(|ip| ip.parse().unwrap()).collect(),
+        }
+    }
+
+    #[test]
+    fn start_time_is_read_past_a_command_with_parentheses() {
+        let proc = FakeProc::new();
+        proc.process(7, "", 4242);
+        assert_eq!(start_time(&proc.root.join("7/stat")), Some(4242));
+    }
+
+    #[test]
+    fn the_oldest_process_of_each_pod_gives_the_namespace_and_is_cached() {
+        let proc = FakeProc::new();
+        proc.process(300, &v2(UID_A), 50); // app container, started later
+        proc.process(200, &v2(UID_A), 10); // pause
+        proc.share_netns(300, 200);
+        proc.process(
+            400,
+            &format!(
+                "1:name=systemd:/kubepods-pod{}.slice\n",
+                UID_B.replace('-', "_")
+            ),
+            5,
+        );
+        proc.process(500, "0::/system.slice/sshd.service\n", 1);
+        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(None);
+
+        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[]), query("missing", &[])]);
+        assert_eq!(found[UID_A], Ok(proc.path(200)));
+        assert_eq!(found[UID_B], Ok(proc.path(400)));
+        assert!(
+            found["missing"]
+                .as_ref()
+                .unwrap_err()
+                .contains("no process of the pod"),
+            "{found:?}"
+        );
+
+        // An older process appearing later does not move a valid answer.
+        proc.process(100, &v2(UID_A), 1);
+        proc.share_netns(100, 200);
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(200))
+        );
+    }
+
+    #[test]
+    fn a_restarted_sandbox_or_a_reused_pid_is_found_again() {
+        let proc = FakeProc::new();
+        proc.process(200, &v2(UID_A), 10);
+        proc.process(300, &v2(UID_A), 20);
+        proc.share_netns(300, 200);
+        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(None);
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(200))
+        );
+
+        // The process is gone: another one of the pod takes over.
+        proc.kill(200);
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(300))
+        );
+
+        // Its namespace changed (sandbox recreated): found again, same pid.
+        let before = finder.cache[UID_A];
+        proc.new_netns(300);
+        let inode = fs::metadata(proc.root.join("300/ns/net")).unwrap().ino();
+        assert_ne!(before.inode, inode);
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(300))
+        );
+        assert_eq!(finder.cache[UID_A], Found { pid: 300, inode });
+
+        // The pid now belongs to someone else: not the pod's any more.
+        fs::write(proc.root.join("300/cgroup"), v2(UID_B)).unwrap();
+        assert!(finder.resolve(&[query(UID_A, &[])])[UID_A].is_err());
+    }
+
+    #[test]
+    fn the_host_namespace_is_never_a_pods() {
+        let proc = FakeProc::new();
+        proc.process(200, &v2(UID_A), 10);
+        let host = fs::metadata(proc.root.join("200/ns/net")).unwrap().ino();
+        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(Some(host));
+        assert!(finder.resolve(&[query(UID_A, &[])])[UID_A].is_err());
+    }
+
+    #[test]
+    fn with_ips_only_a_namespace_holding_one_is_taken() {
+        let proc = FakeProc::new();
+        // A process of the pod visiting another namespace, older than the pod's own.
+        proc.process(100, &v2(UID_A), 1);
+        proc.process(200, &v2(UID_A), 10);
+        let own = proc.root.join("200/ns/net");
+        let checked = Arc::new(Mutex::new(Vec::new()));
+        let verifier: Verifier = Box::new({
+            let (own, checked) = (own.clone(), checked.clone());
+            move |path: &Path, ips: &[IpAddr]| {
+                checked.lock().unwrap().push(path.to_owned());
+                assert_eq!(ips, ["10.0.0.5".parse::<IpAddr>().unwrap()]);
+                Ok(path == own)
+            }
+        });
+        let mut finder = ProcNetnsFinder::new(&proc.root)
+            .with_host_netns(None)
+            .with_verifier(verifier);
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &["10.0.0.5"])])[UID_A],
+            Ok(proc.path(200))
+        );
+        assert_eq!(checked.lock().unwrap().len(), 2);
+
+        // A cached answer is not verified again.
+        finder.resolve(&[query(UID_A, &["10.0.0.5"])]);
+        assert_eq!(checked.lock().unwrap().len(), 2);
+
+        // No namespace holds the IP: an error naming it.
+        let mut strict = ProcNetnsFinder::new(&proc.root)
+            .with_host_netns(None)
+            .with_verifier(Box::new(|_: &Path, _: &[IpAddr]| Ok(false)));
+        let err = strict
+            .resolve(&[query(UID_A, &["10.0.0.5"])])
+            .remove(UID_A)
+            .unwrap()
+            .unwrap_err();
+        assert!(err.contains("holds its IPs 10.0.0.5"), "{err}");
+    }
+
+    #[test]
+    fn pods_no_longer_asked_for_are_forgotten() {
+        let proc = FakeProc::new();
+        proc.process(200, &v2(UID_A), 10);
+        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(None);
+        finder.resolve(&[query(UID_A, &[])]);
+        assert!(finder.cache.contains_key(UID_A));
+        finder.resolve(&[]);
+        assert!(finder.cache.is_empty());
+    }
+
+    #[test]
+    fn closures_resolve_too() {
+        let mut resolver = |pod: &PodQuery| {
+            Ok(NetnsSource::Path(PathBuf::from(format!(
+                "/run/netns/{}",
+                pod.name
+            ))))
+        };
+        let found = NetnsResolver::resolve(&mut resolver, &[query(UID_A, &[])]);
+        assert_eq!(found[UID_A], Ok(NetnsSource::Path("/run/netns/web".into())));
+    }
+}

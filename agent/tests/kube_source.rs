@@ -1,0 +1,879 @@
+//! The Kubernetes pod source against the test API server
+//! (`ambpf_testbed::apiserver`): the real kube-rs client, watchers and
+//! reflectors over HTTP on 127.0.0.1.
+//!
+//! Most tests inject network namespace discovery (a path per UID); the
+//! discovery test at the end runs the real thing, with a process in a real
+//! network namespace and a real cgroup named after the pod.
+
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    process::{Child, Command},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use ambpf::{
+    controller::{Controller, PodSpec},
+    netns::Netns,
+    redirect::{EnrollError, EnrollOptions, EnrolledPod, PodRedirection, RedirectMode},
+    sources::kube::{
+        KubeSource, KubeSourceConfig, KubeSourceError, KubeSourceHandle, PodQuery,
+        rules::{DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION},
+    },
+    zds::{NetnsSource, ZdsConfig, ZdsHandle},
+};
+use ambpf_testbed::{CgroupGuard, NetnsGuard, apiserver::ApiServer};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+/// Generous bound for anything that must happen; the tests never assert how
+/// fast, only that it happens.
+const PATIENCE: Duration = Duration::from_secs(20);
+const NODE: &str = "node-1";
+
+type Pods = watch::Receiver<Arc<Vec<PodSpec>>>;
+
+fn init_logging() {
+    let _ = env_logger::builder().is_test(true).try_init();
+}
+
+fn client(server: &ApiServer) -> kube::Client {
+    let config = kube::Config::new(server.url().parse().unwrap());
+    kube::Client::try_from(config).unwrap()
+}
+
+/// A config that retries fast, so that tests do not wait on backoff.
+fn config() -> KubeSourceConfig {
+    let mut config = KubeSourceConfig::new(NODE);
+    config.resync = Duration::from_millis(200);
+    config.max_backoff = Duration::from_millis(300);
+    config
+}
+
+/// Discovery that is not under test: every pod is at /run/netns/<uid>.
+fn fake_netns(pod: &PodQuery) -> Result<NetnsSource, String> {
+    Ok(NetnsSource::Path(PathBuf::from(format!(
+        "/run/netns/{}",
+        pod.uid
+    ))))
+}
+
+async fn start(server: &ApiServer, config: KubeSourceConfig) -> (KubeSourceHandle, Pods) {
+    init_logging();
+    let (tx, rx) = watch::channel(Arc::new(Vec::new()));
+    let source = KubeSource::new(client(server), config).with_resolver(fake_netns);
+    let handle = tokio::time::timeout(PATIENCE, source.start(tx))
+        .await
+        .expect("synced in time")
+        .unwrap();
+    (handle, rx)
+}
+
+fn namespace(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({ DATAPLANE_MODE_LABEL: "ambient" })
+    } else {
+        json!({ "team": "x" })
+    };
+    json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name, "labels": labels } })
+}
+
+/// A running pod of `NODE` whose UID is `uid-<name>`.
+fn pod(namespace: &str, name: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "namespace": namespace, "uid": format!("uid-{name}"), "labels": { "app": name } },
+        "spec": { "nodeName": NODE, "serviceAccountName": format!("sa-{name}"), "containers": [{ "name": "app" }] },
+        "status": { "phase": "Running" }
+    })
+}
+
+fn with(mut object: Value, path: &[&str], value: Value) -> Value {
+    let mut at = &mut object;
+    for key in &path[..path.len() - 1] {
+        at = at.as_object_mut().unwrap().entry(*key).or_insert(json!({}));
+    }
+    at[path[path.len() - 1]] = value;
+    object
+}
+
+fn uids(pods: &[PodSpec]) -> Vec<String> {
+    pods.iter().map(|p| p.workload.uid.clone()).collect()
+}
+
+/// Waits until the published set satisfies `done`.
+async fn wait_for(
+    pods: &mut Pods,
+    what: &str,
+    done: impl Fn(&[PodSpec]) -> bool,
+) -> Arc<Vec<PodSpec>> {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let current = pods.borrow_and_update().clone();
+        if done(&current) {
+            return current;
+        }
+        if tokio::time::timeout_at(deadline, pods.changed())
+            .await
+            .is_err()
+        {
+            panic!(
+                "timed out waiting for {what}; published: {:?}",
+                uids(&current)
+            );
+        }
+    }
+}
+
+async fn wait_for_uids(pods: &mut Pods, expected: &[&str]) -> Arc<Vec<PodSpec>> {
+    wait_for(pods, &format!("{expected:?}"), |p| uids(p) == expected).await
+}
+
+async fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn istios_enrolment_rules_apply_end_to_end() {
+    let server = ApiServer::start().await.unwrap();
+    for (name, ambient) in [
+        ("mesh", true),
+        ("plain", false),
+        ("kube-system", true),
+        ("infra", true),
+    ] {
+        server.apply("namespaces", namespace(name, ambient));
+    }
+    let ambient_label = json!({ DATAPLANE_MODE_LABEL: "ambient" });
+    server.apply("pods", pod("mesh", "by-namespace"));
+    server.apply(
+        "pods",
+        with(
+            pod("plain", "by-pod"),
+            &["metadata", "labels"],
+            ambient_label.clone(),
+        ),
+    );
+    server.apply("pods", pod("plain", "unlabelled"));
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "opted-out"),
+            &["metadata", "labels"],
+            json!({ DATAPLANE_MODE_LABEL: "none" }),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "host-network"),
+            &["spec", "hostNetwork"],
+            json!(true),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "sidecar"),
+            &["spec", "containers"],
+            json!([{ "name": "app" }, { "name": "istio-proxy" }]),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "injected"),
+            &["metadata", "annotations"],
+            json!({ "sidecar.istio.io/status": "{}" }),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "finished"),
+            &["status", "phase"],
+            json!("Succeeded"),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(pod("mesh", "failed"), &["status", "phase"], json!("Failed")),
+    );
+    server.apply("pods", pod("kube-system", "system"));
+    server.apply("pods", pod("infra", "excluded-by-config"));
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "elsewhere"),
+            &["spec", "nodeName"],
+            json!("node-2"),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "no-dns"),
+            &["metadata", "annotations"],
+            json!({ DNS_CAPTURE_ANNOTATION: "false" }),
+        ),
+    );
+
+    let mut config = config();
+    config.excluded_namespaces.insert("infra".into());
+    let (_source, pods) = start(&server, config).await;
+    // The first publish is the complete snapshot.
+    let first = pods.borrow().clone();
+    assert_eq!(
+        uids(&first),
+        ["uid-by-namespace", "uid-by-pod", "uid-no-dns"]
+    );
+    let by_namespace = &first[0];
+    assert_eq!(by_namespace.workload.name, "by-namespace");
+    assert_eq!(by_namespace.workload.namespace, "mesh");
+    assert_eq!(by_namespace.workload.service_account, "sa-by-namespace");
+    assert_eq!(
+        by_namespace.workload.netns,
+        NetnsSource::Path("/run/netns/uid-by-namespace".into())
+    );
+    assert_eq!(by_namespace.dns_capture, None);
+    assert_eq!(first[2].dns_capture, Some(false));
+
+    // The pods of this node only, and the watches ask for bookmarks.
+    eventually("both watches", || {
+        server.open_watches("pods") > 0 && server.open_watches("namespaces") > 0
+    })
+    .await;
+    let requests = server.requests();
+    let pod_watch = requests
+        .iter()
+        .find(|r| r.path == "/api/v1/pods" && r.is_watch())
+        .expect("a watch on pods");
+    assert_eq!(
+        pod_watch.query["fieldSelector"],
+        format!("spec.nodeName={NODE}")
+    );
+    assert_eq!(pod_watch.query["allowWatchBookmarks"], "true");
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.path == "/api/v1/namespaces" && r.is_watch())
+    );
+}
+
+#[tokio::test]
+async fn relabelling_and_deleting_enrols_and_removes_pods_live() {
+    let server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", false));
+    server.apply("pods", pod("shop", "web"));
+    let (_source, mut pods) = start(&server, config()).await;
+    assert!(pods.borrow().is_empty());
+
+    let set_ns_mode = |mode: Value| {
+        server.modify("namespaces", "", "shop", |ns| {
+            ns["metadata"]["labels"][DATAPLANE_MODE_LABEL] = mode
+        });
+    };
+    let set_pod_mode = |mode: Value| {
+        server.modify("pods", "shop", "web", |p| {
+            p["metadata"]["labels"][DATAPLANE_MODE_LABEL] = mode
+        });
+    };
+    set_ns_mode(json!("ambient"));
+    wait_for_uids(&mut pods, &["uid-web"]).await;
+    set_pod_mode(json!("none"));
+    wait_for_uids(&mut pods, &[]).await;
+    server.modify("pods", "shop", "web", |p| {
+        p["metadata"]["labels"]
+            .as_object_mut()
+            .unwrap()
+            .remove(DATAPLANE_MODE_LABEL);
+    });
+    wait_for_uids(&mut pods, &["uid-web"]).await;
+    server.modify("namespaces", "", "shop", |ns| {
+        ns["metadata"]["labels"] = json!({})
+    });
+    wait_for_uids(&mut pods, &[]).await;
+    set_pod_mode(json!("ambient"));
+    wait_for_uids(&mut pods, &["uid-web"]).await;
+
+    // New pods join; deleted and finished ones leave.
+    set_ns_mode(json!("ambient"));
+    server.apply("pods", pod("shop", "db"));
+    server.apply("pods", pod("shop", "job"));
+    wait_for_uids(&mut pods, &["uid-db", "uid-job", "uid-web"]).await;
+    server.delete("pods", "shop", "db");
+    wait_for_uids(&mut pods, &["uid-job", "uid-web"]).await;
+    server.modify("pods", "shop", "job", |p| {
+        p["status"]["phase"] = json!("Succeeded")
+    });
+    wait_for_uids(&mut pods, &["uid-web"]).await;
+    // A pod's DNS choice is followed live too.
+    server.modify("pods", "shop", "web", |p| {
+        p["metadata"]["annotations"] = json!({ DNS_CAPTURE_ANNOTATION: "false" })
+    });
+    wait_for(&mut pods, "dns opt-out", |p| {
+        p.len() == 1 && p[0].dns_capture == Some(false)
+    })
+    .await;
+}
+
+/// Records every set the source publishes.
+fn record(mut pods: Pods) -> Arc<Mutex<Vec<Vec<String>>>> {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            while pods.changed().await.is_ok() {
+                let current = uids(&pods.borrow_and_update());
+                seen.lock().unwrap().push(current);
+            }
+        }
+    });
+    seen
+}
+
+#[tokio::test]
+async fn watch_errors_and_410_relists_lose_nothing() {
+    let server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", true));
+    server.apply("pods", pod("shop", "stable"));
+    server.apply("pods", pod("shop", "doomed"));
+    let (_source, mut pods) = start(&server, config()).await;
+    assert_eq!(uids(&pods.borrow()), ["uid-doomed", "uid-stable"]);
+    let seen = record(pods.clone());
+    let lists = || {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.path == "/api/v1/pods" && !r.is_watch())
+            .count()
+    };
+    let lists_before = lists();
+
+    // An error event ends the watch; the watcher resumes where it was.
+    eventually("watching pods", || server.open_watches("pods") > 0).await;
+    server.watch_error(500, "InternalError", "etcd hiccup");
+    server.apply("pods", pod("shop", "after-error"));
+    wait_for_uids(&mut pods, &["uid-after-error", "uid-doomed", "uid-stable"]).await;
+    // A clean end of the watch (timeout) is resumed too.
+    eventually("watching pods", || server.open_watches("pods") > 0).await;
+    server.break_watches();
+    server.delete("pods", "shop", "after-error");
+    wait_for_uids(&mut pods, &["uid-doomed", "uid-stable"]).await;
+    assert_eq!(lists(), lists_before, "resuming needs no list");
+
+    // 410 Gone: the versions are compacted, so the pods are listed again;
+    // what changed meanwhile (a deletion included) is picked up.
+    eventually("watching pods", || server.open_watches("pods") > 0).await;
+    server.expire();
+    server.delete("pods", "shop", "doomed");
+    server.apply("pods", pod("shop", "newcomer"));
+    wait_for_uids(&mut pods, &["uid-newcomer", "uid-stable"]).await;
+    eventually("a relist", || lists() > lists_before).await;
+
+    // A watch resuming from a compacted version gets 410 when it starts.
+    // (A pod of another node moves the version past what the watch saw.)
+    eventually("watching pods", || server.open_watches("pods") > 0).await;
+    let lists_before = lists();
+    server.apply(
+        "pods",
+        with(
+            pod("shop", "elsewhere"),
+            &["spec", "nodeName"],
+            json!("node-2"),
+        ),
+    );
+    server.compact();
+    server.break_watches();
+    server.apply("pods", pod("shop", "late"));
+    wait_for_uids(&mut pods, &["uid-late", "uid-newcomer", "uid-stable"]).await;
+    eventually("a relist", || lists() > lists_before).await;
+
+    // The pod present throughout was never dropped, not even mid-relist.
+    let seen = seen.lock().unwrap();
+    assert!(!seen.is_empty());
+    for set in seen.iter() {
+        assert!(set.contains(&"uid-stable".to_owned()), "{seen:?}");
+    }
+}
+
+#[tokio::test]
+async fn malformed_objects_are_skipped_and_the_rest_apply() {
+    let server = ApiServer::start().await.unwrap();
+    // A namespace whose spec does not parse still enrols by its labels.
+    server.apply(
+        "namespaces",
+        with(
+            namespace("shop", true),
+            &["spec"],
+            json!({ "finalizers": "not a list" }),
+        ),
+    );
+    server.apply("pods", pod("shop", "good"));
+    server.apply(
+        "pods",
+        with(
+            pod("shop", "bad-spec"),
+            &["spec", "containers"],
+            json!("not a list"),
+        ),
+    );
+    server.apply(
+        "pods",
+        with(
+            pod("shop", "bad-meta"),
+            &["metadata", "labels"],
+            json!(["not", "a", "map"]),
+        ),
+    );
+    let (_source, mut pods) = start(&server, config()).await;
+    assert_eq!(uids(&pods.borrow()), ["uid-good"]);
+
+    // Malformed watch events and lines are skipped too; later changes apply.
+    server.apply(
+        "pods",
+        with(pod("shop", "bad-later"), &["status", "phase"], json!(42)),
+    );
+    eventually("watching pods", || server.open_watches("pods") > 0).await;
+    server.send_raw_watch_line("pods", "{this is not json");
+    server.send_raw_watch_line("pods", r#"{"type":"ADDED","object":"not an object"}"#);
+    server.apply("pods", pod("shop", "good-later"));
+    wait_for_uids(&mut pods, &["uid-good", "uid-good-later"]).await;
+
+    // A malformed pod that is fixed enrols.
+    server.modify("pods", "shop", "bad-spec", |p| {
+        p["spec"]["containers"] = json!([{ "name": "app" }])
+    });
+    wait_for_uids(&mut pods, &["uid-bad-spec", "uid-good", "uid-good-later"]).await;
+}
+
+#[tokio::test]
+async fn the_source_keeps_its_last_set_while_the_api_server_is_away_and_recovers() {
+    let mut server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", true));
+    server.apply("pods", pod("shop", "a"));
+    let (source, mut pods) = start(&server, config()).await;
+    assert_eq!(uids(&pods.borrow()), ["uid-a"]);
+
+    server.shutdown().await;
+    // Changes made while the source cannot see them.
+    server.delete("pods", "shop", "a");
+    server.apply("pods", pod("shop", "b"));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(uids(&pods.borrow()), ["uid-a"], "the last set is kept");
+    assert!(source.is_running());
+
+    server.restart().await.unwrap();
+    wait_for_uids(&mut pods, &["uid-b"]).await;
+    server.apply("pods", pod("shop", "c"));
+    wait_for_uids(&mut pods, &["uid-b", "uid-c"]).await;
+
+    // Away long enough for its versions to be compacted: relisted on return.
+    server.shutdown().await;
+    server.delete("pods", "shop", "b");
+    server.expire();
+    server.restart().await.unwrap();
+    wait_for_uids(&mut pods, &["uid-c"]).await;
+}
+
+#[tokio::test]
+async fn start_up_errors_say_what_is_wrong() {
+    init_logging();
+    let mut server = ApiServer::start().await.unwrap();
+    let client = client(&server);
+    let attempt = |config: KubeSourceConfig| {
+        let (tx, _rx) = watch::channel(Arc::new(Vec::new()));
+        let source = KubeSource::new(client.clone(), config).with_resolver(fake_netns);
+        async move {
+            tokio::time::timeout(PATIENCE, source.start(tx))
+                .await
+                .expect("no hang")
+                .err()
+                .expect("an error")
+        }
+    };
+
+    let err = attempt(KubeSourceConfig::new("")).await;
+    assert!(matches!(err, KubeSourceError::NoNodeName), "{err}");
+    assert!(err.to_string().contains("NODE_NAME"), "{err}");
+
+    server.deny("list", "pods");
+    let err = attempt(config()).await;
+    assert!(
+        matches!(
+            err,
+            KubeSourceError::Forbidden {
+                verb: "list",
+                resource: "pods",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("RBAC denies the agent `list` on pods"),
+        "{err}"
+    );
+    server.allow("list", "pods");
+
+    server.deny("list", "namespaces");
+    let err = attempt(config()).await;
+    assert!(
+        matches!(
+            err,
+            KubeSourceError::Forbidden {
+                resource: "namespaces",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    server.allow("list", "namespaces");
+
+    server.shutdown().await;
+    let err = attempt(config()).await;
+    assert!(
+        err.to_string()
+            .starts_with("cannot list pods from the API server"),
+        "{err}"
+    );
+
+    let missing = ambpf::sources::kube::client(Some(Path::new("/nonexistent/kubeconfig")))
+        .await
+        .err()
+        .expect("no kubeconfig there");
+    assert!(
+        missing.to_string().contains("/nonexistent/kubeconfig"),
+        "{missing}"
+    );
+}
+
+fn annotation(server: &ApiServer, name: &str) -> Option<String> {
+    let pod = server.object("pods", "shop", name)?;
+    pod["metadata"]["annotations"][REDIRECTION_ANNOTATION]
+        .as_str()
+        .map(str::to_owned)
+}
+
+#[tokio::test]
+async fn enrolment_is_recorded_on_the_pods_after_the_controller_reports_it() {
+    init_logging();
+    let server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", true));
+    server.apply("pods", pod("shop", "a"));
+    server.apply("pods", pod("shop", "b"));
+    // Left annotated by an earlier agent, but no longer ambient.
+    server.apply(
+        "pods",
+        with(
+            with(
+                pod("shop", "stale"),
+                &["metadata", "annotations"],
+                json!({ REDIRECTION_ANNOTATION: "enabled" }),
+            ),
+            &["metadata", "labels"],
+            json!({ DATAPLANE_MODE_LABEL: "none" }),
+        ),
+    );
+    let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
+    let (tx, mut pods) = watch::channel(Arc::new(Vec::new()));
+    let _source = KubeSource::new(client(&server), config())
+        .with_resolver(fake_netns)
+        .annotate_from(programmed_rx)
+        .start(tx)
+        .await
+        .unwrap();
+    assert_eq!(uids(&pods.borrow()), ["uid-a", "uid-b"]);
+
+    // Nothing is recorded before the controller reports.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(server.patches().is_empty(), "{:?}", server.patches());
+
+    let report = |uids: &[&str]| {
+        programmed_tx.send_replace(Arc::new(uids.iter().map(|u| (*u).to_owned()).collect()));
+    };
+    report(&["uid-a"]);
+    eventually("a annotated", || {
+        annotation(&server, "a").as_deref() == Some("enabled")
+    })
+    .await;
+    eventually("the stale annotation removed", || {
+        annotation(&server, "stale").is_none()
+    })
+    .await;
+    assert_eq!(annotation(&server, "b"), None, "b is not programmed yet");
+    let patch = server
+        .patches()
+        .into_iter()
+        .find(|p| p.name == "a")
+        .unwrap();
+    assert_eq!(patch.resource, "pods");
+    assert_eq!(patch.content_type, "application/merge-patch+json");
+    assert_eq!(
+        patch.body,
+        json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: "enabled" } } })
+    );
+
+    // RBAC denies patching: logged and retried until allowed.
+    server.deny("patch", "pods");
+    report(&["uid-a", "uid-b"]);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(annotation(&server, "b"), None);
+    server.allow("patch", "pods");
+    eventually("b annotated", || {
+        annotation(&server, "b").as_deref() == Some("enabled")
+    })
+    .await;
+
+    // b leaves the mesh: its annotation stays until the controller has
+    // removed it, then goes.
+    server.modify("pods", "shop", "b", |p| {
+        p["metadata"]["labels"][DATAPLANE_MODE_LABEL] = json!("none")
+    });
+    wait_for_uids(&mut pods, &["uid-a"]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(annotation(&server, "b").as_deref(), Some("enabled"));
+    report(&["uid-a"]);
+    eventually("b's annotation removed", || {
+        annotation(&server, "b").is_none()
+    })
+    .await;
+    let removal = server
+        .patches()
+        .into_iter()
+        .rfind(|p| p.name == "b")
+        .unwrap();
+    assert_eq!(
+        removal.body,
+        json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: null } } })
+    );
+
+    // Each change was patched once: a patch is not repeated while the watch
+    // catches up.
+    let count = |name: &str| server.patches().iter().filter(|p| p.name == name).count();
+    assert_eq!((count("a"), count("b"), count("stale")), (1, 2, 1));
+}
+
+/// A redirection that only records, for the end-to-end test with the real
+/// controller (the redirection itself is tested in tests/redirect.rs).
+#[derive(Default)]
+struct Recorder {
+    enrolled: BTreeSet<u64>,
+}
+
+impl PodRedirection for Recorder {
+    fn mode(&self) -> RedirectMode {
+        RedirectMode::Ebpf
+    }
+
+    fn enroll(
+        &mut self,
+        netns: &Netns,
+        options: EnrollOptions,
+    ) -> Result<EnrolledPod, EnrollError> {
+        self.enrolled.insert(netns.inode());
+        Ok(EnrolledPod {
+            netns: netns.path().to_owned(),
+            netns_inode: netns.inode(),
+            netns_cookie: 0,
+            addresses: vec![],
+            interfaces: vec![],
+            dns_capture: options.dns_capture,
+        })
+    }
+
+    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
+        Ok(self.enrolled.remove(&netns_inode))
+    }
+
+    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
+        Ok(self.enrolled.iter().copied().collect())
+    }
+}
+
+#[tokio::test]
+async fn with_the_controller_pods_reach_ztunnel_and_are_annotated() {
+    init_logging();
+    let server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", true));
+    let netns: Vec<NetnsGuard> = (0..2)
+        .map(|_| NetnsGuard::create("kube").unwrap())
+        .collect();
+    let paths: Vec<PathBuf> = netns.iter().map(NetnsGuard::path).collect();
+    server.apply("pods", pod("shop", "a"));
+    server.apply("pods", pod("shop", "b"));
+    let resolver = move |pod: &PodQuery| match pod.uid.as_str() {
+        "uid-a" => Ok(NetnsSource::Path(paths[0].clone())),
+        "uid-b" => Ok(NetnsSource::Path(paths[1].clone())),
+        other => Err(format!("no netns for {other}")),
+    };
+
+    let zds = ZdsHandle::new(ZdsConfig::default());
+    let mut controller = Controller::new(Box::new(Recorder::default()), zds.clone(), true);
+    let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
+    controller.report_programmed(programmed_tx);
+    let (tx, rx) = watch::channel(Arc::new(Vec::new()));
+    let _source = KubeSource::new(client(&server), config())
+        .with_resolver(resolver)
+        .annotate_from(programmed_rx)
+        .start(tx)
+        .await
+        .unwrap();
+    // As `ambpf run` does: the complete first set is programmed before
+    // anything else.
+    let first = controller.apply(&rx.borrow());
+    assert_eq!(first.enrolled, 2);
+    assert_eq!(
+        zds.workloads().keys().collect::<Vec<_>>(),
+        ["uid-a", "uid-b"]
+    );
+    tokio::spawn(controller.run(rx));
+    eventually("both annotated", || {
+        annotation(&server, "a").is_some() && annotation(&server, "b").is_some()
+    })
+    .await;
+
+    // A pod that leaves: out of ztunnel, then unannotated.
+    server.modify("pods", "shop", "a", |p| {
+        p["metadata"]["labels"][DATAPLANE_MODE_LABEL] = json!("none")
+    });
+    eventually("a out of ztunnel", || {
+        !zds.workloads().contains_key("uid-a")
+    })
+    .await;
+    eventually("a's annotation removed", || {
+        annotation(&server, "a").is_none()
+    })
+    .await;
+    // A pod whose netns cannot be found is not handed to ztunnel.
+    server.apply("pods", pod("shop", "c"));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["uid-b"]);
+    assert_eq!(annotation(&server, "c"), None);
+}
+
+/// A process of a pod: in the pod's network namespace and in a cgroup named
+/// as the kubelet's systemd driver names a pod's (`..-pod<uid_>.slice`).
+struct PodProcess {
+    child: Child,
+    cgroup: PathBuf,
+}
+
+impl PodProcess {
+    fn spawn(netns: &NetnsGuard, parent: &CgroupGuard, uid: &str) -> Self {
+        let cgroup = parent.path().join(format!(
+            "kubepods-besteffort-pod{}.slice",
+            uid.replace('-', "_")
+        ));
+        std::fs::create_dir_all(&cgroup).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns.name(), "sleep", "300"])
+            .spawn()
+            .unwrap();
+        std::fs::write(cgroup.join("cgroup.procs"), child.id().to_string()).unwrap();
+        Self { child, cgroup }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn netns_path(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/ns/net", self.pid()))
+    }
+}
+
+impl Drop for PodProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Err(e) = std::fs::remove_dir(&self.cgroup) {
+            eprintln!("cannot remove cgroup {}: {e}", self.cgroup.display());
+        }
+    }
+}
+
+#[tokio::test]
+async fn real_network_namespaces_are_found_through_proc_and_followed_across_restarts() {
+    init_logging();
+    let server = ApiServer::start().await.unwrap();
+    let cgroups = CgroupGuard::create().unwrap();
+    let netns = NetnsGuard::create("kpod").unwrap();
+    netns
+        .ip(&[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+        ])
+        .unwrap();
+    netns
+        .ip(&["addr", "add", "10.77.0.5/32", "dev", "eth0"])
+        .unwrap();
+    netns.ip(&["link", "set", "eth0", "up"]).unwrap();
+    let (uid_web, uid_visitor) = (
+        "6f1c2a3b-0000-4000-8000-00000000c0de",
+        "6f1c2a3b-0000-4000-8000-0000000beef0",
+    );
+
+    server.apply("namespaces", namespace("shop", true));
+    let status = |ip: &str| json!({ "phase": "Running", "podIP": ip, "podIPs": [{ "ip": ip }] });
+    server.apply(
+        "pods",
+        with(
+            with(pod("shop", "web"), &["metadata", "uid"], json!(uid_web)),
+            &["status"],
+            status("10.77.0.5"),
+        ),
+    );
+    // A pod with a process in web's namespace, whose own IP is not there: a
+    // visitor, not its namespace.
+    server.apply(
+        "pods",
+        with(
+            with(
+                pod("shop", "visitor"),
+                &["metadata", "uid"],
+                json!(uid_visitor),
+            ),
+            &["status"],
+            status("10.77.0.9"),
+        ),
+    );
+
+    let mut web = PodProcess::spawn(&netns, &cgroups, uid_web);
+    let _visitor = PodProcess::spawn(&netns, &cgroups, uid_visitor);
+    let (tx, mut pods) = watch::channel(Arc::new(Vec::new()));
+    let _source = KubeSource::new(client(&server), config())
+        .start(tx)
+        .await
+        .unwrap();
+    let found = wait_for_uids(&mut pods, &[uid_web]).await;
+    assert_eq!(found[0].workload.netns, NetnsSource::Path(web.netns_path()));
+    let inode = |path: &Path| Netns::open(&path.to_string_lossy()).unwrap().inode();
+    assert_eq!(inode(&web.netns_path()), inode(&netns.path()));
+
+    // The container restarts: a new process in the same namespace.
+    let old = web.netns_path();
+    drop(web);
+    web = PodProcess::spawn(&netns, &cgroups, uid_web);
+    let moved = wait_for(&mut pods, "the new process", |p| {
+        p.len() == 1 && p[0].workload.netns == NetnsSource::Path(web.netns_path())
+    })
+    .await;
+    assert_ne!(moved[0].workload.netns, NetnsSource::Path(old));
+
+    // All of the pod's processes gone: it leaves the set until it is back.
+    drop(web);
+    wait_for_uids(&mut pods, &[]).await;
+    let _web = PodProcess::spawn(&netns, &cgroups, uid_web);
+    wait_for_uids(&mut pods, &[uid_web]).await;
+}
