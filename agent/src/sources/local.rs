@@ -155,7 +155,10 @@ fn modified(path: &Path) -> Option<SystemTime> {
     std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
-fn load(path: &Path, pods: &watch::Sender<Arc<Vec<PodSpec>>>) -> Result<Option<SystemTime>, LocalSourceError> {
+fn load(
+    path: &Path,
+    pods: &watch::Sender<Arc<Vec<PodSpec>>>,
+) -> Result<Option<SystemTime>, LocalSourceError> {
     let stamp = modified(path);
     let text = std::fs::read_to_string(path).map_err(|source| LocalSourceError::Read {
         path: path.to_owned(),
@@ -183,7 +186,11 @@ mod tests {
         ]}"#;
         let parsed = parse(text, Path::new("pods.json")).unwrap();
         assert!(parsed.skipped.is_empty(), "{:?}", parsed.skipped);
-        let netns: Vec<_> = parsed.pods.iter().map(|p| p.workload.netns.path()).collect();
+        let netns: Vec<_> = parsed
+            .pods
+            .iter()
+            .map(|p| p.workload.netns.path())
+            .collect();
         assert_eq!(
             netns,
             [
@@ -193,7 +200,14 @@ mod tests {
             ]
         );
         assert_eq!(parsed.pods[1].workload.service_account, "default");
-        assert_eq!(parsed.pods.iter().map(|p| p.dns_capture).collect::<Vec<_>>(), [None, None, None]);
+        assert_eq!(
+            parsed
+                .pods
+                .iter()
+                .map(|p| p.dns_capture)
+                .collect::<Vec<_>>(),
+            [None, None, None]
+        );
     }
 
     #[test]
@@ -206,7 +220,11 @@ mod tests {
             {"uid": "d", "name": "typo", "namespace": "shop", "netnss": "v"}
         ]}"#;
         let parsed = parse(text, Path::new("pods.json")).unwrap();
-        let uids: Vec<_> = parsed.pods.iter().map(|p| p.workload.uid.as_str()).collect();
+        let uids: Vec<_> = parsed
+            .pods
+            .iter()
+            .map(|p| p.workload.uid.as_str())
+            .collect();
         assert_eq!(uids, ["a"]);
         assert_eq!(parsed.skipped.len(), 4, "{:?}", parsed.skipped);
         assert!(parsed.skipped[0].starts_with("pods[1]"));

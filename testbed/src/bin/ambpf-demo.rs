@@ -36,7 +36,10 @@ use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, kill, sig
 type Error = Box<dyn std::error::Error>;
 
 #[derive(Parser)]
-#[command(name = "ambpf-demo", about = "Run ambpf against a throwaway pod on this machine")]
+#[command(
+    name = "ambpf-demo",
+    about = "Run ambpf against a throwaway pod on this machine"
+)]
 struct Args {
     /// The ambpf agent binary.
     #[arg(long, default_value = "target/release/ambpf")]
@@ -60,7 +63,11 @@ extern "C" fn request_stop(_: i32) {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Error> {
     let args = Args::parse();
-    let handler = SigAction::new(SigHandler::Handler(request_stop), SaFlags::empty(), SigSet::empty());
+    let handler = SigAction::new(
+        SigHandler::Handler(request_stop),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         sigaction(Signal::SIGINT, &handler)?;
@@ -85,23 +92,50 @@ async fn main() -> Result<(), Error> {
             pod.ns.path().display()
         ),
     )?;
-    println!("== node {} | pod {} ({}, {}) | remote {} ({})",
-        cluster.node.name(), pod.ns.name(), pod.addrs.v4, pod.addrs.v6, cluster.remote.ns.name(), cluster.remote.addrs.v4);
-    println!("== pin root {} (private bpffs), cgroup {}", pin_root.display(), cgroup.path().display());
+    println!(
+        "== node {} | pod {} ({}, {}) | remote {} ({})",
+        cluster.node.name(),
+        pod.ns.name(),
+        pod.addrs.v4,
+        pod.addrs.v6,
+        cluster.remote.ns.name(),
+        cluster.remote.addrs.v4
+    );
+    println!(
+        "== pin root {} (private bpffs), cgroup {}",
+        pin_root.display(),
+        cgroup.path().display()
+    );
 
-    let mut agent = spawn_agent(&args.agent, &cluster.node, &pin_root, &socket, &pods_file, cgroup.path(), pod)?;
+    let mut agent = spawn_agent(
+        &args.agent,
+        &cluster.node,
+        &pin_root,
+        &socket,
+        &pods_file,
+        cgroup.path(),
+        pod,
+    )?;
     let result = demo(&args, &cluster, &pin_root, &socket, &mut agent).await;
     stop(&mut agent);
     run_agent_cli(&args.agent, &pin_root, &["uninstall"]);
     result
 }
 
-async fn demo(args: &Args, cluster: &Cluster, pin_root: &Path, socket: &Path, agent: &mut Child) -> Result<(), Error> {
+async fn demo(
+    args: &Args,
+    cluster: &Cluster,
+    pin_root: &Path,
+    socket: &Path,
+    agent: &mut Child,
+) -> Result<(), Error> {
     let pod = &cluster.pods[0];
     println!("== starting the ztunnel double on {}", socket.display());
     let ztunnel = ZtunnelDouble::connect_with_retry(socket, ZtunnelConfig::default());
     let deadline = Instant::now() + PATIENCE;
-    while !ztunnel.inspect(|s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running)) {
+    while !ztunnel
+        .inspect(|s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running))
+    {
         if let Some(exit) = agent.try_wait()? {
             return Err(format!("the agent exited: {exit}").into());
         }
@@ -115,7 +149,10 @@ async fn demo(args: &Args, cluster: &Cluster, pin_root: &Path, socket: &Path, ag
     let remote = SocketAddr::new(cluster.remote.addrs.v4.into(), REMOTE_PORT);
     let app = SocketAddr::new(pod.addrs.v4.into(), APP_PORT);
     echo_server(&cluster.remote.ns, remote)?;
-    echo_server(&pod.ns, SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), APP_PORT))?;
+    echo_server(
+        &pod.ns,
+        SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
+    )?;
 
     println!("== pod app -> remote {remote}");
     exchange(&pod.ns, remote)?;
@@ -139,7 +176,10 @@ async fn demo(args: &Args, cluster: &Cluster, pin_root: &Path, socket: &Path, ag
     if Command::new("bpftool").arg("version").output().is_ok() {
         println!("== bpftool prog show (ambpf programs)");
         let out = Command::new("bpftool").args(["prog", "show"]).output()?;
-        for line in String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains(" name ambpf_")) {
+        for line in String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| l.contains(" name ambpf_"))
+        {
             println!("   {line}");
         }
     }
@@ -175,14 +215,19 @@ fn spawn_agent(
         .arg("--cgroup")
         .arg(cgroup)
         .args(["--attach", &format!("{}:eth0", pod.ns.path().display())])
-        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()));
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        );
     // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
     unsafe {
         cmd.pre_exec(move || {
-            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(std::io::Error::from)
         });
     }
-    cmd.spawn().map_err(|e| format!("starting {}: {e}", agent.display()).into())
+    cmd.spawn()
+        .map_err(|e| format!("starting {}: {e}", agent.display()).into())
 }
 
 /// A thread echoing on `addr` inside `ns`; it ends with the process.
@@ -190,7 +235,10 @@ fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> Result<(), Error> {
     let listener = ns.run(|| TcpListener::bind(addr))??;
     std::thread::spawn(move || {
         for mut conn in listener.incoming().flatten() {
-            let peer = conn.peer_addr().map(|p| unmap(p.ip()).to_string()).unwrap_or_default();
+            let peer = conn
+                .peer_addr()
+                .map(|p| unmap(p.ip()).to_string())
+                .unwrap_or_default();
             println!("   server {addr} accepted a connection from {peer}");
             let mut buf = [0u8; 64];
             if let Ok(n) = conn.read(&mut buf) {
@@ -209,7 +257,11 @@ fn exchange(ns: &NetnsGuard, to: SocketAddr) -> Result<(), Error> {
         conn.write_all(b"hello through ambpf")?;
         let mut buf = [0u8; 64];
         let n = conn.read(&mut buf)?;
-        println!("   reply {:?}, the app saw its peer as {}", String::from_utf8_lossy(&buf[..n]), conn.peer_addr()?);
+        println!(
+            "   reply {:?}, the app saw its peer as {}",
+            String::from_utf8_lossy(&buf[..n]),
+            conn.peer_addr()?
+        );
         Ok(())
     })??;
     Ok(())
@@ -223,13 +275,21 @@ fn unmap(ip: IpAddr) -> IpAddr {
 }
 
 fn run_agent_cli(agent: &Path, pin_root: &Path, args: &[&str]) {
-    if let Err(e) = Command::new(agent).arg("--pin-root").arg(pin_root).args(args).status() {
+    if let Err(e) = Command::new(agent)
+        .arg("--pin-root")
+        .arg(pin_root)
+        .args(args)
+        .status()
+    {
         eprintln!("running {} {}: {e}", agent.display(), args.join(" "));
     }
 }
 
 fn stop(agent: &mut Child) {
-    let _ = kill(nix::unistd::Pid::from_raw(agent.id() as i32), Signal::SIGTERM);
+    let _ = kill(
+        nix::unistd::Pid::from_raw(agent.id() as i32),
+        Signal::SIGTERM,
+    );
     let _ = agent.wait();
 }
 
