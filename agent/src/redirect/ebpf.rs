@@ -149,15 +149,7 @@ impl Dataplane {
             },
             ..Default::default()
         };
-        // One address per family: what a Kubernetes pod has.
-        let v4 = net.addresses.iter().find(|ip| ip.is_ipv4());
-        let v6 = net.addresses.iter().find(|ip| ip.is_ipv6());
-        let addresses: Vec<IpAddr> = v4.into_iter().chain(v6).copied().collect();
-        if addresses.is_empty() {
-            return Err(EnrollError::NoAddress {
-                netns: netns.path().to_owned(),
-            });
-        }
+        let addresses = super::pod_addresses(&net, netns)?;
         for (slot, ip) in config.ips.iter_mut().zip(&addresses) {
             *slot = ip_key(*ip);
         }

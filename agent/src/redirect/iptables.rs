@@ -1116,15 +1116,7 @@ impl PodRedirection for IptablesRedirection {
         options: EnrollOptions,
     ) -> Result<EnrolledPod, EnrollError> {
         let net = podnet::inspect(netns)?;
-        // One address per family: what a Kubernetes pod has.
-        let v4 = net.addresses.iter().find(|ip| ip.is_ipv4());
-        let v6 = net.addresses.iter().find(|ip| ip.is_ipv6());
-        let addresses: Vec<IpAddr> = v4.into_iter().chain(v6).copied().collect();
-        if addresses.is_empty() {
-            return Err(EnrollError::NoAddress {
-                netns: netns.path().to_owned(),
-            });
-        }
+        let addresses = super::pod_addresses(&net, netns)?;
         let inode = netns.inode();
         let previous = self.pods.get(&inode).map(|e| e.addresses.clone());
         let kept = match previous {

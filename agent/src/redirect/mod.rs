@@ -59,3 +59,20 @@ pub struct NodeSettings {
     /// root cgroup in production).
     pub cgroup: PathBuf,
 }
+
+/// The addresses a pod is redirected by: the first of each family, which is
+/// what a Kubernetes pod has. A pod with none cannot be enrolled.
+fn pod_addresses(
+    net: &podnet::PodNetwork,
+    netns: &Netns,
+) -> Result<Vec<std::net::IpAddr>, EnrollError> {
+    let v4 = net.addresses.iter().find(|ip| ip.is_ipv4());
+    let v6 = net.addresses.iter().find(|ip| ip.is_ipv6());
+    let addresses: Vec<_> = v4.into_iter().chain(v6).copied().collect();
+    if addresses.is_empty() {
+        return Err(EnrollError::NoAddress {
+            netns: netns.path().to_owned(),
+        });
+    }
+    Ok(addresses)
+}
