@@ -44,7 +44,10 @@ pub enum Command {
     Attach(IfaceArgs),
     /// Detach the programs from an interface in a network namespace.
     Detach(IfaceArgs),
-    /// Show the pinned maps, links and counters.
+    /// Show the enrolled pods, pinned maps (with entry counts), links and
+    /// counters, read from the pins alone: works while the agent runs or
+    /// after it died.
+    #[command(visible_alias = "inspect")]
     Status {
         /// Print JSON instead of text.
         #[arg(long)]
