@@ -55,6 +55,33 @@ pub enum Command {
     },
     /// Remove every pin under the pin root, detaching everything ambpf attached.
     Uninstall,
+    /// Chain the `ambpf-cni` plugin into the node's CNI conflist and copy its
+    /// binary into the CNI bin directory (idempotent); with --watch, keep
+    /// re-applying it so a removed entry comes back.
+    CniInstall(CniInstallArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct CniInstallArgs {
+    /// The directory of the node's CNI configuration (the first *.conflist
+    /// in it gets the entry).
+    #[arg(long, env = "AMBPF_CNI_CONF_DIR", default_value = crate::cni::install::DEFAULT_CONF_DIR)]
+    pub conf_dir: PathBuf,
+    /// The runtime's CNI plugin directory.
+    #[arg(long, env = "AMBPF_CNI_BIN_DIR", default_value = crate::cni::install::DEFAULT_BIN_DIR)]
+    pub bin_dir: PathBuf,
+    /// The plugin binary to copy (default: `ambpf-cni` next to this binary).
+    #[arg(long)]
+    pub plugin_binary: Option<PathBuf>,
+    /// The agent's CNI endpoint, written into the plugin entry.
+    #[arg(long, env = "AMBPF_CNI_SOCKET", default_value = crate::cni::DEFAULT_SOCKET)]
+    pub agent_socket: PathBuf,
+    /// Seconds the plugin waits for the agent (default: the plugin's 30).
+    #[arg(long)]
+    pub agent_timeout: Option<f64>,
+    /// Keep running, re-applying every this many seconds.
+    #[arg(long, value_name = "SECONDS")]
+    pub watch: Option<f64>,
 }
 
 #[derive(Debug, Args)]
@@ -125,6 +152,18 @@ pub struct RunArgs {
     /// account, else KUBECONFIG or ~/.kube/config).
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
+
+    /// Serve the `ambpf-cni` plugin's endpoint on this unix socket (without
+    /// a value: the default path): pods the plugin posts are enrolled at
+    /// once. Off unless given.
+    #[arg(
+        long,
+        env = "AMBPF_CNI_SOCKET",
+        num_args = 0..=1,
+        default_missing_value = crate::cni::DEFAULT_SOCKET,
+        value_name = "PATH"
+    )]
+    pub cni_socket: Option<PathBuf>,
 }
 
 /// Where `run` learns which pods are ambient.
@@ -209,7 +248,46 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Command::CniInstall(args) => cni_install(args),
     }
+}
+
+fn cni_install(args: CniInstallArgs) -> Result<()> {
+    use crate::cni::install::{InstallConfig, install_once, keep_installed};
+    let plugin_binary = match args.plugin_binary {
+        Some(path) => path,
+        None => std::env::current_exe()?
+            .parent()
+            .context("locating the ambpf-cni binary")?
+            .join(crate::cni::PLUGIN_TYPE),
+    };
+    let config = InstallConfig {
+        conf_dir: args.conf_dir,
+        bin_dir: args.bin_dir,
+        plugin_binary: Some(plugin_binary),
+        agent_socket: args.agent_socket,
+        agent_timeout_seconds: args.agent_timeout,
+    };
+    let done = install_once(&config)?;
+    println!(
+        "ambpf-cni chained in {} (conflist changed: {}, binary changed: {})",
+        done.conflist.display(),
+        done.conflist_changed,
+        done.binary_changed
+    );
+    if let Some(every) = args.watch {
+        let every = std::time::Duration::try_from_secs_f64(every).context("--watch")?;
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(async {
+                tokio::select! {
+                    () = keep_installed(config, every) => Ok(()),
+                    signal = wait_for_shutdown() => signal,
+                }
+            })?;
+    }
+    Ok(())
 }
 
 /// Parses `NETNS:IFACE`; the namespace may itself be a path, so split at the
@@ -320,6 +398,16 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             controller.report_programmed(programmed_tx);
         }
         let first = controller.apply(&pods_rx.borrow());
+        let cni_requests = match &args.cni_socket {
+            Some(path) => {
+                let listener = crate::cni::server::bind(path)?;
+                let (tx, rx) = tokio::sync::mpsc::channel(64);
+                tokio::spawn(crate::cni::server::serve(listener, tx));
+                info!("CNI endpoint on {}", path.display());
+                Some(rx)
+            }
+            None => None,
+        };
         info!(
             "initial pods: {} enrolled, {} stale removed, {} failed",
             first.enrolled,
@@ -336,7 +424,7 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             std::sync::Arc::new(registry),
         ));
         tokio::spawn(observe::serve_health(health, zds.clone()));
-        tokio::spawn(controller.run(pods_rx));
+        tokio::spawn(controller.run_with_requests(pods_rx, cni_requests));
         let server = tokio::spawn(zds.clone().serve());
         info!("ambpf agent ready");
         tokio::select! {

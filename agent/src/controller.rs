@@ -20,7 +20,7 @@ use std::{
 };
 
 use log::{info, warn};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 
 use std::sync::atomic::Ordering;
 
@@ -58,7 +58,21 @@ pub struct Controller {
     /// Where the programmed pods are reported, and whether a pass has been.
     programmed: Option<watch::Sender<Arc<BTreeSet<String>>>>,
     reported: bool,
+    /// Pods the CNI plugin posted that no source reports yet, by uid: they
+    /// are desired too until a source reports them or their netns is gone.
+    explicit: BTreeMap<String, PodSpec>,
 }
+
+/// A pod the CNI plugin asks to enrol now, and where to say whether its
+/// redirection is in place and ztunnel has it (`Err`: why not).
+#[derive(Debug)]
+pub struct EnrollRequest {
+    pub pod: PodSpec,
+    pub reply: oneshot::Sender<Result<(), String>>,
+}
+
+/// How the CNI endpoint reaches the controller.
+pub type EnrollRequests = mpsc::Receiver<EnrollRequest>;
 
 /// The UIDs of the pods whose redirection is in place and that were handed
 /// to ztunnel, as of the controller's latest pass.
@@ -81,6 +95,7 @@ impl Controller {
             stats: Arc::default(),
             programmed: None,
             reported: false,
+            explicit: BTreeMap::new(),
         }
     }
 
@@ -201,9 +216,83 @@ impl Controller {
 
     /// Applies every update from `pods`, and retries failed pods every
     /// [`RETRY_INTERVAL`], until the sender is gone.
-    pub async fn run(mut self, mut pods: watch::Receiver<Arc<Vec<PodSpec>>>) {
+    pub async fn run(self, pods: watch::Receiver<Arc<Vec<PodSpec>>>) {
+        self.run_with_requests(pods, None).await
+    }
+
+    /// The desired pods: the source's, plus the CNI-posted pods it does not
+    /// report yet (forgotten once it does, or once their netns is gone: the
+    /// sandbox was deleted).
+    fn desired(&mut self, source: &[PodSpec]) -> Vec<PodSpec> {
+        let reported: HashSet<&str> = source.iter().map(|p| p.workload.uid.as_str()).collect();
+        self.explicit.retain(|uid, pod| {
+            if reported.contains(uid.as_str()) {
+                return false;
+            }
+            let alive = Netns::open(&pod.workload.netns.path().to_string_lossy()).is_ok();
+            if !alive {
+                info!("pod {uid}: its netns is gone; forgetting the CNI add");
+            }
+            alive
+        });
+        let mut pods = source.to_vec();
+        pods.extend(self.explicit.values().cloned());
+        pods
+    }
+
+    /// Enrols the pods of CNI requests now, on top of `source`, and answers
+    /// each: `Ok` once its redirection is in place and ztunnel's desired set
+    /// has it. A pod that fails is not kept (the runtime tears the sandbox
+    /// down and retries with a new one).
+    pub fn apply_requests(&mut self, source: &[PodSpec], requests: Vec<EnrollRequest>) {
+        let mut requests = requests;
+        requests.retain_mut(|request| {
+            let netns = request.pod.workload.netns.path();
+            match Netns::open(&netns.to_string_lossy()) {
+                Ok(_) => {
+                    self.explicit
+                        .insert(request.pod.workload.uid.clone(), request.pod.clone());
+                    true
+                }
+                Err(e) => {
+                    let reply = std::mem::replace(&mut request.reply, oneshot::channel().0);
+                    let _ = reply.send(Err(e.to_string()));
+                    false
+                }
+            }
+        });
+        let desired = self.desired(source);
+        let report = self.apply(&desired);
+        let mut refused = false;
+        for request in requests {
+            let uid = &request.pod.workload.uid;
+            let result = match report.failed.get(uid) {
+                Some(why) => Err(why.clone()),
+                None if self.enrolled.contains_key(uid) => Ok(()),
+                None => Err("not enrolled".to_owned()),
+            };
+            if let Err(why) = &result {
+                warn!("CNI add of pod {uid} refused: {why}");
+                refused |= self.explicit.remove(uid).is_some();
+            }
+            let _ = request.reply.send(result);
+        }
+        if refused {
+            // Drop what the failed pods may have left in ztunnel's set.
+            let desired = self.desired(source);
+            self.apply(&desired);
+        }
+    }
+
+    /// [`Controller::run`], also serving CNI enrol requests as they come.
+    pub async fn run_with_requests(
+        mut self,
+        mut pods: watch::Receiver<Arc<Vec<PodSpec>>>,
+        mut requests: Option<EnrollRequests>,
+    ) {
         loop {
-            let current = pods.borrow_and_update().clone();
+            let source = pods.borrow_and_update().clone();
+            let current = self.desired(&source);
             let report = self.apply(&current);
             if report.enrolled > 0 || report.removed > 0 || !report.failed.is_empty() {
                 info!(
@@ -214,10 +303,26 @@ impl Controller {
                     report.failed.len()
                 );
             }
-            let retry = !report.failed.is_empty();
-            tokio::select! {
-                changed = pods.changed() => if changed.is_err() { return },
-                () = tokio::time::sleep(RETRY_INTERVAL), if retry => {}
+            let retry = !report.failed.is_empty() || !self.explicit.is_empty();
+            loop {
+                tokio::select! {
+                    changed = pods.changed() => if changed.is_err() { return },
+                    () = tokio::time::sleep(RETRY_INTERVAL), if retry => {}
+                    request = async { requests.as_mut()?.recv().await }, if requests.is_some() => {
+                        let Some(first) = request else {
+                            requests = None;
+                            continue;
+                        };
+                        let mut batch = vec![first];
+                        while let Some(more) = requests.as_mut().and_then(|r| r.try_recv().ok()) {
+                            batch.push(more);
+                        }
+                        let source = pods.borrow().clone();
+                        self.apply_requests(&source, batch);
+                        continue;
+                    }
+                }
+                break;
             }
         }
     }
@@ -438,5 +543,61 @@ mod tests {
 
         ctl.apply(&[]);
         assert!(rx.borrow_and_update().is_empty());
+    }
+
+    fn request(pod: PodSpec) -> (EnrollRequest, oneshot::Receiver<Result<(), String>>) {
+        let (reply, answer) = oneshot::channel();
+        (EnrollRequest { pod, reply }, answer)
+    }
+
+    #[test]
+    fn a_cni_add_is_enrolled_at_once_and_kept_until_the_source_reports_it() {
+        let (a, b) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
+        let mut recorder = Recorder::default();
+        recorder.refuse.insert(inode(&b));
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+
+        let (req_a, mut ans_a) = request(spec("a", &a, None));
+        let (req_b, mut ans_b) = request(spec("b", &b, None));
+        let mut missing = spec("gone", &a, None);
+        missing.workload.netns = NetnsSource::Path("/run/netns/ambpf-no-such-pod".into());
+        let (req_gone, mut ans_gone) = request(missing);
+        ctl.apply_requests(&[], vec![req_a, req_b, req_gone]);
+        assert_eq!(ans_a.try_recv().unwrap(), Ok(()));
+        assert!(ans_b.try_recv().unwrap().is_err());
+        assert!(
+            ans_gone
+                .try_recv()
+                .unwrap()
+                .unwrap_err()
+                .contains("does not exist")
+        );
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+
+        // A source pass that does not know "a" yet keeps it.
+        let pods = ctl.desired(&[]);
+        ctl.apply(&pods);
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+        // Once the source reports it, the source decides.
+        let pods = ctl.desired(&[spec("a", &a, None)]);
+        assert!(ctl.explicit.is_empty());
+        ctl.apply(&pods);
+        let pods = ctl.desired(&[]);
+        ctl.apply(&pods);
+        assert!(zds.workloads().is_empty());
+        assert_eq!(
+            log.lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.starts_with("enroll"))
+                .count(),
+            2,
+            "a once, b refused: {:?}",
+            log.lock().unwrap()
+        );
     }
 }

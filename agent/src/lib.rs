@@ -8,6 +8,7 @@
 //! - [`cli`]: the `ambpf` command line.
 
 pub mod bpf;
+pub mod cni;
 pub mod cli;
 pub mod controller;
 pub mod netns;

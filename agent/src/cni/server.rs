@@ -1,0 +1,293 @@
+//! The agent's CNI endpoint: `POST /cmdadd` over a unix socket.
+//!
+//! A deliberately small HTTP/1.1 responder (one request per connection, then
+//! close), like the health endpoint. Each request is handed to the
+//! controller, which stays the only owner of the redirection; the answer is
+//! 200 once the pod's redirection is in place and ztunnel's desired set has
+//! it, else an error status with the reason as the body.
+
+use std::{
+    fs, io,
+    os::unix::fs::{FileTypeExt, PermissionsExt},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use log::{debug, info, warn};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{UnixListener, UnixStream},
+    sync::{mpsc, oneshot},
+};
+
+use super::CmdAdd;
+use crate::{
+    controller::{EnrollRequest, PodSpec},
+    zds::{NetnsSource, Workload},
+};
+
+/// Largest request accepted (head and body).
+const MAX_REQUEST: usize = 64 * 1024;
+/// How long a client may take to send its request.
+const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the controller may take to answer one request.
+pub const ENROLL_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    #[error("another agent is already listening on {0}")]
+    InUse(PathBuf),
+    #[error("{0} exists and is not a socket; refusing to replace it")]
+    NotASocket(PathBuf),
+    #[error("creating the CNI socket {path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// Binds the endpoint at `path`: owner-only, a stale socket replaced, a live
+/// one left alone (as the ZDS socket).
+pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
+    let io_err = |source| BindError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(io_err)?;
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(BindError::InUse(path.to_owned()));
+            }
+        }
+        Ok(_) => return Err(BindError::NotASocket(path.to_owned())),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(e)),
+    }
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let temp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
+    let _ = fs::remove_file(&temp);
+    let listener = UnixListener::bind(&temp).map_err(io_err)?;
+    let placed = fs::set_permissions(&temp, fs::Permissions::from_mode(0o600))
+        .and_then(|()| fs::rename(&temp, path));
+    if let Err(e) = placed {
+        let _ = fs::remove_file(&temp);
+        return Err(io_err(e));
+    }
+    Ok(listener)
+}
+
+/// The pod a request describes.
+pub fn pod_spec(add: &CmdAdd) -> PodSpec {
+    PodSpec {
+        workload: Workload {
+            uid: add.pod_uid.clone(),
+            name: add.pod_name.clone(),
+            namespace: add.pod_namespace.clone(),
+            // Not known from the CNI call; the pod source fills it in when
+            // it reports the pod.
+            service_account: String::new(),
+            netns: NetnsSource::Path(PathBuf::from(&add.netns)),
+        },
+        dns_capture: None,
+    }
+}
+
+/// Serves requests from `listener`, handing them to the controller through
+/// `controller`, until the controller is gone.
+pub async fn serve(listener: UnixListener, controller: mpsc::Sender<EnrollRequest>) {
+    info!("CNI endpoint ready");
+    loop {
+        let conn = match listener.accept().await {
+            Ok((conn, _)) => conn,
+            Err(e) => {
+                warn!("CNI accept: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if controller.is_closed() {
+            return;
+        }
+        tokio::spawn(handle(conn, controller.clone()));
+    }
+}
+
+async fn handle(mut conn: UnixStream, controller: mpsc::Sender<EnrollRequest>) {
+    let (status, body) = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut conn)).await {
+        Ok(Ok((method, path, body))) => respond(&method, &path, &body, &controller).await,
+        Ok(Err(e)) => (400, format!("{e}\n")),
+        Err(_) => {
+            debug!("CNI: dropped a slow request");
+            return;
+        }
+    };
+    let reason = match status {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        503 => "Service Unavailable",
+        _ => "Internal Server Error",
+    };
+    let response = format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = conn.write_all(response.as_bytes()).await;
+    let _ = conn.shutdown().await;
+}
+
+async fn respond(
+    method: &str,
+    path: &str,
+    body: &[u8],
+    controller: &mpsc::Sender<EnrollRequest>,
+) -> (u16, String) {
+    if path != "/cmdadd" {
+        return (404, "not found\n".to_owned());
+    }
+    if method != "POST" {
+        return (405, "only POST\n".to_owned());
+    }
+    let add: CmdAdd = match serde_json::from_slice(body) {
+        Ok(add) => add,
+        Err(e) => return (400, format!("invalid request: {e}\n")),
+    };
+    if add.pod_uid.is_empty() || add.netns.is_empty() {
+        return (400, "podUid and netns are required\n".to_owned());
+    }
+    let pod = format!("{}/{} ({})", add.pod_namespace, add.pod_name, add.pod_uid);
+    let (reply, answer) = oneshot::channel();
+    let request = EnrollRequest {
+        pod: pod_spec(&add),
+        reply,
+    };
+    if controller.send(request).await.is_err() {
+        return (503, "the agent is shutting down\n".to_owned());
+    }
+    match tokio::time::timeout(ENROLL_TIMEOUT, answer).await {
+        Ok(Ok(Ok(()))) => {
+            info!("CNI add: pod {pod} enrolled");
+            (200, "enrolled\n".to_owned())
+        }
+        Ok(Ok(Err(why))) => (500, format!("pod {pod} not enrolled: {why}\n")),
+        Ok(Err(_)) => (503, "the agent is shutting down\n".to_owned()),
+        Err(_) => (503, format!("pod {pod}: enrolment timed out\n")),
+    }
+}
+
+/// Reads one request: method, path and body (by content-length).
+async fn read_request(conn: &mut UnixStream) -> io::Result<(String, String, Vec<u8>)> {
+    let invalid = |msg: &str| io::Error::new(io::ErrorKind::InvalidData, msg.to_owned());
+    let mut buf = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if buf.len() > MAX_REQUEST {
+            return Err(invalid("request head too large"));
+        }
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(invalid("incomplete request"));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let mut words = lines.next().unwrap_or_default().split_whitespace();
+    let (method, path) = match (words.next(), words.next()) {
+        (Some(m), Some(p)) => (m.to_owned(), p.split('?').next().unwrap_or(p).to_owned()),
+        _ => return Err(invalid("malformed request line")),
+    };
+    let mut length = 0usize;
+    for line in lines {
+        if let Some((name, value)) = line.split_once(':')
+            && name.trim().eq_ignore_ascii_case("content-length")
+        {
+            length = value
+                .trim()
+                .parse()
+                .map_err(|_| invalid("bad content-length"))?;
+        }
+    }
+    if length > MAX_REQUEST {
+        return Err(invalid("request body too large"));
+    }
+    let mut body = buf.split_off(head_end);
+    while body.len() < length {
+        let n = conn.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(invalid("incomplete body"));
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    body.truncate(length);
+    Ok((method, path, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    async fn post(path: &Path, request: &str) -> String {
+        let mut conn = UnixStream::connect(path).await.unwrap();
+        conn.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        conn.read_to_string(&mut response).await.unwrap();
+        response
+    }
+
+    #[tokio::test]
+    async fn requests_reach_the_controller_and_its_answer_comes_back() {
+        let dir = std::env::temp_dir().join(format!("ambpf-cni-srv-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let path = dir.join("pluginevent.sock");
+        drop(bind(&path).unwrap()); // stale
+        let listener = bind(&path).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        let (tx, mut rx) = mpsc::channel(4);
+        let server = tokio::spawn(serve(listener, tx));
+        // A controller double: accepts uid "ok", refuses the rest.
+        tokio::spawn(async move {
+            while let Some(request) = rx.recv().await {
+                let result = if request.pod.workload.uid == "ok" {
+                    assert_eq!(request.pod.workload.netns.path(), Path::new("/run/netns/x"));
+                    Ok(())
+                } else {
+                    Err("no address".to_owned())
+                };
+                request.reply.send(result).unwrap();
+            }
+        });
+        let body = |uid: &str| {
+            format!(
+                r#"{{"podName":"a","podNamespace":"shop","podUid":"{uid}","netns":"/run/netns/x","ips":["10.0.0.5"]}}"#
+            )
+        };
+        let request = |body: String| {
+            format!(
+                "POST /cmdadd HTTP/1.1\r\nhost: ambpf\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+        };
+        let ok = post(&path, &request(body("ok"))).await;
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        let refused = post(&path, &request(body("bad"))).await;
+        assert!(refused.starts_with("HTTP/1.1 500"), "{refused}");
+        assert!(refused.contains("no address"), "{refused}");
+        let garbage = post(&path, &request("{".to_owned())).await;
+        assert!(garbage.starts_with("HTTP/1.1 400"), "{garbage}");
+        let get = post(&path, "GET /cmdadd HTTP/1.1\r\n\r\n").await;
+        assert!(get.starts_with("HTTP/1.1 405"), "{get}");
+        server.abort();
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
