@@ -43,10 +43,11 @@ fn daemonset_flags() -> BTreeSet<String> {
 #[test]
 fn every_flag_the_daemonset_passes_exists() {
     let cli = ambpf::cli::Cli::command();
-    let run = cli.find_subcommand("run").expect("run subcommand");
+    // The agent container runs `run`, the CNI installer `cni-install`.
+    let subcommands = ["run", "cni-install"].map(|name| cli.find_subcommand(name).expect(name));
     let known: BTreeSet<String> = cli
         .get_arguments()
-        .chain(run.get_arguments())
+        .chain(subcommands.iter().flat_map(|c| c.get_arguments()))
         .filter_map(|a| a.get_long().map(str::to_owned))
         .collect();
     let flags = daemonset_flags();
