@@ -13,11 +13,13 @@
 //!   latency, conntrack entries, CPU per process
 //!   (`testbed/src/bench/suite_redirect.rs`);
 //! - `enroll`: time for the agent to enrol and remove N pods, eBPF against
-//!   iptables in the same run (`testbed/src/bench/suite_enroll.rs`).
+//!   iptables in the same run (`testbed/src/bench/suite_enroll.rs`);
+//! - `control`: the Kubernetes control path: API event to redirection, to the
+//!   annotation and to removal, pod by pod, and a start-up snapshot of N pods,
+//!   eBPF against iptables (`testbed/src/bench/suite_control.rs`).
 //!
-//! Further suites (`control`: the control-plane cost of churn) become
-//! variants of [`Suite`], each with its own arguments and [`Common`] ones,
-//! using the helpers of `ambpf_testbed::bench`.
+//! Further suites become variants of [`Suite`], each with its own arguments
+//! and [`Common`] ones, using the helpers of `ambpf_testbed::bench`.
 //!
 //! Needs root: the agent loads BPF programs and the suites create network
 //! namespaces, cgroups and bpffs mounts. Everything is removed on exit, on
@@ -72,6 +74,10 @@ enum Suite {
     Redirect(redirect::RedirectArgs),
     /// Time for the agent to enrol and remove N pods, iptables against eBPF.
     Enroll(enroll::EnrollArgs),
+    /// The Kubernetes control path (kube source against a test API server):
+    /// event to redirection, annotation and removal per pod, and a start-up
+    /// snapshot of N pods, iptables against eBPF.
+    Control(control::ControlArgs),
 }
 
 /// Arguments every suite takes.
@@ -119,6 +125,7 @@ async fn run(cli: Cli) -> Result<()> {
         Suite::Zds(args) => zds::run(args).await,
         Suite::Redirect(args) => redirect::run(args).await,
         Suite::Enroll(args) => enroll::run(args).await,
+        Suite::Control(args) => control::run(args).await,
     }
 }
 
@@ -208,6 +215,9 @@ mod redirect;
 
 #[path = "../bench/suite_enroll.rs"]
 mod enroll;
+
+#[path = "../bench/suite_control.rs"]
+mod control;
 
 mod zds {
     //! The `zds` suite: ZDS snapshot time, agent against floor.
