@@ -8,8 +8,8 @@
 //! - [`cli`]: the `ambpf` command line.
 
 pub mod bpf;
-pub mod cni;
 pub mod cli;
+pub mod cni;
 pub mod controller;
 pub mod netns;
 pub mod observe;

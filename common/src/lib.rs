@@ -82,6 +82,9 @@ pub mod maps {
     /// This node's own addresses: traffic from them is the host's (kubelet
     /// probes) and reaches apps directly, as Istio's 169.254.7.127 SNAT does.
     pub const HOST_ADDRS: &str = "ambpf_host_ips";
+    /// Capacity of [`HOST_ADDRS`]: generous, since a node can hold many
+    /// addresses (e.g. kube-proxy's IPVS dummy interface has every service IP).
+    pub const HOST_ADDRS_MAX: u32 = 16 * 1024;
     /// Node-wide settings, one [`crate::NodeConfig`] at index 0.
     pub const NODE_CONFIG: &str = "ambpf_node_cfg";
     /// Original destinations by the redirected socket's cookie (LRU).

@@ -19,7 +19,8 @@ pub static PODS_BY_NETNS: HashMap<u64, PodConfig> = HashMap::with_max_entries(MA
 pub static PODS_BY_IP: HashMap<IpKey, PodConfig> = HashMap::with_max_entries(2 * MAX_PODS, 0);
 
 #[map(name = "ambpf_host_ips")]
-pub static HOST_ADDRS: HashMap<IpKey, u8> = HashMap::with_max_entries(256, 0);
+pub static HOST_ADDRS: HashMap<IpKey, u8> =
+    HashMap::with_max_entries(ambpf_common::maps::HOST_ADDRS_MAX, 0);
 
 #[map(name = "ambpf_node_cfg")]
 pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);

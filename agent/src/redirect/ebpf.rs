@@ -19,7 +19,7 @@ use aya::{
     maps::{Array, HashMap, MapData},
     programs::TcAttachType,
 };
-use log::info;
+use log::{info, warn};
 
 use super::{podnet, routing};
 use crate::{
@@ -117,11 +117,26 @@ impl Dataplane {
         };
         let mut map: HashMap<_, IpKey, u8> =
             HashMap::try_from(self.map_mut(maps::HOST_ADDRS)).map_err(map_err)?;
-        let wanted: Vec<IpKey> = addresses.iter().map(|ip| ip_key(*ip)).collect();
+        let mut wanted: Vec<IpKey> = addresses.iter().map(|ip| ip_key(*ip)).collect();
+        wanted.sort_unstable_by_key(|k| k.addr);
+        wanted.dedup();
+        // A node with more addresses than the map holds still starts: the
+        // rest are not exempted (their traffic goes through ztunnel), and
+        // the operator is told.
+        let capacity = maps::HOST_ADDRS_MAX as usize;
+        if wanted.len() > capacity {
+            warn!(
+                "the node has {} addresses; only {capacity} fit {} and exempt host traffic",
+                wanted.len(),
+                maps::HOST_ADDRS
+            );
+            wanted.truncate(capacity);
+        }
+        let keep: std::collections::HashSet<IpKey> = wanted.iter().copied().collect();
         let stale: Vec<IpKey> = map
             .keys()
             .filter_map(Result::ok)
-            .filter(|k| !wanted.contains(k))
+            .filter(|k| !keep.contains(k))
             .collect();
         for key in stale {
             map.remove(&key).map_err(map_err)?;
