@@ -238,6 +238,22 @@ pub fn execute(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Uninstall => {
+            // The pods' reply routing first, while the pins still say which
+            // namespaces were enrolled; then the pins, which detaches every link.
+            for pod in inspect::read_pods(&pins).unwrap_or_default() {
+                match crate::netns::find_by_inode(pod.netns_inode) {
+                    Some(netns) => {
+                        crate::redirect::routing::remove_reply_routing(&netns).with_context(
+                            || format!("removing the reply routing of {}", netns.path().display()),
+                        )?;
+                        println!("removed the reply routing of {}", netns.path().display());
+                    }
+                    None => println!(
+                        "pod netns {} is gone; nothing to remove in it",
+                        pod.netns_inode
+                    ),
+                }
+            }
             let root = pins.root();
             match std::fs::remove_dir_all(root) {
                 Ok(()) => println!("removed {}", root.display()),

@@ -102,6 +102,32 @@ impl Netns {
     }
 }
 
+/// Finds a namespace by inode among the named ones (/run/netns) and those of
+/// running processes (/proc/<pid>/ns/net), for state that outlived the path
+/// it was created from.
+pub fn find_by_inode(inode: u64) -> Option<Netns> {
+    let named = std::fs::read_dir(NAMED_NETNS_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path());
+    let processes = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path().join("ns/net"));
+    named
+        .chain(processes)
+        .filter(|path| std::fs::metadata(path).is_ok_and(|m| m.ino() == inode))
+        .find_map(|path| Netns::open(&path.to_string_lossy()).ok())
+}
+
 fn is_nsfs(file: &File) -> bool {
     // NSFS_MAGIC from linux/magic.h (nix does not name it).
     const NSFS_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6e73_6673);
@@ -126,6 +152,13 @@ mod tests {
     fn regular_file_is_not_a_namespace() {
         let err = Netns::open("/proc/self/status").unwrap_err();
         assert!(matches!(err, NetnsError::NotANetns { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_namespace_is_found_again_by_its_inode() {
+        let own = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
+        assert_eq!(find_by_inode(own).unwrap().inode(), own);
+        assert!(find_by_inode(1).is_none());
     }
 
     #[test]
