@@ -15,6 +15,7 @@ pub mod netns;
 pub mod observe;
 pub mod redirect;
 pub mod sources;
+pub mod unix_socket;
 pub mod zds;
 
 /// Formats an error with its sources, `outer: inner: innermost`, for errors

@@ -7,8 +7,7 @@
 //! it, else an error status with the reason as the body.
 
 use std::{
-    fs, io,
-    os::unix::fs::{FileTypeExt, PermissionsExt},
+    io,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -33,52 +32,16 @@ const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the controller may take to answer one request.
 pub const ENROLL_TIMEOUT: Duration = Duration::from_secs(30);
 
-#[derive(Debug, thiserror::Error)]
-pub enum BindError {
-    #[error("another agent is already listening on {0}")]
-    InUse(PathBuf),
-    #[error("{0} exists and is not a socket; refusing to replace it")]
-    NotASocket(PathBuf),
-    #[error("creating the CNI socket {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
-}
+pub use crate::unix_socket::SocketFileError as BindError;
 
 /// Binds the endpoint at `path`: owner-only, a stale socket replaced, a live
-/// one left alone (as the ZDS socket).
+/// one left alone (see [`crate::unix_socket`]).
 pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
-    let io_err = |source| BindError::Io {
-        path: path.to_owned(),
-        source,
-    };
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    fs::create_dir_all(dir).map_err(io_err)?;
-    match fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(BindError::InUse(path.to_owned()));
-            }
-        }
-        Ok(_) => return Err(BindError::NotASocket(path.to_owned())),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io_err(e)),
-    }
-    let file_name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let temp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
-    let _ = fs::remove_file(&temp);
-    let listener = UnixListener::bind(&temp).map_err(io_err)?;
-    let placed = fs::set_permissions(&temp, fs::Permissions::from_mode(0o600))
-        .and_then(|()| fs::rename(&temp, path));
-    if let Err(e) = placed {
-        let _ = fs::remove_file(&temp);
-        return Err(io_err(e));
-    }
-    Ok(listener)
+    crate::unix_socket::bind_owner_only(
+        path,
+        |path| std::os::unix::net::UnixStream::connect(path).is_ok(),
+        |temp| UnixListener::bind(temp),
+    )
 }
 
 /// The pod a request describes.
@@ -234,6 +197,8 @@ async fn read_request(conn: &mut UnixStream) -> io::Result<(String, String, Vec<
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
     use std::os::unix::fs::MetadataExt;
 
