@@ -31,30 +31,24 @@
 //! the same period. Events trigger work at once, so the resync bounds none of
 //! these numbers unless something failed.
 //!
-//! At most 127 pods: discovery wants a pod's IP inside its namespace, so pods
-//! cannot share one, and the testbed node holds two gateway addresses per pod
-//! (plus two): with more than 127 pods they overflow the eBPF agent's host
-//! address map (`ambpf_host_ips`, 256 entries) and it fails to start
-//! (`E2BIG`). A real node does not put a global address on each veth, but a
-//! node with more than 256 non-link-local addresses would fail the same way.
+//! At most 200 pods (the testbed cluster's limit): discovery wants a pod's IP
+//! inside its namespace, so pods cannot share one.
 
-use std::{io::Write as _, net::IpAddr, process::Child};
+use std::{ffi::OsStr, io::Write as _, net::IpAddr, process::Child};
 
 use ambpf_testbed::{apiserver::ApiServer, bench::sys};
 use serde_json::{Value, json};
 
 use super::{
-    redirect::{Mode, named_runtime},
+    redirect::{Agent, Mode, named_runtime},
     *,
 };
 
 /// A hang, not a slow result.
 const TIMEOUT: Duration = Duration::from_secs(120);
 const NODE: &str = "bench-node";
-/// The eBPF agent's host address map (256) over the testbed node's two
-/// addresses per pod, plus its two (see the module documentation); the
-/// cluster itself stops at 200.
-const MAX_PODS: usize = 127;
+/// The testbed cluster stops at 200 pods.
+const MAX_PODS: usize = 200;
 /// Pods are spread over this many ambient namespaces.
 const NAMESPACES: usize = 8;
 /// The kube source's resync period (`KubeSourceConfig::new`; not a flag).
@@ -418,99 +412,32 @@ fn annotated_since(server: &ApiServer, from: usize) -> Vec<String> {
 // ---------------------------------------------------------------------------
 // The agent with the kube source
 
-struct KubeAgent {
-    process: ProcessGuard,
-    binary: PathBuf,
-    pin_root: PathBuf,
-    // Dropped after the process (field order): unmounted once it is gone.
-    _bpffs: BpffsMount,
-}
-
-impl KubeAgent {
-    /// Spawns the agent in the node's namespace; returns at once.
-    fn spawn(env: &Env<'_>, mode: Mode, socket: &Path, log: &Path) -> Result<Self> {
-        let bpffs = BpffsMount::create()?;
-        let pin_root = bpffs.path().join("ambpf");
-        let mut command = Command::new(env.agent);
-        command
-            .arg("--pin-root")
-            .arg(&pin_root)
-            .arg("run")
-            .arg("--redirect-mode")
-            .arg(mode.name())
-            .args(["--pod-source", "kube", "--node-name", NODE])
-            .arg("--kubeconfig")
-            .arg(env.kubeconfig)
-            .arg("--zds-socket")
-            .arg(socket)
-            .arg("--cgroup")
-            .arg(env.cgroup.path())
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".to_owned()),
-            );
-        let node_ns = File::open(env.cluster.node.path())?;
-        // SAFETY: setns is async-signal-safe, and `node_ns` outlives the spawn.
-        unsafe {
-            command.pre_exec(move || {
-                nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(std::io::Error::from)
-            });
-        }
-        let process = ProcessGuard::spawn("the agent", command, log)?;
-        Ok(Self {
-            process,
-            binary: env.agent.to_owned(),
-            pin_root,
-            _bpffs: bpffs,
-        })
-    }
-
-    fn pid(&self) -> u32 {
-        self.process.pid()
-    }
-
-    /// Pods in `ambpf status --json` (eBPF mode).
-    fn status_pods(&self) -> Result<usize> {
-        let out = Command::new(&self.binary)
-            .arg("--pin-root")
-            .arg(&self.pin_root)
-            .args(["status", "--json"])
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "ambpf status: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let status: Value = serde_json::from_slice(&out.stdout)?;
-        status["pods"]
-            .as_array()
-            .map(Vec::len)
-            .context("no `pods` array in `ambpf status --json`")
-    }
-
-    /// Stops the agent and removes its pins (detaching its programs).
-    fn stop(mut self) -> Result<()> {
-        self.process.stop()?;
-        let out = Command::new(&self.binary)
-            .arg("--pin-root")
-            .arg(&self.pin_root)
-            .arg("uninstall")
-            .output()?;
-        ensure!(
-            out.status.success(),
-            "ambpf uninstall: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    }
+/// The agent with the Kubernetes source, spawned in the node's namespace.
+fn spawn_kube_agent(env: &Env<'_>, mode: Mode, socket: &Path, log: &Path) -> Result<Agent> {
+    let source = [
+        OsStr::new("--pod-source"),
+        OsStr::new("kube"),
+        OsStr::new("--node-name"),
+        OsStr::new(NODE),
+        OsStr::new("--kubeconfig"),
+        env.kubeconfig.as_os_str(),
+    ];
+    Agent::spawn(
+        env.agent,
+        mode,
+        &env.cluster.node,
+        &source,
+        socket,
+        env.cgroup,
+        log,
+    )
 }
 
 /// Waits (polling every millisecond, waking early on the double's changes)
 /// until `done` holds; a hang after [`TIMEOUT`] is an error.
 async fn until(
     what: &str,
-    agent: &mut KubeAgent,
+    agent: &mut Agent,
     double: Option<&ZtunnelDouble>,
     mut done: impl FnMut() -> bool,
 ) -> Result<()> {
@@ -542,7 +469,7 @@ async fn until(
     }
 }
 
-async fn connect_double(agent: &mut KubeAgent, socket: &Path) -> Result<ZtunnelDouble> {
+async fn connect_double(agent: &mut Agent, socket: &Path) -> Result<ZtunnelDouble> {
     until("the ZDS socket", agent, None, || socket_exists(socket)).await?;
     // ZDS only: starting in-pod proxies is ztunnel's cost, the same in both
     // modes, and would hide the agent's.
@@ -565,7 +492,7 @@ fn socket_exists(path: &Path) -> bool {
 async fn churn(env: &Env<'_>, pods: &[BenchPod], mode: Mode) -> Result<Churn> {
     let socket = env.work.join(format!("churn-{}.sock", mode.name()));
     let log = env.work.join(format!("agent-churn-{}.log", mode.name()));
-    let mut agent = KubeAgent::spawn(env, mode, &socket, &log)?;
+    let mut agent = spawn_kube_agent(env, mode, &socket, &log)?;
     let double = connect_double(&mut agent, &socket).await?;
     let pid = agent.pid();
 
@@ -661,7 +588,7 @@ async fn snapshot(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: usize) -> R
         .work
         .join(format!("agent-snapshot-{}-{run}.log", mode.name()));
     let spawned = Instant::now();
-    let mut agent = KubeAgent::spawn(env, mode, &socket, &log)?;
+    let mut agent = spawn_kube_agent(env, mode, &socket, &log)?;
     let pid = agent.pid();
     until("the ZDS socket", &mut agent, None, || {
         socket_exists(&socket)

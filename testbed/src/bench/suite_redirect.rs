@@ -144,12 +144,31 @@ pub(super) struct Agent {
 }
 
 impl Agent {
+    /// Starts the agent with a pods file and waits for its ZDS socket.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn start(
         binary: &Path,
         mode: Mode,
         node: &NetnsGuard,
         pods_file: &Path,
+        socket: &Path,
+        cgroup: &CgroupGuard,
+        log: &Path,
+    ) -> Result<Self> {
+        let source = [std::ffi::OsStr::new("--pods-file"), pods_file.as_os_str()];
+        let mut agent = Self::spawn(binary, mode, node, &source, socket, cgroup, log)?;
+        wait_for_socket(&mut agent.process, socket, SOCKET_TIMEOUT).await?;
+        Ok(agent)
+    }
+
+    /// Spawns `ambpf run` in the node's namespace with the pod-source
+    /// arguments `source`, on a private bpffs; returns at once.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn spawn(
+        binary: &Path,
+        mode: Mode,
+        node: &NetnsGuard,
+        source: &[&std::ffi::OsStr],
         socket: &Path,
         cgroup: &CgroupGuard,
         log: &Path,
@@ -163,8 +182,7 @@ impl Agent {
             .arg("run")
             .arg("--redirect-mode")
             .arg(mode.name())
-            .arg("--pods-file")
-            .arg(pods_file)
+            .args(source)
             .arg("--zds-socket")
             .arg(socket)
             .arg("--cgroup")
@@ -181,8 +199,7 @@ impl Agent {
                     .map_err(std::io::Error::from)
             });
         }
-        let mut process = ProcessGuard::spawn("the agent", command, log)?;
-        wait_for_socket(&mut process, socket, SOCKET_TIMEOUT).await?;
+        let process = ProcessGuard::spawn("the agent", command, log)?;
         Ok(Self {
             process,
             binary: binary.to_owned(),
