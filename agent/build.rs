@@ -25,6 +25,7 @@ fn main() -> Result<()> {
         "ebpf/Cargo.lock",
         "common/src",
         "xtask/src/ebpf_build.rs",
+        "xtask/src/btf_names.rs",
     ] {
         println!("cargo:rerun-if-changed={}", root.join(path).display());
     }

@@ -6,18 +6,17 @@
 use ambpf_common::{Direction, IfaceStats, IfaceStatsKey};
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, tcx_action_base::TCX_NEXT},
-    macros::{classifier, map},
-    maps::PerCpuHashMap,
+    btf_maps::PerCpuHashMap,
+    macros::{btf_map, classifier},
     programs::TcContext,
 };
 use aya_log_ebpf::info;
 
 /// Interfaces one node can plausibly carry: pods' veths plus host devices.
-const MAX_IFACES: u32 = 16 * 1024;
+const MAX_IFACES: usize = 16 * 1024;
 
-#[map(name = "ambpf_if_stats")]
-static IFACE_STATS: PerCpuHashMap<IfaceStatsKey, IfaceStats> =
-    PerCpuHashMap::with_max_entries(MAX_IFACES, 0);
+#[btf_map(name = "ambpf_if_stats")]
+static IFACE_STATS: PerCpuHashMap<IfaceStatsKey, IfaceStats, MAX_IFACES> = PerCpuHashMap::new();
 
 #[classifier]
 pub fn ambpf_cnt_in(ctx: TcContext) -> i32 {

@@ -2,39 +2,37 @@
 
 use ambpf_common::{Counter, IpKey, NodeConfig, PodConfig, SockAddr, TupleKey};
 use aya_ebpf::{
-    macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
 };
 
 /// Pods one node can run, with headroom.
-const MAX_PODS: u32 = 4096;
+const MAX_PODS: usize = 4096;
 /// Redirected connections remembered at once; LRU, so the oldest (long
 /// closed) go first.
-const MAX_REDIRECTED: u32 = 65536;
+const MAX_REDIRECTED: usize = 65536;
 
-#[map(name = "ambpf_pods")]
-pub static PODS_BY_NETNS: HashMap<u64, PodConfig> = HashMap::with_max_entries(MAX_PODS, 0);
+#[btf_map(name = "ambpf_pods")]
+pub static PODS_BY_NETNS: HashMap<u64, PodConfig, { MAX_PODS }> = HashMap::new();
 
-#[map(name = "ambpf_pod_ips")]
-pub static PODS_BY_IP: HashMap<IpKey, PodConfig> = HashMap::with_max_entries(2 * MAX_PODS, 0);
+#[btf_map(name = "ambpf_pod_ips")]
+pub static PODS_BY_IP: HashMap<IpKey, PodConfig, { 2 * MAX_PODS }> = HashMap::new();
 
-#[map(name = "ambpf_host_ips")]
-pub static HOST_ADDRS: HashMap<IpKey, u8> =
-    HashMap::with_max_entries(ambpf_common::maps::HOST_ADDRS_MAX, 0);
+#[btf_map(name = "ambpf_host_ips")]
+pub static HOST_ADDRS: HashMap<IpKey, u8, { ambpf_common::maps::HOST_ADDRS_MAX as usize }> =
+    HashMap::new();
 
-#[map(name = "ambpf_node_cfg")]
-pub static NODE_CONFIG: Array<NodeConfig> = Array::with_max_entries(1, 0);
+#[btf_map(name = "ambpf_node_cfg")]
+pub static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
 
-#[map(name = "ambpf_orig_ck")]
-pub static ORIG_BY_COOKIE: LruHashMap<u64, SockAddr> =
-    LruHashMap::with_max_entries(MAX_REDIRECTED, 0);
+#[btf_map(name = "ambpf_orig_ck")]
+pub static ORIG_BY_COOKIE: LruHashMap<u64, SockAddr, { MAX_REDIRECTED }> = LruHashMap::new();
 
-#[map(name = "ambpf_orig_tpl")]
-pub static ORIG_BY_TUPLE: LruHashMap<TupleKey, SockAddr> =
-    LruHashMap::with_max_entries(MAX_REDIRECTED, 0);
+#[btf_map(name = "ambpf_orig_tpl")]
+pub static ORIG_BY_TUPLE: LruHashMap<TupleKey, SockAddr, { MAX_REDIRECTED }> = LruHashMap::new();
 
-#[map(name = "ambpf_counters")]
-pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(Counter::COUNT, 0);
+#[btf_map(name = "ambpf_counters")]
+pub static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
 
 #[inline(always)]
 pub fn count(counter: Counter) {

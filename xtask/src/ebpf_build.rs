@@ -7,7 +7,8 @@
 //! bpf-linker is not required: the eBPF crate is a `staticlib` built with the
 //! nightly toolchain for `bpfel-unknown-none` (`-Z build-std=core`, fat LTO),
 //! so its archive holds one LLVM bitcode module; the nightly's own `llc`
-//! (from the `llvm-tools` component) compiles that module to a BPF object.
+//! (from the `llvm-tools` component) compiles that module to a BPF object,
+//! whose BTF names are then made kernel-acceptable (see `btf_names.rs`).
 
 use std::{
     env, fs,
@@ -16,6 +17,9 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+
+#[path = "btf_names.rs"]
+mod btf_names;
 
 /// The toolchain that builds the kernel programs, unless `AMBPF_BPF_TOOLCHAIN`
 /// names another.
@@ -105,7 +109,12 @@ impl Toolchain {
             .args(["-march=bpfel", "-mcpu=v3", "-filetype=obj", "-O2"])
             .arg(&inlined)
             .arg("-o")
-            .arg(object))
+            .arg(object))?;
+        let mut elf = fs::read(object)?;
+        btf_names::sanitize_object(&mut elf)
+            .with_context(|| format!("fixing the BTF names of {}", object.display()))?;
+        fs::write(object, elf)?;
+        Ok(())
     }
 }
 /// The host triple, from the build script's environment or the toolchain's
