@@ -53,12 +53,46 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Remove every pin under the pin root, detaching everything ambpf attached.
-    Uninstall,
+    /// Remove everything ambpf made on this node: the eBPF pods' reply
+    /// routing and every pin (detaching every program), ambpf's in-pod
+    /// iptables rules in every network namespace and the host's probe rules
+    /// and ipsets, and, with Kubernetes access, the redirection annotation
+    /// on this node's pods. Safe to run again; fails if anything is left.
+    Uninstall(UninstallArgs),
     /// Chain the `ambpf-cni` plugin into the node's CNI conflist and copy its
     /// binary into the CNI bin directory (idempotent); with --watch, keep
     /// re-applying it so a removed entry comes back.
     CniInstall(CniInstallArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct UninstallArgs {
+    /// Remove only this redirection mode's state (default: both). `ebpf`
+    /// leaves every iptables rule alone, for a node where Istio's own node
+    /// agent writes the same in-pod rules.
+    #[arg(long, value_enum)]
+    pub redirect_mode: Option<RedirectMode>,
+
+    /// This node's name: its pods lose the redirection annotation.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+
+    /// The kubeconfig to remove the annotations with (default: the
+    /// in-cluster service account; without either, they are left alone).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+}
+
+impl UninstallArgs {
+    /// Where the annotations go: as `run` chooses its kube source by
+    /// default, with --kubeconfig or in a cluster.
+    fn kube_target(&self) -> Option<crate::uninstall::KubeTarget> {
+        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+        (self.kubeconfig.is_some() || in_cluster).then(|| crate::uninstall::KubeTarget {
+            kubeconfig: self.kubeconfig.clone(),
+            node_name: self.node_name.clone().unwrap_or_default(),
+        })
+    }
 }
 
 #[derive(Debug, Args)]
@@ -155,7 +189,8 @@ pub struct RunArgs {
 
     /// Serve the `ambpf-cni` plugin's endpoint on this unix socket (without
     /// a value: the default path): pods the plugin posts are enrolled at
-    /// once. Off unless given.
+    /// once, with the kube source only those that are ambient (read from the
+    /// API server), else every one. Off unless given.
     #[arg(
         long,
         env = "AMBPF_CNI_SOCKET",
@@ -237,32 +272,12 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Uninstall => {
-            // The pods' reply routing first, while the pins still say which
-            // namespaces were enrolled; then the pins, which detaches every link.
-            for pod in inspect::read_pods(&pins).unwrap_or_default() {
-                match crate::netns::find_by_inode(pod.netns_inode) {
-                    Some(netns) => {
-                        crate::redirect::routing::remove_reply_routing(&netns).with_context(
-                            || format!("removing the reply routing of {}", netns.path().display()),
-                        )?;
-                        println!("removed the reply routing of {}", netns.path().display());
-                    }
-                    None => println!(
-                        "pod netns {} is gone; nothing to remove in it",
-                        pod.netns_inode
-                    ),
-                }
-            }
-            let root = pins.root();
-            match std::fs::remove_dir_all(root) {
-                Ok(()) => println!("removed {}", root.display()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    println!("nothing pinned under {}", root.display())
-                }
-                Err(e) => return Err(e).with_context(|| format!("removing {}", root.display())),
-            }
-            Ok(())
+        Command::Uninstall(args) => {
+            crate::uninstall::uninstall(&crate::uninstall::UninstallConfig {
+                kube: args.kube_target(),
+                pins,
+                mode: args.redirect_mode,
+            })
         }
         Command::CniInstall(args) => cni_install(args),
     }
@@ -385,6 +400,8 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let (programmed_tx, programmed_rx) =
             tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
         let mut kube_source = None;
+        // Without Kubernetes there is no one to ask which pods are ambient.
+        let mut cni_selection = crate::cni::selection::PodSelection::Every;
         match (pod_source, args.pods_file) {
             (Some(PodSource::Local), Some(path)) => {
                 sources::local::watch(path, pods_tx.clone())?;
@@ -398,6 +415,13 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     .into_iter()
                     .filter(|ns| !ns.is_empty())
                     .collect();
+                // The CNI endpoint reads pods through the source's client.
+                cni_selection = crate::cni::selection::PodSelection::Ambient(
+                    crate::cni::selection::AmbientLookup::new(
+                        client.clone(),
+                        config.excluded_namespaces.clone(),
+                    ),
+                );
                 info!(
                     "waiting for the pods of node {} from the API server",
                     config.node_name
@@ -418,7 +442,7 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             Some(path) => {
                 let listener = crate::cni::server::bind(path)?;
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crate::cni::server::serve(listener, tx));
+                tokio::spawn(crate::cni::server::serve(listener, tx, cni_selection));
                 info!("CNI endpoint on {}", path.display());
                 Some(rx)
             }
@@ -539,6 +563,36 @@ mod tests {
         .pod_source()
         .unwrap_err();
         assert!(err.to_string().contains("--pods-file"), "{err}");
+    }
+
+    #[test]
+    fn uninstall_reaches_kubernetes_only_when_configured() {
+        let uninstall_args = |args: &[&str]| {
+            let mut argv = vec!["ambpf", "uninstall"];
+            argv.extend_from_slice(args);
+            match Cli::try_parse_from(argv).unwrap().command {
+                Command::Uninstall(args) => args,
+                other => panic!("{other:?}"),
+            }
+        };
+        if std::env::var_os("KUBERNETES_SERVICE_HOST").is_none() {
+            assert!(uninstall_args(&[]).kube_target().is_none());
+            assert!(
+                uninstall_args(&["--node-name", "n"])
+                    .kube_target()
+                    .is_none()
+            );
+        }
+        let target = uninstall_args(&["--kubeconfig", "kc", "--node-name", "n"])
+            .kube_target()
+            .unwrap();
+        assert_eq!(target.node_name, "n");
+        assert_eq!(
+            target.kubeconfig.as_deref(),
+            Some(std::path::Path::new("kc"))
+        );
+        let ebpf = uninstall_args(&["--redirect-mode", "ebpf"]);
+        assert_eq!(ebpf.redirect_mode, Some(RedirectMode::Ebpf));
     }
 
     #[test]

@@ -102,15 +102,24 @@ impl Netns {
     }
 }
 
-/// Finds a namespace by inode among the named ones (/run/netns) and those of
-/// running processes (/proc/<pid>/ns/net), for state that outlived the path
-/// it was created from.
-pub fn find_by_inode(inode: u64) -> Option<Netns> {
-    let named = std::fs::read_dir(NAMED_NETNS_DIR)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path());
+/// Where named namespaces are bind-mounted: iproute2's directory, and
+/// `/var/run/netns` (the same directory on hosts where `/var/run` links to
+/// `/run`, a second one where it does not; CRI-O and containerd use it).
+const NAMED_NETNS_DIRS: [&str; 2] = [NAMED_NETNS_DIR, "/var/run/netns"];
+
+/// Paths that may name a network namespace: the named ones (sorted, per
+/// directory), then `/proc/<pid>/ns/net` of every process.
+fn candidate_paths() -> impl Iterator<Item = PathBuf> {
+    let named = NAMED_NETNS_DIRS.into_iter().flat_map(|dir| {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        paths.sort();
+        paths
+    });
     let processes = std::fs::read_dir("/proc")
         .into_iter()
         .flatten()
@@ -122,10 +131,30 @@ pub fn find_by_inode(inode: u64) -> Option<Netns> {
                 .all(|b| b.is_ascii_digit())
         })
         .map(|e| e.path().join("ns/net"));
-    named
-        .chain(processes)
+    named.chain(processes)
+}
+
+/// Finds a namespace by inode among the named ones (/run/netns) and those of
+/// running processes (/proc/<pid>/ns/net), for state that outlived the path
+/// it was created from.
+pub fn find_by_inode(inode: u64) -> Option<Netns> {
+    candidate_paths()
         .filter(|path| std::fs::metadata(path).is_ok_and(|m| m.ino() == inode))
         .find_map(|path| Netns::open(&path.to_string_lossy()).ok())
+}
+
+/// Every network namespace on this host that has a name or a process, once
+/// each (by inode): the named ones first (/run/netns, /var/run/netns), opened
+/// by their name, then those only processes hold (/proc/<pid>/ns/net). It
+/// sees what this process's mount and PID namespaces show, so it is complete
+/// when run as the agent runs (host PID, /run/netns mounted). A namespace
+/// that goes away meanwhile is left out.
+pub fn all() -> Vec<Netns> {
+    let mut seen = std::collections::HashSet::new();
+    candidate_paths()
+        .filter_map(|path| Netns::open(&path.to_string_lossy()).ok())
+        .filter(|netns| seen.insert(netns.inode()))
+        .collect()
 }
 
 fn is_nsfs(file: &File) -> bool {
@@ -159,6 +188,21 @@ mod tests {
         let own = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
         assert_eq!(find_by_inode(own).unwrap().inode(), own);
         assert!(find_by_inode(1).is_none());
+    }
+
+    #[test]
+    fn every_namespace_is_listed_once_with_its_name() {
+        let named = ambpf_testbed::NetnsGuard::create("all").unwrap();
+        let all = all();
+        let inodes: std::collections::HashSet<u64> = all.iter().map(Netns::inode).collect();
+        assert_eq!(inodes.len(), all.len(), "a namespace listed twice");
+        let own = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
+        assert!(inodes.contains(&own));
+        let found = all
+            .iter()
+            .find(|ns| ns.inode() == std::fs::metadata(named.path()).unwrap().ino())
+            .expect("the named namespace");
+        assert_eq!(found.path(), named.path());
     }
 
     #[test]

@@ -1,12 +1,14 @@
 //! Privileged: the real `ambpf-cni` binary, run as a container runtime runs
 //! it, against the agent's CNI endpoint served here by a real `Controller`
-//! over the eBPF `Dataplane` and a testbed pod; and the installer on a
-//! temporary CNI configuration.
+//! over the eBPF `Dataplane` and a testbed pod; against the real `ambpf run`
+//! with the Kubernetes pod source on the test API server, which enrols only
+//! ambient pods; and the installer on a temporary CNI configuration.
 
 use std::{
     io::Write,
+    os::unix::net::UnixStream,
     path::{Path, PathBuf},
-    process::{Command, Output, Stdio},
+    process::{Child, Command, Output, Stdio},
     sync::Arc,
     time::Duration,
 };
@@ -22,7 +24,7 @@ use ambpf::{
     zds::{ZdsConfig, ZdsHandle},
 };
 use ambpf_common::NodeConfig;
-use ambpf_testbed::{BpffsMount, CgroupGuard, cluster::Cluster, unique_name};
+use ambpf_testbed::{BpffsMount, CgroupGuard, apiserver::ApiServer, cluster::Cluster, unique_name};
 use serde_json::{Value, json};
 
 struct TempDir(PathBuf);
@@ -52,8 +54,26 @@ fn prev_result(ip: &str) -> Value {
     })
 }
 
-/// Runs the plugin binary as the runtime would for `command`.
+/// The kubelet's `CNI_ARGS` for a pod.
+fn k8s_args(namespace: &str, name: &str, uid: &str) -> String {
+    format!(
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_INFRA_CONTAINER_ID=c0ffee;K8S_POD_UID={uid}"
+    )
+}
+
+/// Runs the plugin binary as the runtime would for `command`, for pod
+/// shop/app-1.
 fn plugin(command: &str, netns: &Path, uid: &str, socket: &Path, prev: &Value) -> Output {
+    plugin_for(
+        command,
+        netns,
+        &k8s_args("shop", "app-1", uid),
+        socket,
+        prev,
+    )
+}
+
+fn plugin_for(command: &str, netns: &Path, cni_args: &str, socket: &Path, prev: &Value) -> Output {
     let config = json!({
         "cniVersion": "1.0.0",
         "name": "k8s-pod-network",
@@ -68,12 +88,7 @@ fn plugin(command: &str, netns: &Path, uid: &str, socket: &Path, prev: &Value) -
         .env("CNI_NETNS", netns)
         .env("CNI_IFNAME", "eth0")
         .env("CNI_PATH", "/opt/cni/bin")
-        .env(
-            "CNI_ARGS",
-            format!(
-                "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=app-1;K8S_POD_INFRA_CONTAINER_ID=c0ffee;K8S_POD_UID={uid}"
-            ),
-        )
+        .env("CNI_ARGS", cni_args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -143,6 +158,7 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     let server = tokio::spawn(cni::server::serve(
         cni::server::bind(&socket).unwrap(),
         requests_tx,
+        cni::selection::PodSelection::Every,
     ));
 
     let inode = Netns::open(pod.ns.name()).unwrap().inode();
@@ -254,6 +270,242 @@ fn add_fails_the_pod_with_a_cni_error_when_no_agent_listens() {
             .contains(&json!("1.0.0")),
         "{version}"
     );
+}
+
+/// `ambpf run`, killed on drop; its log goes to a file.
+struct Agent {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the CNI endpoint accepts connections.
+    async fn wait_for_endpoint(&mut self, socket: &Path) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(socket).is_err() {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("the agent exited ({status}):\n{}", self.log());
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no CNI endpoint:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A namespace, labelled ambient or not.
+fn namespace_object(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({ "istio.io/dataplane-mode": "ambient" })
+    } else {
+        json!({ "team": "x" })
+    };
+    json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name, "labels": labels } })
+}
+
+/// A pod of `node-1` as the API server has it when the runtime calls ADD.
+fn pod_object(namespace: &str, name: &str, uid: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "namespace": namespace, "uid": uid, "labels": { "app": name } },
+        "spec": { "nodeName": "node-1", "serviceAccountName": name, "containers": [{ "name": "app" }] },
+        "status": { "phase": "Pending" }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails_the_add() {
+    let cluster = Cluster::create(2).unwrap();
+    let cgroup = CgroupGuard::create().unwrap();
+    let bpffs = BpffsMount::create().unwrap();
+    let pins = PinLayout::new(bpffs.path().join("ambpf"));
+    let dir = TempDir::new("kube");
+    let mut api = ApiServer::start().await.unwrap();
+    api.apply("namespaces", namespace_object("mesh", true));
+    api.apply("namespaces", namespace_object("plain", false));
+    api.apply("namespaces", namespace_object("kube-system", true));
+    api.apply("pods", pod_object("mesh", "app-1", "uid-app-1"));
+    api.apply("pods", pod_object("plain", "app-2", "uid-app-2"));
+    let kubeconfig = dir.0.join("kubeconfig");
+    std::fs::write(&kubeconfig, api.kubeconfig()).unwrap();
+
+    // In the host namespace, where the API server listens: the agent reads
+    // the host's addresses from there, and touches nothing else of it.
+    let socket = dir.0.join("pluginevent.sock");
+    let log = dir.0.join("agent.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_ambpf"))
+        .arg("--pin-root")
+        .arg(pins.root())
+        .args(["run", "--pod-source", "kube", "--node-name", "node-1"])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--cni-socket")
+        .arg(&socket)
+        .arg("--zds-socket")
+        .arg(dir.0.join("ztunnel.sock"))
+        .arg("--cgroup")
+        .arg(cgroup.path())
+        .args([
+            "--health-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut agent = Agent { child, log };
+    agent.wait_for_endpoint(&socket).await;
+
+    let enrolled = || -> Vec<u64> {
+        inspect::read_status(&pins)
+            .unwrap()
+            .pods
+            .iter()
+            .map(|p| p.netns_inode)
+            .collect()
+    };
+    let add = |netns: PathBuf, cni_args: String, prev: Value| {
+        let socket = socket.clone();
+        tokio::task::spawn_blocking(move || plugin_for("ADD", &netns, &cni_args, &socket, &prev))
+    };
+    let stderr = |output: &Output| String::from_utf8_lossy(&output.stderr).into_owned();
+    let (ambient, other) = (&cluster.pods[0], &cluster.pods[1]);
+    let prev = prev_result(&ambient.addrs.v4.to_string());
+    let other_prev = prev_result(&other.addrs.v4.to_string());
+    assert!(enrolled().is_empty());
+
+    // An ambient pod (by its namespace): enrolled before ADD returns.
+    let output = add(
+        ambient.ns.path(),
+        k8s_args("mesh", "app-1", "uid-app-1"),
+        prev.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        stderr(&output),
+        agent.log()
+    );
+    assert_eq!(stdout_json(&output), prev);
+    let ambient_inode = Netns::open(ambient.ns.name()).unwrap().inode();
+    assert_eq!(enrolled(), [ambient_inode]);
+
+    // Skipped, ADD succeeding with the previous result and the reason logged:
+    // a pod whose namespace is not ambient, and a pod the API server does not
+    // have (deleted meanwhile).
+    for (cni_args, reason) in [
+        (
+            k8s_args("plain", "app-2", "uid-app-2"),
+            "not ambient: neither the pod nor its namespace is labelled",
+        ),
+        (
+            k8s_args("mesh", "deleted", "uid-deleted"),
+            "not in the API server",
+        ),
+    ] {
+        let output = add(other.ns.path(), cni_args.clone(), other_prev.clone())
+            .await
+            .unwrap();
+        assert!(output.status.success(), "{cni_args}: {}", stderr(&output));
+        assert_eq!(stdout_json(&output), other_prev, "{cni_args}");
+        assert!(
+            stderr(&output).contains(reason),
+            "{cni_args}: {}",
+            stderr(&output)
+        );
+    }
+    assert_eq!(enrolled(), [ambient_inode], "nothing else enrolled");
+    // The agent asked the API server about each pod and its namespace.
+    let asked = api.requests();
+    for path in [
+        "/api/v1/namespaces/plain/pods/app-2",
+        "/api/v1/namespaces/plain",
+        "/api/v1/namespaces/mesh/pods/deleted",
+    ] {
+        assert!(asked.iter().any(|r| r.path == path), "no GET {path}");
+    }
+
+    // No answer from the API server: the ADD fails, saying why, so the
+    // runtime retries rather than start an app that may be ambient.
+    api.apply("pods", pod_object("mesh", "app-3", "uid-app-3"));
+    let app_3 = || k8s_args("mesh", "app-3", "uid-app-3");
+    api.deny("get", "pods");
+    let output = add(other.ns.path(), app_3(), other_prev.clone())
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let error = stdout_json(&output);
+    assert_eq!(error["code"], 101, "{error}");
+    let details = error["details"].as_str().unwrap();
+    assert!(
+        details.contains("HTTP 503")
+            && details.contains("cannot tell whether pod mesh/app-3 (uid-app-3) is ambient")
+            && details.contains("RBAC denies the agent `get` on pods"),
+        "{error}"
+    );
+    api.allow("get", "pods");
+    api.shutdown().await;
+    let output = add(other.ns.path(), app_3(), other_prev.clone())
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let error = stdout_json(&output);
+    let details = error["details"].as_str().unwrap();
+    assert!(
+        details.contains("cannot tell whether pod mesh/app-3 (uid-app-3) is ambient")
+            && details.contains("cannot get pods from the API server"),
+        "{error}"
+    );
+    // Pods of excluded namespaces need no answer: system pods still start.
+    let output = add(
+        other.ns.path(),
+        k8s_args("kube-system", "coredns-0", "uid-coredns"),
+        other_prev.clone(),
+    )
+    .await
+    .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(stdout_json(&output), other_prev);
+    assert!(stderr(&output).contains("its namespace is excluded"));
+    assert_eq!(enrolled(), [ambient_inode]);
+
+    // The API server is back: the pod it could not decide on is enrolled.
+    api.restart().await.unwrap();
+    let output = add(other.ns.path(), app_3(), other_prev.clone())
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}\n{}",
+        stderr(&output),
+        agent.log()
+    );
+    let mut both = vec![ambient_inode, Netns::open(other.ns.name()).unwrap().inode()];
+    both.sort_unstable();
+    let mut now = enrolled();
+    now.sort_unstable();
+    assert_eq!(now, both);
+    drop(agent);
 }
 
 fn conflist() -> Value {

@@ -1,21 +1,223 @@
-//! Privileged: `ambpf uninstall` removes what enrolment made in the pods'
-//! namespaces (the reply routing) and every pin, which detaches every link.
+//! Privileged: `ambpf uninstall` removes everything ambpf made: the eBPF
+//! pods' reply routing and every pin (which detaches every link), the
+//! iptables mode's in-pod rules in every namespace that has them plus the
+//! host's probe rules and ipsets, and the redirection annotation on the
+//! node's pods.
+//!
+//! The command runs as a subprocess, as on a node, but in a world of the
+//! test's own ([`uninstall_on`]): the test's node namespace is its host, and
+//! in a mount and PID namespace of its own it sees only the test's
+//! namespaces, so its node-wide sweep never reaches anything outside the
+//! test (other tests' namespaces, the real host's rules).
 
-use std::process::Command;
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output, Stdio},
+    sync::Mutex,
+};
 
 use ambpf::{
     bpf::{Dataplane, PinLayout},
     netns::Netns,
-    redirect::routing,
+    redirect::{
+        EnrollOptions, PodRedirection,
+        iptables::{self, Family, IptablesBackend, IptablesRedirection},
+        routing,
+    },
+    sources::kube::rules::REDIRECTION_ANNOTATION,
 };
-use ambpf_testbed::{BpffsMount, cluster::Cluster};
+use ambpf_testbed::{BpffsMount, NetnsGuard, apiserver::ApiServer, cluster::Cluster};
+use serde_json::{Value, json};
+
+/// The host-side rules and ipsets are per node namespace and each test has
+/// its own, but uninstall sweeps namespaces: one test at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A directory removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn create(prefix: &str) -> Self {
+        let path =
+            std::env::temp_dir().join(format!("{prefix}-{}", ambpf_testbed::unique_name("")));
+        std::fs::create_dir(&path).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Builds the test's world, then execs the command given after the script's
+/// arguments: `$1` a staging directory, `$2` the namespaces to show under
+/// /run/netns, `$3` those to show only through a process each (a pod whose
+/// namespace has no name, as a container's).
+const ISOLATE: &str = r#"
+set -eu
+stage=$1 named=$2 held=$3
+shift 3
+for ns in $named; do
+    touch "$stage/$ns"
+    mount --bind "/run/netns/$ns" "$stage/$ns"
+done
+for ns in $held; do
+    nsenter --net="/run/netns/$ns" sleep 600 &
+    want=$(stat -L -c %i "/run/netns/$ns")
+    until [ "$(stat -L -c %i /proc/$!/ns/net)" = "$want" ]; do sleep 0.01; done
+done
+mount -t tmpfs ambpf-test /run/netns
+for ns in $named; do
+    touch "/run/netns/$ns"
+    mount --bind "$stage/$ns" "/run/netns/$ns"
+done
+exec "$@"
+"#;
+
+/// Runs `ambpf --pin-root <pin_root> uninstall <args>` with `node` as its
+/// host namespace, seeing only `named` (under /run/netns) and `held`
+/// (through a process each) besides. The mount and PID namespaces it runs
+/// in, and every mount and process in them, end with it.
+fn uninstall_on(
+    node: &NetnsGuard,
+    named: &[&NetnsGuard],
+    held: &[&NetnsGuard],
+    pin_root: &Path,
+    args: &[&str],
+) -> Output {
+    let stage = TempDir::create("ambpf-uninstall-stage");
+    let names = |list: &[&NetnsGuard]| {
+        list.iter()
+            .map(|ns| ns.name().to_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", node.path().display()))
+        .args([
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "sh",
+            "-c",
+            ISOLATE,
+            "isolate",
+        ])
+        .arg(&stage.0)
+        .arg(names(named))
+        .arg(names(held))
+        .arg(env!("CARGO_BIN_EXE_ambpf"))
+        .arg("--pin-root")
+        .arg(pin_root)
+        .arg("uninstall")
+        .args(args)
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("NODE_NAME")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    eprintln!(
+        "--- ambpf uninstall {args:?}: {}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn open(ns: &NetnsGuard) -> Netns {
+    Netns::open(ns.name()).unwrap()
+}
+
+/// Every rule of `ns` (both backends, where present, and both families),
+/// without packet counters.
+fn all_rules(ns: &NetnsGuard) -> Vec<String> {
+    let mut out = Vec::new();
+    for backend in ["nft", "legacy"] {
+        for tool in ["iptables", "ip6tables"] {
+            let save = ns
+                .run(|| Command::new(format!("{tool}-{backend}-save")).output())
+                .unwrap();
+            let Ok(save) = save else { continue };
+            out.extend(
+                String::from_utf8_lossy(&save.stdout)
+                    .lines()
+                    .filter(|l| !l.starts_with('#'))
+                    .map(|l| match l.split_once(" [") {
+                        Some((chain, _)) if l.starts_with(':') => chain.to_owned(),
+                        _ => l.to_owned(),
+                    })
+                    .map(|l| format!("{tool}-{backend}: {l}")),
+            );
+        }
+    }
+    out
+}
+
+fn istio_lines(ns: &NetnsGuard) -> Vec<String> {
+    all_rules(ns)
+        .into_iter()
+        .filter(|l| l.contains("ISTIO_"))
+        .collect()
+}
+
+fn ipsets(ns: &NetnsGuard) -> String {
+    let out = ns
+        .run(|| Command::new("ipset").args(["list", "-name"]).output())
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Writes `rules` into `ns` with the given backend's `iptables-restore`.
+fn restore(ns: &NetnsGuard, backend: IptablesBackend, rules: &str) {
+    use std::io::Write as _;
+    let out = ns
+        .run(|| {
+            let mut child = Command::new(format!("iptables-{backend}-restore"))
+                .arg("--noflush")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(rules.as_bytes())
+                .unwrap();
+            child.wait_with_output().unwrap()
+        })
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
 
 #[test]
-fn uninstall_removes_routes_links_and_pins() {
+fn ebpf_pods_lose_their_routes_links_and_pins() {
+    let _serial = serial();
     let bpffs = BpffsMount::create().unwrap();
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
     let cluster = Cluster::create(1).unwrap();
-    let netns = Netns::open(cluster.pods[0].ns.name()).unwrap();
+    let pod = &cluster.pods[0].ns;
+    let netns = open(pod);
     {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
         dataplane.enroll_pod(&netns, true).unwrap();
@@ -23,19 +225,321 @@ fn uninstall_removes_routes_links_and_pins() {
     assert!(routing::reply_routing_installed(&netns).unwrap());
     assert!(pins.pod_links_dir(netns.inode()).exists());
 
-    let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
-        .arg("--pin-root")
-        .arg(pins.root())
-        .arg("uninstall")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let out = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
+    assert!(out.status.success());
+    let text = stdout(&out);
     assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        text.contains(&format!(
+            "removed the reply routing of {}",
+            pod.path().display()
+        )),
+        "{text}"
     );
-    assert!(stdout.contains("removed the reply routing"), "{stdout}");
+    assert!(
+        text.contains(&format!("removed {}", pins.root().display())),
+        "{text}"
+    );
     assert!(!routing::reply_routing_installed(&netns).unwrap());
     assert!(!pins.root().exists());
+
+    let again = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
+    assert!(again.status.success());
+    assert!(stdout(&again).contains("nothing pinned under"));
+}
+
+/// Pods enrolled in iptables mode by an agent that is gone (its memory of
+/// them with it): found by their rules, in named namespaces and in one only
+/// a process holds, and cleaned with the host; a neighbour and an Istio
+/// sidecar's namespace keep everything.
+#[test]
+fn iptables_pods_are_found_and_cleaned_without_the_agent() {
+    let _serial = serial();
+    let bpffs = BpffsMount::create().unwrap();
+    let pin_root = bpffs.path().join("ambpf");
+    let cluster = Cluster::create(4).unwrap();
+    let [named_pod, held_pod, unenrolled_pod, neighbour] =
+        [0, 1, 2, 3].map(|i| &cluster.pods[i].ns);
+    let sidecar = NetnsGuard::create("sidecar").unwrap();
+
+    let backend = {
+        let mut agent =
+            IptablesRedirection::new(open(&cluster.node), IptablesBackend::Auto).unwrap();
+        let options = EnrollOptions { dns_capture: true };
+        for pod in [named_pod, held_pod, unenrolled_pod] {
+            agent.enroll(&open(pod), options).unwrap();
+        }
+        // Unenrolled: the reply path (mangle chains, policy routing) stays.
+        assert!(agent.unenroll(open(unenrolled_pod).inode()).unwrap());
+        // The agent goes without removing anything, as a crashed one does.
+        agent.backend()
+    };
+    for pod in [named_pod, held_pod, unenrolled_pod] {
+        assert!(!istio_lines(pod).is_empty());
+        assert!(routing::reply_routing_status(&open(pod)).unwrap().ipv4.rule);
+    }
+    assert!(ipsets(&cluster.node).contains(iptables::PROBE_IPSET_V4));
+
+    // Rules that are not ambpf's: the neighbour's own, and a sidecar's.
+    restore(
+        neighbour,
+        backend,
+        "*nat\n-A OUTPUT -p tcp --dport 9 -j REDIRECT --to-ports 10\nCOMMIT\n",
+    );
+    restore(
+        &sidecar,
+        backend,
+        "*nat\n:ISTIO_INBOUND - [0:0]\n:ISTIO_OUTPUT - [0:0]\n\
+         -A PREROUTING -p tcp -j ISTIO_INBOUND\n-A OUTPUT -p tcp -j ISTIO_OUTPUT\n\
+         -A ISTIO_INBOUND -p tcp -j REDIRECT --to-ports 15006\n\
+         -A ISTIO_OUTPUT -s 127.0.0.6/32 -o lo -j RETURN\nCOMMIT\n",
+    );
+    let neighbour_before = all_rules(neighbour);
+    let sidecar_before = all_rules(&sidecar);
+    assert!(neighbour_before.iter().any(|l| l.contains("--dport 9")));
+
+    let named = [named_pod, unenrolled_pod, neighbour, &sidecar];
+    let out = uninstall_on(&cluster.node, &named, &[held_pod], &pin_root, &[]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    for pod in [named_pod, unenrolled_pod] {
+        let line = format!(
+            "removed the iptables rules and reply routing of {}",
+            pod.path().display()
+        );
+        assert!(text.contains(&line), "{text}");
+    }
+    // The held pod is known by its process only.
+    assert!(
+        text.lines().any(|l| l
+            .starts_with("removed the iptables rules and reply routing of /proc/")
+            && l.ends_with("/ns/net")),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("removed the iptables rules").count(),
+        3,
+        "{text}"
+    );
+    assert!(text.contains("removed the host probe rules"), "{text}");
+    assert!(
+        text.contains(&format!(
+            "left {}: its Istio chains are not ambpf's",
+            sidecar.path().display()
+        )),
+        "{text}"
+    );
+    assert!(text.contains("nothing pinned under"), "{text}");
+
+    for pod in [named_pod, held_pod, unenrolled_pod] {
+        assert_eq!(istio_lines(pod), Vec::<String>::new(), "{}", pod.name());
+        let status = routing::reply_routing_status(&open(pod)).unwrap();
+        assert!(!status.ipv4.rule && !status.ipv4.route, "{status:?}");
+        for family in Family::ALL {
+            let saved = iptables::saved_rules(&open(pod), backend, family).unwrap();
+            assert!(!saved.has_istio_chains());
+        }
+    }
+    assert_eq!(istio_lines(&cluster.node), Vec::<String>::new());
+    assert_eq!(ipsets(&cluster.node), "");
+    assert_eq!(all_rules(neighbour), neighbour_before);
+    assert_eq!(all_rules(&sidecar), sidecar_before);
+
+    // Again: nothing left to remove, and it says so by saying nothing of it.
+    let again = uninstall_on(&cluster.node, &named, &[held_pod], &pin_root, &[]);
+    assert!(again.status.success());
+    let text = stdout(&again);
+    assert!(!text.contains("removed the"), "{text}");
+    assert_eq!(all_rules(&sidecar), sidecar_before);
+}
+
+/// `--redirect-mode ebpf` leaves every iptables rule in place.
+#[test]
+fn the_ebpf_mode_alone_leaves_iptables_rules() {
+    let _serial = serial();
+    let bpffs = BpffsMount::create().unwrap();
+    let cluster = Cluster::create(1).unwrap();
+    let pod = &cluster.pods[0].ns;
+    let mut agent = IptablesRedirection::new(open(&cluster.node), IptablesBackend::Auto).unwrap();
+    agent
+        .enroll(&open(pod), EnrollOptions { dns_capture: false })
+        .unwrap();
+    let before = (all_rules(pod), all_rules(&cluster.node));
+
+    let pin_root = bpffs.path().join("ambpf");
+    let out = uninstall_on(
+        &cluster.node,
+        &[pod],
+        &[],
+        &pin_root,
+        &["--redirect-mode", "ebpf"],
+    );
+    assert!(out.status.success());
+    assert!(!stdout(&out).contains("iptables"), "{}", stdout(&out));
+    assert_eq!((all_rules(pod), all_rules(&cluster.node)), before);
+    agent.uninstall().unwrap();
+    assert!(istio_lines(pod).is_empty());
+}
+
+#[test]
+fn a_clean_node_uninstalls_cleanly() {
+    let _serial = serial();
+    let node = NetnsGuard::create("node").unwrap();
+    let bystander = NetnsGuard::create("other").unwrap();
+    let bpffs = BpffsMount::create().unwrap();
+    let pin_root = bpffs.path().join("ambpf");
+    for _ in 0..2 {
+        let out = uninstall_on(&node, &[&bystander], &[], &pin_root, &[]);
+        assert!(out.status.success());
+        let text = stdout(&out);
+        assert!(
+            text.contains(&format!("nothing pinned under {}", pin_root.display())),
+            "{text}"
+        );
+        assert!(text.contains("no Kubernetes access configured"), "{text}");
+        assert!(!text.contains("removed"), "{text}");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Annotations
+
+const NODE: &str = "node-1";
+
+fn pod_object(name: &str, node: &str, annotations: Value) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "shop",
+            "uid": format!("uid-{name}"),
+            "annotations": annotations,
+        },
+        "spec": { "nodeName": node, "containers": [{ "name": "app" }] },
+    })
+}
+
+fn annotations_of(server: &ApiServer, name: &str) -> Value {
+    server.object("pods", "shop", name).unwrap()["metadata"]["annotations"].clone()
+}
+
+/// A kubeconfig for the test API server (plain HTTP, no credentials).
+fn kubeconfig(dir: &Path, server: &ApiServer) -> PathBuf {
+    let path = dir.join("kubeconfig");
+    let yaml = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n\
+         users:\n- name: test\n  user: {{}}\ncontexts:\n- name: test\n  context:\n    \
+         cluster: test\n    user: test\ncurrent-context: test\n",
+        server.url()
+    );
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+#[test]
+fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
+    let _serial = serial();
+    let node = NetnsGuard::create("node").unwrap();
+    let bpffs = BpffsMount::create().unwrap();
+    let pin_root = bpffs.path().join("ambpf");
+    let work = TempDir::create("ambpf-uninstall-kube");
+    // The API server listens on the node namespace's loopback, where the
+    // command runs.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = node
+        .run(|| runtime.block_on(ApiServer::start()))
+        .unwrap()
+        .unwrap();
+    let enabled = json!({ REDIRECTION_ANNOTATION: "enabled" });
+    server.apply("pods", pod_object("web-0", NODE, enabled.clone()));
+    server.apply(
+        "pods",
+        pod_object(
+            "web-1",
+            NODE,
+            json!({ REDIRECTION_ANNOTATION: "enabled", "team": "shop" }),
+        ),
+    );
+    server.apply("pods", pod_object("db-0", NODE, json!({ "team": "shop" })));
+    server.apply("pods", pod_object("elsewhere", "node-2", enabled.clone()));
+    let kubeconfig = kubeconfig(&work.0, &server);
+    let args = [
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--node-name",
+        NODE,
+    ];
+
+    // Patches refused: each pod is tried and reported, the rest still runs,
+    // and the command fails.
+    server.deny("patch", "pods");
+    let out = uninstall_on(&node, &[], &[], &pin_root, &args);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for pod in ["shop/web-0", "shop/web-1"] {
+        assert!(
+            stderr.contains(&format!("pod {pod}: RBAC denies")),
+            "{stderr}"
+        );
+    }
+    assert!(
+        stderr.contains("uninstall incomplete: 2 step(s) failed"),
+        "{stderr}"
+    );
+    assert!(stdout(&out).contains("nothing pinned under"));
+    assert_eq!(annotations_of(&server, "web-0"), enabled);
+
+    server.allow("patch", "pods");
+    let out = uninstall_on(&node, &[], &[], &pin_root, &args);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    for pod in ["shop/web-0", "shop/web-1"] {
+        assert!(
+            text.contains(&format!("removed {REDIRECTION_ANNOTATION} from pod {pod}")),
+            "{text}"
+        );
+    }
+    assert!(
+        annotations_of(&server, "web-0")
+            .get(REDIRECTION_ANNOTATION)
+            .is_none()
+    );
+    assert_eq!(annotations_of(&server, "web-1"), json!({ "team": "shop" }));
+    assert_eq!(annotations_of(&server, "db-0"), json!({ "team": "shop" }));
+    assert_eq!(annotations_of(&server, "elsewhere"), enabled);
+    let patched: Vec<String> = server.patches().into_iter().map(|p| p.name).collect();
+    assert_eq!(patched, ["web-0", "web-1"]);
+    for patch in server.patches() {
+        assert_eq!(patch.content_type, "application/merge-patch+json");
+        assert_eq!(
+            patch.body,
+            json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: null } } })
+        );
+    }
+
+    let again = uninstall_on(&node, &[], &[], &pin_root, &args);
+    assert!(again.status.success());
+    assert!(
+        stdout(&again).contains(&format!("no pod of node {NODE} carries")),
+        "{}",
+        stdout(&again)
+    );
+    assert_eq!(server.patches().len(), 2);
+
+    // Kubernetes configured without a node name: an error, the rest done.
+    let out = uninstall_on(
+        &node,
+        &[],
+        &[],
+        &pin_root,
+        &["--kubeconfig", kubeconfig.to_str().unwrap()],
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("node name is not set"));
+    assert!(stdout(&out).contains("nothing pinned under"));
+    drop(server);
 }

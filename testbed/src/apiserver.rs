@@ -30,7 +30,8 @@
 //! [`ApiServer::break_watches`] or [`ApiServer::watch_error`]; send
 //! [`ApiServer::send_raw_watch_line`]; [`ApiServer::deny`] a verb on a
 //! resource (403, as RBAC answers); [`ApiServer::shutdown`] and
-//! [`ApiServer::restart`] on the same port (the objects survive).
+//! [`ApiServer::restart`] on the same port (the objects survive). A process
+//! of its own reaches it through [`ApiServer::kubeconfig`].
 //!
 //! Not served: pagination (`limit` is ignored, lists come whole), creation,
 //! deletion and update through the API, other patch types (415), TLS and
@@ -388,6 +389,11 @@ impl ApiServer {
     /// `http://127.0.0.1:<port>`: the cluster URL for a `kube::Config`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// A kubeconfig for this server, for a process given `--kubeconfig`.
+    pub fn kubeconfig(&self) -> String {
+        kubeconfig_yaml(&self.url())
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -1067,6 +1073,15 @@ fn start_watch(
 }
 
 /// RFC 7386 JSON merge patch.
+/// A kubeconfig for a plain-HTTP API server without authentication.
+pub fn kubeconfig_yaml(server: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: testbed\n  cluster:\n    server: {server}\n\
+         users:\n- name: testbed\n  user: {{}}\ncontexts:\n- name: testbed\n  context:\n    cluster: testbed\n    user: testbed\n\
+         current-context: testbed\n"
+    )
+}
+
 pub fn merge_patch(target: &mut Value, patch: &Value) {
     let Value::Object(patch) = patch else {
         *target = patch.clone();
@@ -1150,6 +1165,14 @@ mod tests {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
     use super::*;
+
+    #[test]
+    fn kubeconfig_names_the_server_without_credentials() {
+        let yaml = kubeconfig_yaml("http://127.0.0.1:4321");
+        assert!(yaml.contains("    server: http://127.0.0.1:4321\n"));
+        assert!(yaml.contains("current-context: testbed\n"));
+        assert!(yaml.contains("  user: {}\n"));
+    }
 
     /// One request over a fresh connection, read to the end.
     async fn raw(server: &ApiServer, request: &str) -> String {

@@ -4,10 +4,13 @@
 //! ADD posts the pod (`CNI_ARGS` K8S_POD_NAME, K8S_POD_NAMESPACE,
 //! K8S_POD_UID; `CNI_NETNS`; the IPs of `prevResult`) to the agent's unix
 //! socket (`agentSocket` in the network configuration) and waits
-//! (`agentTimeoutSeconds`, default 30) for its answer; on success it prints
-//! `prevResult` unchanged, else a CNI error and a non-zero exit, so the
-//! runtime fails the pod's network setup. DEL, CHECK, GC and STATUS succeed
-//! without contacting the agent; VERSION lists the supported versions.
+//! (`agentTimeoutSeconds`, default 30) for its answer. When the agent has
+//! enrolled the pod, or answers that it skipped it (not ambient, or deleted
+//! meanwhile; the reason goes to stderr, the runtime's log), it prints
+//! `prevResult` unchanged, as a chained plugin must, and exits 0; else it
+//! prints a CNI error and exits non-zero, so the runtime fails the pod's
+//! network setup. DEL, CHECK, GC and STATUS succeed without contacting the
+//! agent; VERSION lists the supported versions.
 
 use std::{
     io::{Read, Write},
@@ -17,7 +20,7 @@ use std::{
     time::Duration,
 };
 
-use ambpf::cni::{CmdAdd, DEFAULT_SOCKET};
+use ambpf::cni::{CmdAdd, CmdAddReply, DEFAULT_SOCKET};
 use serde_json::{Value, json};
 
 const SUPPORTED: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
@@ -157,12 +160,16 @@ fn add(config: &Value) -> Result<Value, CniError> {
         netns,
         ips,
     };
-    post(&PathBuf::from(socket), &request, timeout)?;
+    match post(&PathBuf::from(socket), &request, timeout)? {
+        CmdAddReply::Enrolled => {}
+        // The pod starts without redirection, by the agent's decision.
+        CmdAddReply::Skipped { reason } => eprintln!("ambpf-cni: {reason}"),
+    }
     Ok(result)
 }
 
 /// `POST /cmdadd`; `Ok` only on a 200.
-fn post(socket: &PathBuf, request: &CmdAdd, timeout: Duration) -> Result<(), CniError> {
+fn post(socket: &PathBuf, request: &CmdAdd, timeout: Duration) -> Result<CmdAddReply, CniError> {
     let pod = format!("{}/{}", request.pod_namespace, request.pod_name);
     let unreachable = |e: std::io::Error| {
         let msg = match e.kind() {
@@ -199,7 +206,8 @@ fn post(socket: &PathBuf, request: &CmdAdd, timeout: Duration) -> Result<(), Cni
         .map(|(_, body)| body.trim())
         .unwrap_or_default();
     match status {
-        Some(200) => Ok(()),
+        // An older agent answered 200 with plain text: it enrolled the pod.
+        Some(200) => Ok(serde_json::from_str(answer).unwrap_or(CmdAddReply::Enrolled)),
         Some(code) => Err(error(
             AGENT_REFUSED,
             "the ambpf agent did not capture the pod",

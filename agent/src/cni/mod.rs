@@ -3,22 +3,24 @@
 //! The `ambpf-cni` binary is chained after the node's network plugin. On
 //! ADD it posts the new pod to the agent (`POST /cmdadd` over a unix socket)
 //! and fails the pod's network setup unless the agent answers that the pod's
-//! redirection is in place and ztunnel has it, so an ambient pod never runs
-//! unprotected (Istio's CNI plugin does the same).
+//! redirection is in place and ztunnel has it, or that the pod is not to be
+//! enrolled, so an ambient pod never runs unprotected (Istio's CNI plugin
+//! does the same).
 //!
-//! Which pods are ambient: the agent enrols **every** pod the plugin posts.
-//! Selecting ambient pods is the plugin configuration's job (chain the plugin
-//! only where ambient pods run, e.g. via the installer's target conflist);
-//! the agent does not yet check the pod's labels from its informer. A posted
-//! pod stays enrolled until the pod source reports it (and from then on the
-//! source decides) or its netns disappears.
+//! Which pods are enrolled ([`selection`]): with the Kubernetes pod source,
+//! the ambient ones, by the pod and its namespace read from the API server;
+//! without it, every pod the plugin posts. An enrolled pod stays so until
+//! the pod source reports it (and from then on the source decides) or its
+//! netns disappears.
 //!
-//! - [`server`]: the agent's endpoint, handing each request to the
+//! - [`server`]: the agent's endpoint, handing each pod to be enrolled to the
 //!   [`Controller`](crate::controller::Controller).
+//! - [`selection`]: which posted pods are enrolled.
 //! - [`install`]: puts the plugin into the node's CNI configuration and keeps
 //!   it there.
 
 pub mod install;
+pub mod selection;
 pub mod server;
 
 use serde::{Deserialize, Serialize};
@@ -41,4 +43,17 @@ pub struct CmdAdd {
     /// The pod's addresses, from the previous plugin's result.
     #[serde(default)]
     pub ips: Vec<std::net::IpAddr>,
+}
+
+/// The body of a `200` answer to `POST /cmdadd`. (An agent older than this
+/// answered `enrolled` as plain text; the plugin reads anything it cannot
+/// parse in a `200` as [`CmdAddReply::Enrolled`].)
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "camelCase")]
+pub enum CmdAddReply {
+    /// The pod's redirection is in place and ztunnel has it.
+    Enrolled,
+    /// The pod is not enrolled, and should start anyway: it is not ambient,
+    /// or it was deleted meanwhile.
+    Skipped { reason: String },
 }

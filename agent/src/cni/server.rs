@@ -1,16 +1,15 @@
 //! The agent's CNI endpoint: `POST /cmdadd` over a unix socket.
 //!
 //! A deliberately small HTTP/1.1 responder (one request per connection, then
-//! close), like the health endpoint. Each request is handed to the
-//! controller, which stays the only owner of the redirection; the answer is
-//! 200 once the pod's redirection is in place and ztunnel's desired set has
-//! it, else an error status with the reason as the body.
+//! close), like the health endpoint. Each posted pod is first checked against
+//! the [`PodSelection`]; a pod to enrol is handed to the controller, which
+//! stays the only owner of the redirection. The answer is 200 with a
+//! [`CmdAddReply`] once the pod's redirection is in place and ztunnel's
+//! desired set has it, or at once when the pod is skipped; else an error
+//! status with the reason as the body (503 when the API server could not
+//! say whether the pod is ambient).
 
-use std::{
-    io,
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::{io, path::Path, time::Duration};
 
 use log::{debug, info, warn};
 use tokio::{
@@ -19,11 +18,11 @@ use tokio::{
     sync::{mpsc, oneshot},
 };
 
-use super::CmdAdd;
-use crate::{
-    controller::{EnrollRequest, PodSpec},
-    zds::{NetnsSource, Workload},
+use super::{
+    CmdAdd, CmdAddReply,
+    selection::{PodSelection, Verdict},
 };
+use crate::controller::EnrollRequest;
 
 /// Largest request accepted (head and body).
 const MAX_REQUEST: usize = 64 * 1024;
@@ -44,26 +43,20 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
     )
 }
 
-/// The pod a request describes.
-pub fn pod_spec(add: &CmdAdd) -> PodSpec {
-    PodSpec {
-        workload: Workload {
-            uid: add.pod_uid.clone(),
-            name: add.pod_name.clone(),
-            namespace: add.pod_namespace.clone(),
-            // Not known from the CNI call; the pod source fills it in when
-            // it reports the pod.
-            service_account: String::new(),
-            netns: NetnsSource::Path(PathBuf::from(&add.netns)),
-        },
-        dns_capture: None,
-    }
-}
-
-/// Serves requests from `listener`, handing them to the controller through
-/// `controller`, until the controller is gone.
-pub async fn serve(listener: UnixListener, controller: mpsc::Sender<EnrollRequest>) {
-    info!("CNI endpoint ready");
+/// Serves requests from `listener`, handing the pods `selection` enrols to
+/// the controller through `controller`, until the controller is gone.
+pub async fn serve(
+    listener: UnixListener,
+    controller: mpsc::Sender<EnrollRequest>,
+    selection: PodSelection,
+) {
+    info!(
+        "CNI endpoint ready; enrolling {}",
+        match selection {
+            PodSelection::Every => "every pod the plugin posts",
+            PodSelection::Ambient(_) => "the ambient pods the plugin posts",
+        }
+    );
     loop {
         let conn = match listener.accept().await {
             Ok((conn, _)) => conn,
@@ -76,18 +69,32 @@ pub async fn serve(listener: UnixListener, controller: mpsc::Sender<EnrollReques
         if controller.is_closed() {
             return;
         }
-        tokio::spawn(handle(conn, controller.clone()));
+        tokio::spawn(handle(conn, controller.clone(), selection.clone()));
     }
 }
 
-async fn handle(mut conn: UnixStream, controller: mpsc::Sender<EnrollRequest>) {
-    let (status, body) = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut conn)).await {
-        Ok(Ok((method, path, body))) => respond(&method, &path, &body, &controller).await,
-        Ok(Err(e)) => (400, format!("{e}\n")),
+async fn handle(
+    mut conn: UnixStream,
+    controller: mpsc::Sender<EnrollRequest>,
+    selection: PodSelection,
+) {
+    let answer = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut conn)).await {
+        Ok(Ok((method, path, body))) => {
+            respond(&method, &path, &body, &controller, &selection).await
+        }
+        Ok(Err(e)) => Err((400, format!("{e}\n"))),
         Err(_) => {
             debug!("CNI: dropped a slow request");
             return;
         }
+    };
+    let (status, content_type, body) = match answer {
+        Ok(reply) => (
+            200,
+            "application/json",
+            serde_json::to_string(&reply).expect("the reply serializes"),
+        ),
+        Err((status, text)) => (status, "text/plain", text),
     };
     let reason = match status {
         200 => "OK",
@@ -98,49 +105,63 @@ async fn handle(mut conn: UnixStream, controller: mpsc::Sender<EnrollRequest>) {
         _ => "Internal Server Error",
     };
     let response = format!(
-        "HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     let _ = conn.write_all(response.as_bytes()).await;
     let _ = conn.shutdown().await;
 }
 
+/// The reply to a request, or an error status and its text.
+type Answer = Result<CmdAddReply, (u16, String)>;
+
 async fn respond(
     method: &str,
     path: &str,
     body: &[u8],
     controller: &mpsc::Sender<EnrollRequest>,
-) -> (u16, String) {
+    selection: &PodSelection,
+) -> Answer {
     if path != "/cmdadd" {
-        return (404, "not found\n".to_owned());
+        return Err((404, "not found\n".to_owned()));
     }
     if method != "POST" {
-        return (405, "only POST\n".to_owned());
+        return Err((405, "only POST\n".to_owned()));
     }
     let add: CmdAdd = match serde_json::from_slice(body) {
         Ok(add) => add,
-        Err(e) => return (400, format!("invalid request: {e}\n")),
+        Err(e) => return Err((400, format!("invalid request: {e}\n"))),
     };
     if add.pod_uid.is_empty() || add.netns.is_empty() {
-        return (400, "podUid and netns are required\n".to_owned());
+        return Err((400, "podUid and netns are required\n".to_owned()));
     }
     let pod = format!("{}/{} ({})", add.pod_namespace, add.pod_name, add.pod_uid);
-    let (reply, answer) = oneshot::channel();
-    let request = EnrollRequest {
-        pod: pod_spec(&add),
-        reply,
+    let spec = match selection.select(&add).await {
+        Ok(Verdict::Enroll(spec)) => spec,
+        Ok(Verdict::Skip(why)) => {
+            let reason = format!("pod {pod} not enrolled: {why}");
+            info!("CNI add: {reason}");
+            return Ok(CmdAddReply::Skipped { reason });
+        }
+        Err(e) => {
+            let text = format!("cannot tell whether pod {pod} is ambient: {e}");
+            warn!("CNI add refused: {text}");
+            return Err((503, format!("{text}\n")));
+        }
     };
+    let (reply, answer) = oneshot::channel();
+    let request = EnrollRequest { pod: spec, reply };
     if controller.send(request).await.is_err() {
-        return (503, "the agent is shutting down\n".to_owned());
+        return Err((503, "the agent is shutting down\n".to_owned()));
     }
     match tokio::time::timeout(ENROLL_TIMEOUT, answer).await {
         Ok(Ok(Ok(()))) => {
             info!("CNI add: pod {pod} enrolled");
-            (200, "enrolled\n".to_owned())
+            Ok(CmdAddReply::Enrolled)
         }
-        Ok(Ok(Err(why))) => (500, format!("pod {pod} not enrolled: {why}\n")),
-        Ok(Err(_)) => (503, "the agent is shutting down\n".to_owned()),
-        Err(_) => (503, format!("pod {pod}: enrolment timed out\n")),
+        Ok(Ok(Err(why))) => Err((500, format!("pod {pod} not enrolled: {why}\n"))),
+        Ok(Err(_)) => Err((503, "the agent is shutting down\n".to_owned())),
+        Err(_) => Err((503, format!("pod {pod}: enrolment timed out\n"))),
     }
 }
 
@@ -219,7 +240,7 @@ mod tests {
         let listener = bind(&path).unwrap();
         assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
         let (tx, mut rx) = mpsc::channel(4);
-        let server = tokio::spawn(serve(listener, tx));
+        let server = tokio::spawn(serve(listener, tx, PodSelection::Every));
         // A controller double: accepts uid "ok", refuses the rest.
         tokio::spawn(async move {
             while let Some(request) = rx.recv().await {
@@ -245,6 +266,7 @@ mod tests {
         };
         let ok = post(&path, &request(body("ok"))).await;
         assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(ok.ends_with("\r\n\r\n{\"outcome\":\"enrolled\"}"), "{ok}");
         let refused = post(&path, &request(body("bad"))).await;
         assert!(refused.starts_with("HTTP/1.1 500"), "{refused}");
         assert!(refused.contains("no address"), "{refused}");

@@ -77,8 +77,11 @@
 //! acts only on connections ztunnel made (mark 0x539), and without it the
 //! app's replies on connections ztunnel proxies at that moment would be
 //! routed out of the pod. [`remove_pod_rules`] removes everything, and
-//! [`IptablesRedirection::uninstall`] does that for every enrolled pod and
-//! then removes the host rules and ipsets.
+//! [`uninstall_node`] does that for a set of pods and then removes the host
+//! rules and ipsets: [`IptablesRedirection::uninstall`] for the pods it
+//! enrolled, `ambpf uninstall` for every namespace [`find_pod_rules`]
+//! recognises as ambpf's (the agent keeps no record of its pods outside its
+//! memory, so this works after it crashed too).
 //!
 //! # Backends
 //!
@@ -521,6 +524,51 @@ impl SavedRules {
             .any(|t| t.chains.iter().any(|c| c.starts_with("ISTIO_")))
     }
 
+    /// Whether any chain `set` declares exists in its table.
+    fn has_any_chain_of(&self, set: &RuleSet) -> bool {
+        set.tables
+            .iter()
+            .any(|t| t.chains.iter().any(|c| self.has_chain(t.table, c)))
+    }
+
+    /// What Istio-named in these rules is not ambpf's, against `owned` (the
+    /// most ambpf writes in such a namespace): `ISTIO_*` chains `owned` does
+    /// not declare in that table, and rules in the ones it does whose target
+    /// none of `owned`'s rules in that table has. Targets rather than whole
+    /// rules are compared, because each backend prints a rule its own way
+    /// (`-s 169.254.7.127/32`, added `-m tcp`, ...). The chains of `skipped`
+    /// are neither.
+    fn foreign_istio_chains(&self, owned: &RuleSet, skipped: &RuleSet) -> Vec<String> {
+        let mut foreign = Vec::new();
+        for (name, table) in &self.tables {
+            let owned_table = owned.table(name);
+            let chains: &[&str] = owned_table.map_or(&[], |t| &t.chains);
+            let skipped: &[&str] = skipped.table(name).map_or(&[], |t| &t.chains);
+            let targets: BTreeSet<&str> = owned_table
+                .into_iter()
+                .flat_map(|t| &t.rules)
+                .filter_map(|rule| rule_target(rule))
+                .collect();
+            for chain in table.chains.iter().filter(|c| c.starts_with("ISTIO_")) {
+                if skipped.contains(&chain.as_str()) {
+                    continue;
+                }
+                if !chains.contains(&chain.as_str()) {
+                    foreign.push(format!("{name} {chain}"));
+                    continue;
+                }
+                for rule in self.chain_rules(name, chain) {
+                    match rule_target(&rule) {
+                        Some(target) if targets.contains(target) => {}
+                        Some(target) => foreign.push(format!("{name} {chain} -j {target}")),
+                        None => foreign.push(format!("{name} {chain}: `{rule}`")),
+                    }
+                }
+            }
+        }
+        foreign
+    }
+
     /// Tables holding one of Istio's chains.
     pub fn tables_with_istio_chains(&self) -> Vec<String> {
         self.tables
@@ -529,6 +577,13 @@ impl SavedRules {
             .map(|(name, _)| name.clone())
             .collect()
     }
+}
+
+/// The target of a rule (`-j TARGET`, `--jump TARGET`), if it has one.
+fn rule_target(rule: &str) -> Option<&str> {
+    let mut words = rule.split_whitespace();
+    words.find(|w| *w == "-j" || *w == "--jump")?;
+    words.next()
 }
 
 /// The restore input (for `--noflush`) that turns `current` into `wanted`
@@ -916,11 +971,15 @@ pub fn remove_pod_rules(netns: &Netns) -> Result<(), EnrollError> {
 }
 
 /// Removes the host rules (in each backend present) and then the probe
-/// ipsets, idempotently.
-pub fn remove_host_rules(host: &Netns) -> Result<(), IptablesError> {
+/// ipsets, idempotently. Returns whether any of them was there.
+pub fn remove_host_rules(host: &Netns) -> Result<bool, IptablesError> {
+    let mut found = false;
     for tools in Tools::available() {
         for family in families_in_use() {
             let owned = host_rules(family);
+            found |= tools
+                .save(host, family)?
+                .has_chain("nat", CHAIN_POSTROUTING);
             tools.apply(host, &owned, &RuleSet::empty(family))?;
         }
     }
@@ -932,10 +991,109 @@ pub fn remove_host_rules(host: &Netns) -> Result<(), IptablesError> {
                 .any(|l| l.trim() == family.probe_ipset());
             if exists {
                 run_in(host, &ipset, &["destroy", family.probe_ipset()], None)?;
+                found = true;
             }
         }
     }
-    Ok(())
+    Ok(found)
+}
+
+/// What of Istio's in-pod chains a namespace holds ([`find_pod_rules`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PodRulesFound {
+    /// None of the in-pod chains, in any table, backend or family.
+    None,
+    /// ambpf's: only chains of its in-pod rule set ([`pod_rules`]), holding
+    /// only rules that jump where its rules jump.
+    Ambpf,
+    /// `ISTIO_*` chains or rules ambpf does not write (an Istio sidecar's
+    /// `ISTIO_INBOUND`, ...), each as `<backend> <family>: <table> <chain>...`.
+    Foreign(Vec<String>),
+}
+
+/// Whether `netns` holds ambpf's in-pod rules, read with every backend
+/// present, for both families: how `ambpf uninstall` recognises a pod the
+/// iptables mode enrolled without the agent's memory of it. A namespace
+/// counts as ambpf's when it has one of the chains ambpf writes in pods
+/// (`ISTIO_PRERT`, `ISTIO_OUTPUT` in mangle, nat and raw) and every
+/// `ISTIO_*` chain in it is one of those, holding only rules that jump where
+/// ambpf's rules there jump. So an Istio sidecar's namespace
+/// (`ISTIO_INBOUND`, `ISTIO_REDIRECT`, `RETURN` rules, ...) is foreign and
+/// left alone. The host side's `ISTIO_POSTRT` (another node's, in a nested
+/// setup) counts for neither, and stays. Istio's own ambient node agent
+/// writes the very same in-pod rules, so its pods cannot be told apart; the
+/// two do not share a node (they would share the host's ipsets and
+/// `ISTIO_POSTRT`).
+pub fn find_pod_rules(netns: &Netns) -> Result<PodRulesFound, IptablesError> {
+    let mut found = false;
+    let mut foreign = Vec::new();
+    for tools in Tools::available() {
+        for family in tools.families.keys().copied() {
+            let saved = tools.save(netns, family)?;
+            let owned = pod_rules(family, true);
+            if !saved.has_any_chain_of(&owned) {
+                continue;
+            }
+            found = true;
+            let backend = tools.backend;
+            foreign.extend(
+                saved
+                    .foreign_istio_chains(&owned, &host_rules(family))
+                    .into_iter()
+                    .map(|what| format!("{backend} {family}: {what}")),
+            );
+        }
+    }
+    Ok(match (found, foreign.is_empty()) {
+        (false, _) => PodRulesFound::None,
+        (true, true) => PodRulesFound::Ambpf,
+        (true, false) => PodRulesFound::Foreign(foreign),
+    })
+}
+
+/// What [`uninstall_node`] did.
+#[derive(Debug)]
+pub struct NodeUninstall {
+    /// Each pod namespace given, by path, and how removing its rules and
+    /// policy routing went.
+    pub pods: Vec<(PathBuf, Result<(), EnrollError>)>,
+    /// The host rules and ipsets: removed (`Ok(true)`), none there
+    /// (`Ok(false)`), or `None` when kept because a pod still has its rules.
+    pub host: Option<Result<bool, IptablesError>>,
+}
+
+impl NodeUninstall {
+    /// The first failure, if any.
+    pub fn into_result(self) -> Result<(), EnrollError> {
+        for (_, result) in self.pods {
+            result?;
+        }
+        match self.host {
+            Some(Err(e)) => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Removes the iptables mode's state from a node: everything in each of
+/// `pods` ([`remove_pod_rules`]; every pod is attempted), then, once they
+/// are all clean, the host rules and ipsets from `host`
+/// ([`remove_host_rules`]). The host side stays while a pod still has its
+/// capture rules, because that pod's kubelet probes are told apart by the
+/// host's SNAT; running this again finishes the job.
+pub fn uninstall_node<'a>(
+    host: &Netns,
+    pods: impl IntoIterator<Item = &'a Netns>,
+) -> NodeUninstall {
+    let pods: Vec<_> = pods
+        .into_iter()
+        .map(|netns| (netns.path().to_owned(), remove_pod_rules(netns)))
+        .collect();
+    let host = pods
+        .iter()
+        .all(|(_, result)| result.is_ok())
+        .then(|| remove_host_rules(host));
+    NodeUninstall { pods, host }
 }
 
 // ---------------------------------------------------------------------------
@@ -1010,17 +1168,11 @@ impl IptablesRedirection {
         self.tools.save(netns, family)
     }
 
-    /// Removes everything from every enrolled pod ([`remove_pod_rules`]),
-    /// then the host rules and ipsets ([`remove_host_rules`]).
-    pub fn uninstall(mut self) -> Result<(), EnrollError> {
-        for entry in std::mem::take(&mut self.pods).into_values() {
-            for ip in &entry.addresses {
-                self.probe_set_del(*ip)?;
-            }
-            remove_pod_rules(&entry.netns)?;
-        }
-        remove_host_rules(&self.host)?;
-        Ok(())
+    /// Removes everything from every enrolled pod, then the host rules and
+    /// ipsets ([`uninstall_node`], as `ambpf uninstall` does for the pods it
+    /// finds).
+    pub fn uninstall(self) -> Result<(), EnrollError> {
+        uninstall_node(&self.host, self.pods.values().map(|e| &e.netns)).into_result()
     }
 
     fn ipset_run(&self, args: &[&str]) -> Result<(), IptablesError> {
@@ -1444,6 +1596,79 @@ COMMIT
         assert!(!SavedRules::parse("").has_istio_chains());
     }
 
+    /// What `iptables-save` prints in an Istio sidecar pod (istio-iptables,
+    /// abridged): Istio's names, not ambpf's chains.
+    const SAVED_SIDECAR: &str = "\
+*nat
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:ISTIO_INBOUND - [0:0]
+:ISTIO_IN_REDIRECT - [0:0]
+:ISTIO_OUTPUT - [0:0]
+:ISTIO_REDIRECT - [0:0]
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A OUTPUT -p tcp -j ISTIO_OUTPUT
+-A ISTIO_INBOUND -p tcp -m tcp --dport 15008 -j RETURN
+-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT
+-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006
+-A ISTIO_OUTPUT -s 127.0.0.6/32 -o lo -j RETURN
+-A ISTIO_OUTPUT -j ISTIO_REDIRECT
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001
+COMMIT
+";
+
+    #[test]
+    fn only_ambpfs_own_chains_and_rules_count_as_ambpfs() {
+        let owned = pod_rules(Family::V4, true);
+        let host = host_rules(Family::V4);
+        assert!(
+            SavedRules::parse(SAVED_V4)
+                .foreign_istio_chains(&owned, &host)
+                .is_empty()
+        );
+        // What an unenrolled pod keeps (mangle only) is ambpf's too.
+        let reply_path = render_fresh(&pod_reply_rules(Family::V4));
+        assert!(
+            SavedRules::parse(&reply_path)
+                .foreign_istio_chains(&owned, &host)
+                .is_empty()
+        );
+        assert_eq!(
+            SavedRules::parse(SAVED_SIDECAR).foreign_istio_chains(&owned, &host),
+            [
+                "nat ISTIO_INBOUND",
+                "nat ISTIO_IN_REDIRECT",
+                "nat ISTIO_OUTPUT -j RETURN",
+                "nat ISTIO_OUTPUT -j ISTIO_REDIRECT",
+                "nat ISTIO_REDIRECT",
+            ]
+        );
+        // The host chain is neither ours nor foreign here.
+        let with_host = format!("{SAVED_V4}{}", render_fresh(&host));
+        let saved = SavedRules::parse(&with_host);
+        assert!(saved.has_any_chain_of(&owned));
+        assert!(saved.foreign_istio_chains(&owned, &host).is_empty());
+        let host_only = SavedRules::parse(&render_fresh(&host));
+        assert!(!host_only.has_any_chain_of(&owned));
+        // Our chain names in a table we never write, or a rule of ours
+        // without a target, are not ours either.
+        let odd = "*filter\n:ISTIO_OUTPUT - [0:0]\nCOMMIT\n\
+                   *mangle\n:ISTIO_PRERT - [0:0]\n-A ISTIO_PRERT -m mark --mark 0x1\nCOMMIT\n";
+        assert_eq!(
+            SavedRules::parse(odd).foreign_istio_chains(&owned, &host),
+            [
+                "filter ISTIO_OUTPUT",
+                "mangle ISTIO_PRERT: `-A ISTIO_PRERT -m mark --mark 0x1`"
+            ]
+        );
+        assert_eq!(
+            rule_target("-A X -p tcp -j REDIRECT --to-ports 1"),
+            Some("REDIRECT")
+        );
+        assert_eq!(rule_target("-A X --jump CT --zone 1"), Some("CT"));
+        assert_eq!(rule_target("-A X -m mark --mark 0x1"), None);
+    }
+
     #[test]
     fn enrolling_again_rewrites_the_chains_without_adding_jumps() {
         let saved = SavedRules::parse(SAVED_V4);
@@ -1667,6 +1892,8 @@ COMMIT
                 assert_eq!(count("raw", CHAIN_PREROUTING), 1);
             }
             let first = everything(&pod);
+            assert_eq!(find_pod_rules(&pod).unwrap(), PodRulesFound::Ambpf);
+            assert_eq!(find_pod_rules(&node).unwrap(), PodRulesFound::None);
 
             // Again: nothing changes.
             redirection.enroll(&pod, dns(true)).unwrap();
@@ -1692,6 +1919,7 @@ COMMIT
                 assert_eq!(saved.tables_with_istio_chains(), ["mangle"]);
             }
             assert!(routing::reply_routing_status(&pod).unwrap().ipv4.rule);
+            assert_eq!(find_pod_rules(&pod).unwrap(), PodRulesFound::Ambpf);
 
             // Full removal leaves the pod as it was.
             remove_pod_rules(&pod).unwrap();
@@ -1703,6 +1931,7 @@ COMMIT
             );
             let status = routing::reply_routing_status(&pod).unwrap();
             assert!(!status.ipv4.rule && !status.ipv4.route, "{status:?}");
+            assert_eq!(find_pod_rules(&pod).unwrap(), PodRulesFound::None);
 
             // Uninstall cleans the host, pods enrolled at the time included.
             redirection.enroll(&pod, dns(true)).unwrap();
@@ -1720,6 +1949,8 @@ COMMIT
                     .unwrap()
             });
             assert!(sets.unwrap().stdout.is_empty());
+            // Nothing left to remove.
+            assert!(!remove_host_rules(&node).unwrap());
         }
     }
 

@@ -178,7 +178,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
         "the API server's thread could not enter the node namespace"
     );
     let kubeconfig = work.join("kubeconfig");
-    std::fs::write(&kubeconfig, kubeconfig_yaml(&server.url()))?;
+    std::fs::write(&kubeconfig, server.kubeconfig())?;
     for i in 0..NAMESPACES {
         server.apply("namespaces", namespace_object(i));
     }
@@ -381,15 +381,6 @@ fn namespace_object(i: usize) -> Value {
             "labels": { "istio.io/dataplane-mode": "ambient" },
         },
     })
-}
-
-/// A kubeconfig for a plain-HTTP API server without authentication.
-fn kubeconfig_yaml(server: &str) -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: bench\n  cluster:\n    server: {server}\n\
-         users:\n- name: bench\n  user: {{}}\ncontexts:\n- name: bench\n  context:\n    cluster: bench\n    user: bench\n\
-         current-context: bench\n"
-    )
 }
 
 /// Whether a recorded patch sets the redirection annotation to `enabled`.
@@ -800,14 +791,6 @@ fn print_tables(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kubeconfig_names_the_server_without_credentials() {
-        let yaml = kubeconfig_yaml("http://127.0.0.1:4321");
-        assert!(yaml.contains("    server: http://127.0.0.1:4321\n"));
-        assert!(yaml.contains("current-context: bench\n"));
-        assert!(yaml.contains("  user: {}\n"));
-    }
 
     #[test]
     fn only_enabling_patches_count() {

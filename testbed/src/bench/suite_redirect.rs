@@ -231,13 +231,16 @@ impl Agent {
             .context("no `pods` array in `ambpf status --json`")
     }
 
-    /// Stops the agent and removes its pins (detaching its programs).
+    /// Stops the agent and removes its pins (detaching its programs). Only
+    /// the eBPF mode's state: a full uninstall would sweep every namespace
+    /// of the machine for iptables rules, and the bench's own go with its
+    /// namespaces.
     pub(super) fn stop(mut self) -> Result<()> {
         self.process.stop()?;
         let out = Command::new(&self.binary)
             .arg("--pin-root")
             .arg(&self.pin_root)
-            .arg("uninstall")
+            .args(["uninstall", "--redirect-mode", "ebpf"])
             .output()?;
         ensure!(
             out.status.success(),

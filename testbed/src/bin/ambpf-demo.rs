@@ -118,7 +118,12 @@ async fn main() -> Result<(), Error> {
     )?;
     let result = demo(&args, &cluster, &pin_root, &socket, &mut agent).await;
     stop(&mut agent);
-    run_agent_cli(&args.agent, &pin_root, &["uninstall"]);
+    // The demo's pins only: a full uninstall sweeps the whole machine.
+    run_agent_cli(
+        &args.agent,
+        &pin_root,
+        &["uninstall", "--redirect-mode", "ebpf"],
+    );
     result
 }
 

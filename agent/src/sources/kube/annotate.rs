@@ -1,7 +1,8 @@
 //! Recording enrolment on the pods: `ambient.istio.io/redirection: enabled`
 //! on a pod once the controller reports it programmed, removed once the pod
 //! has left the mesh, with a JSON merge patch on the pod, as Istio's node
-//! agent does.
+//! agent does; [`remove_redirection_annotations`] takes it off every pod of
+//! the node for `ambpf uninstall`.
 //!
 //! The controller's report ([`crate::controller::ProgrammedPods`]) is the
 //! truth for adding. For removing, a pod must be neither programmed nor in
@@ -16,10 +17,10 @@ use std::{
     time::Duration,
 };
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::{Metadata as _, api::core::v1::Pod};
 use kube::{
     Api, Client,
-    api::{Patch, PatchParams},
+    api::{ListParams, Patch, PatchParams},
     runtime::reflector::Store,
 };
 use log::{debug, info, warn};
@@ -133,33 +134,95 @@ impl Annotator {
     }
 
     async fn patch(&self, namespace: &str, name: &str, enabled: bool) -> Result<(), PatchError> {
-        let value = if enabled {
-            json!(REDIRECTION_ENABLED)
-        } else {
-            json!(null)
-        };
-        let patch = json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: value } } });
-        let api: Api<Lenient<Pod>> = Api::namespaced(self.client.clone(), namespace);
-        let params = PatchParams {
-            field_manager: Some("ambpf".into()),
-            ..Default::default()
-        };
-        match api.patch(name, &params, &Patch::Merge(&patch)).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(status)) if status.code == 404 => Err(PatchError::Gone),
-            Err(kube::Error::Api(status)) if status.code == 403 => {
-                Err(PatchError::Failed(format!(
-                    "RBAC denies the agent `patch` on pods in namespace {namespace}, so {REDIRECTION_ANNOTATION} \
-                 cannot be recorded: {}",
-                    status.message
-                )))
-            }
-            Err(e) => Err(PatchError::Failed(format!(
-                "patching {REDIRECTION_ANNOTATION}: {}",
-                crate::error_chain(&e)
-            ))),
-        }
+        patch_annotation(&self.client, namespace, name, enabled).await
     }
+}
+
+/// Sets (`enabled`) or removes [`REDIRECTION_ANNOTATION`] on one pod, with a
+/// JSON merge patch (`null` deletes the key, RFC 7386).
+async fn patch_annotation(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+    enabled: bool,
+) -> Result<(), PatchError> {
+    let value = if enabled {
+        json!(REDIRECTION_ENABLED)
+    } else {
+        json!(null)
+    };
+    let patch = json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: value } } });
+    let api: Api<Lenient<Pod>> = Api::namespaced(client.clone(), namespace);
+    let params = PatchParams {
+        field_manager: Some("ambpf".into()),
+        ..Default::default()
+    };
+    let what = if enabled { "recorded" } else { "removed" };
+    match api.patch(name, &params, &Patch::Merge(&patch)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => Err(PatchError::Gone),
+        Err(kube::Error::Api(status)) if status.code == 403 => Err(PatchError::Failed(format!(
+            "RBAC denies the agent `patch` on pods in namespace {namespace}, so \
+             {REDIRECTION_ANNOTATION} cannot be {what}: {}",
+            status.message
+        ))),
+        Err(e) => Err(PatchError::Failed(format!(
+            "patching {REDIRECTION_ANNOTATION}: {}",
+            crate::error_chain(&e)
+        ))),
+    }
+}
+
+/// What [`remove_redirection_annotations`] did to one pod.
+#[derive(Debug)]
+pub struct AnnotationRemoval {
+    /// `namespace/name`.
+    pub pod: String,
+    /// `Ok(true)`: removed; `Ok(false)`: the pod was deleted meanwhile;
+    /// `Err`: why the patch failed.
+    pub outcome: Result<bool, String>,
+}
+
+/// Removes `ambient.istio.io/redirection: enabled` from every pod of
+/// `node_name` that carries it, for `ambpf uninstall`. Pods whose spec does
+/// not parse are included (only their metadata is read). Every pod is
+/// attempted, one patch each; fails only when the pods cannot be listed.
+pub async fn remove_redirection_annotations(
+    client: &Client,
+    node_name: &str,
+) -> Result<Vec<AnnotationRemoval>, super::KubeSourceError> {
+    let params = ListParams::default().fields(&format!("spec.nodeName={node_name}"));
+    let pods = match Api::<Lenient<Pod>>::all(client.clone()).list(&params).await {
+        Ok(pods) => pods,
+        Err(e) => {
+            return Err(super::check("list", "pods", Err(e)).expect_err("a failed list"));
+        }
+    };
+    let mut removals = Vec::new();
+    for pod in &pods.items {
+        let meta = pod.metadata();
+        let annotated = meta
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(REDIRECTION_ANNOTATION))
+            .is_some_and(|v| v == REDIRECTION_ENABLED);
+        let (Some(namespace), Some(name)) = (&meta.namespace, &meta.name) else {
+            continue;
+        };
+        if !annotated {
+            continue;
+        }
+        let outcome = match patch_annotation(client, namespace, name, false).await {
+            Ok(()) => Ok(true),
+            Err(PatchError::Gone) => Ok(false),
+            Err(PatchError::Failed(why)) => Err(why),
+        };
+        removals.push(AnnotationRemoval {
+            pod: format!("{namespace}/{name}"),
+            outcome,
+        });
+    }
+    Ok(removals)
 }
 
 enum PatchError {

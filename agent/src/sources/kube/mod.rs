@@ -22,7 +22,7 @@
 //! With [`KubeSource::annotate_from`], enrolled pods get
 //! `ambient.istio.io/redirection: enabled`, removed when they leave the mesh.
 
-mod annotate;
+pub mod annotate;
 pub mod lenient;
 pub mod netns;
 pub mod rules;
@@ -336,23 +336,32 @@ fn check(
     resource: &'static str,
     result: Result<(), kube::Error>,
 ) -> Result<(), KubeSourceError> {
-    match result {
-        Ok(()) => Ok(()),
-        Err(kube::Error::Api(status)) if status.code == 403 => Err(KubeSourceError::Forbidden {
+    result.map_err(|e| api_error(verb, resource, e))
+}
+
+/// What a failed request to the API server means: RBAC and credential
+/// problems named as such, anything else with its causes.
+pub(crate) fn api_error(
+    verb: &'static str,
+    resource: &'static str,
+    error: kube::Error,
+) -> KubeSourceError {
+    match error {
+        kube::Error::Api(status) if status.code == 403 => KubeSourceError::Forbidden {
             verb,
             resource,
             message: status.message,
-        }),
-        Err(kube::Error::Api(status)) if status.code == 401 => Err(KubeSourceError::Unauthorized {
+        },
+        kube::Error::Api(status) if status.code == 401 => KubeSourceError::Unauthorized {
             verb,
             resource,
             message: status.message,
-        }),
-        Err(source) => Err(KubeSourceError::Api {
+        },
+        source => KubeSourceError::Api {
             verb,
             resource,
             source,
-        }),
+        },
     }
 }
 
@@ -549,12 +558,7 @@ impl Engine {
                 &self.config.excluded_namespaces,
             ) {
                 Ok(()) => {
-                    let service_account = pod
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.service_account_name.clone())
-                        .filter(|s| !s.is_empty())
-                        .unwrap_or_else(|| "default".to_owned());
+                    let service_account = rules::service_account(pod);
                     details.insert(
                         uid.clone(),
                         (label, service_account, rules::dns_capture(pod)),

@@ -130,6 +130,16 @@ pub fn has_sidecar(pod: &Pod) -> bool {
     })
 }
 
+/// The pod's service account (`spec.serviceAccountName`; unset or empty is
+/// `default`, as the API server fills it in).
+pub fn service_account(pod: &Pod) -> String {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "default".to_owned())
+}
+
 /// The pod's DNS capture choice from [`DNS_CAPTURE_ANNOTATION`]: `None` when
 /// absent or not a boolean (Go's `strconv.ParseBool` spellings, as Istio
 /// reads it), so the node's setting applies.
@@ -407,6 +417,16 @@ mod tests {
                 "fd00::5".parse().unwrap()
             ]
         );
+    }
+
+    #[test]
+    fn the_service_account_defaults_as_the_api_server_fills_it_in() {
+        let mut p = pod("shop", AMBIENT);
+        assert_eq!(service_account(&p), "default");
+        p.spec.as_mut().unwrap().service_account_name = Some(String::new());
+        assert_eq!(service_account(&p), "default");
+        p.spec.as_mut().unwrap().service_account_name = Some("web".into());
+        assert_eq!(service_account(&p), "web");
     }
 
     #[test]

@@ -1,0 +1,248 @@
+//! `ambpf uninstall`: removes everything ambpf made on a node, from what
+//! the node itself shows, so that it works while no agent runs, after one
+//! crashed, and on a node where nothing is installed. In this order:
+//!
+//! 1. **eBPF mode**: the reply routing of every pod in the pinned pods map
+//!    (its namespace found again by inode), then the pin tree, which
+//!    detaches every program. The pins stay if a pod could not be cleaned,
+//!    so that running again still knows that pod.
+//! 2. **iptables mode**: the agent keeps its pods in memory only, so every
+//!    network namespace of the host is examined (named under /run/netns or
+//!    /var/run/netns, or held by a process; the host's own is skipped) and
+//!    those holding ambpf's in-pod chains ([`iptables::find_pod_rules`]) lose
+//!    them and their policy routing; then the host's probe rules and ipsets
+//!    go, unless a pod kept its rules ([`iptables::uninstall_node`]).
+//! 3. **Kubernetes**: `ambient.istio.io/redirection: enabled` comes off this
+//!    node's pods, when the API server is configured as for `run`.
+//!
+//! Every step is idempotent and prints a line per thing it removed; a failure
+//! is printed and the rest carries on, and the command then fails.
+
+use std::path::{Path, PathBuf};
+
+use crate::{
+    bpf::{PinLayout, inspect},
+    netns::Netns,
+    redirect::{
+        RedirectMode,
+        iptables::{self, PodRulesFound},
+        routing,
+    },
+    sources::kube,
+};
+
+/// Where the annotations are removed.
+#[derive(Clone, Debug)]
+pub struct KubeTarget {
+    pub kubeconfig: Option<PathBuf>,
+    /// Empty when not given: an error once the API server is reached for.
+    pub node_name: String,
+}
+
+#[derive(Clone, Debug)]
+pub struct UninstallConfig {
+    pub pins: PinLayout,
+    /// Only this mode's state (default: both).
+    pub mode: Option<RedirectMode>,
+    /// `None`: no Kubernetes access configured, annotations are skipped.
+    pub kube: Option<KubeTarget>,
+}
+
+/// Lines for the user, and how many steps failed.
+#[derive(Debug, Default)]
+struct Report {
+    failures: usize,
+}
+
+impl Report {
+    fn done(&mut self, line: impl std::fmt::Display) {
+        println!("{line}");
+    }
+
+    fn failed(&mut self, line: impl std::fmt::Display) {
+        eprintln!("{line}");
+        self.failures += 1;
+    }
+}
+
+/// Runs every step; an error at the end when any of them failed.
+pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
+    let mut report = Report::default();
+    if config.mode != Some(RedirectMode::Iptables) {
+        ebpf_state(&config.pins, &mut report);
+    }
+    if config.mode != Some(RedirectMode::Ebpf) {
+        match Netns::open("/proc/self/ns/net") {
+            Ok(host) => iptables_state(&host, &mut report),
+            Err(e) => report.failed(format!("iptables: opening this host's namespace: {e}")),
+        }
+    }
+    match &config.kube {
+        Some(target) => annotations(target, &mut report),
+        None => report.done(format!(
+            "no Kubernetes access configured (give --kubeconfig and --node-name, or run in a \
+             cluster): pods' {} annotations left in place",
+            kube::rules::REDIRECTION_ANNOTATION
+        )),
+    }
+    match report.failures {
+        0 => Ok(()),
+        n => anyhow::bail!("uninstall incomplete: {n} step(s) failed (see above); run it again"),
+    }
+}
+
+/// The enrolled pods' reply routing, then the pins.
+fn ebpf_state(pins: &PinLayout, report: &mut Report) {
+    let mut pods_left = false;
+    match inspect::read_pods(pins) {
+        Ok(pods) => {
+            for pod in pods {
+                let Some(netns) = crate::netns::find_by_inode(pod.netns_inode) else {
+                    report.done(format!(
+                        "pod netns {} is gone; nothing to remove in it",
+                        pod.netns_inode
+                    ));
+                    continue;
+                };
+                match routing::remove_reply_routing(&netns) {
+                    Ok(()) => report.done(format!(
+                        "removed the reply routing of {}",
+                        netns.path().display()
+                    )),
+                    Err(e) => {
+                        pods_left = true;
+                        report.failed(format!(
+                            "removing the reply routing of {}: {}",
+                            netns.path().display(),
+                            crate::error_chain(&e)
+                        ));
+                    }
+                }
+            }
+        }
+        // Unreadable pins cannot say which pods to clean; removing them is
+        // still what the user asked for.
+        Err(e) => report.failed(format!(
+            "reading the enrolled pods under {}: {}",
+            pins.root().display(),
+            crate::error_chain(&e)
+        )),
+    }
+    let root = pins.root();
+    if pods_left {
+        report.done(format!(
+            "kept {}: it records the pods not yet cleaned",
+            root.display()
+        ));
+        return;
+    }
+    remove_pins(root, report);
+}
+
+fn remove_pins(root: &Path, report: &mut Report) {
+    match std::fs::remove_dir_all(root) {
+        Ok(()) => report.done(format!("removed {}", root.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            report.done(format!("nothing pinned under {}", root.display()))
+        }
+        Err(e) => report.failed(format!("removing {}: {e}", root.display())),
+    }
+}
+
+/// Every namespace holding ambpf's in-pod chains, then the host side.
+fn iptables_state(host: &Netns, report: &mut Report) {
+    let mut pods = Vec::new();
+    for netns in crate::netns::all() {
+        if netns.inode() == host.inode() {
+            continue;
+        }
+        match iptables::find_pod_rules(&netns) {
+            Ok(PodRulesFound::None) => {}
+            Ok(PodRulesFound::Ambpf) => pods.push(netns),
+            Ok(PodRulesFound::Foreign(what)) => report.done(format!(
+                "left {}: its Istio chains are not ambpf's ({})",
+                netns.path().display(),
+                what.join(", ")
+            )),
+            Err(e) => report.failed(format!(
+                "reading the iptables rules of {}: {}",
+                netns.path().display(),
+                crate::error_chain(&e)
+            )),
+        }
+    }
+    let done = iptables::uninstall_node(host, &pods);
+    for (path, result) in done.pods {
+        match result {
+            Ok(()) => report.done(format!(
+                "removed the iptables rules and reply routing of {}",
+                path.display()
+            )),
+            Err(e) => report.failed(format!(
+                "removing the iptables rules of {}: {}",
+                path.display(),
+                crate::error_chain(&e)
+            )),
+        }
+    }
+    match done.host {
+        Some(Ok(true)) => report.done(format!(
+            "removed the host probe rules ({}) and ipsets ({}, {})",
+            iptables::CHAIN_POSTROUTING,
+            iptables::PROBE_IPSET_V4,
+            iptables::PROBE_IPSET_V6
+        )),
+        Some(Ok(false)) => {}
+        Some(Err(e)) => report.failed(format!(
+            "removing the host probe rules and ipsets: {}",
+            crate::error_chain(&e)
+        )),
+        None => report.done(
+            "kept the host probe rules and ipsets: a pod still has its rules (its kubelet \
+             probes need them)",
+        ),
+    }
+}
+
+/// The redirection annotation, off this node's pods.
+fn annotations(target: &KubeTarget, report: &mut Report) {
+    if target.node_name.is_empty() {
+        report.failed(format!(
+            "annotations: {}",
+            kube::KubeSourceError::NoNodeName
+        ));
+        return;
+    }
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return report.failed(format!("annotations: starting a runtime: {e}")),
+    };
+    let removals = runtime.block_on(async {
+        let client = kube::client(target.kubeconfig.as_deref()).await?;
+        kube::annotate::remove_redirection_annotations(&client, &target.node_name).await
+    });
+    let annotation = kube::rules::REDIRECTION_ANNOTATION;
+    match removals {
+        Ok(removals) => {
+            if removals.is_empty() {
+                report.done(format!(
+                    "no pod of node {} carries {annotation}",
+                    target.node_name
+                ));
+            }
+            for removal in removals {
+                match removal.outcome {
+                    Ok(true) => {
+                        report.done(format!("removed {annotation} from pod {}", removal.pod))
+                    }
+                    Ok(false) => report.done(format!("pod {} is gone", removal.pod)),
+                    Err(why) => report.failed(format!("pod {}: {why}", removal.pod)),
+                }
+            }
+        }
+        Err(e) => report.failed(format!("annotations: {e}")),
+    }
+}
