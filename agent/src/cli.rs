@@ -53,7 +53,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Remove everything ambpf made on this node: the eBPF pods' reply
+    /// Remove everything ambpf made on this node: the `ambpf-cni` plugin from
+    /// the CNI configuration (so pods start again), the eBPF pods' reply
     /// routing and every pin (detaching every program), ambpf's in-pod
     /// iptables rules in every network namespace and the host's probe rules
     /// and ipsets, and, with Kubernetes access, the redirection annotation
@@ -61,7 +62,9 @@ pub enum Command {
     Uninstall(UninstallArgs),
     /// Chain the `ambpf-cni` plugin into the node's CNI conflist and copy its
     /// binary into the CNI bin directory (idempotent); with --watch, keep
-    /// re-applying it so a removed entry comes back.
+    /// re-applying it so a removed entry comes back, and on SIGTERM/SIGINT
+    /// remove both if this pod's DaemonSet is gone or being deleted (an
+    /// uninstall), else leave them for the next pod (an upgrade or restart).
     CniInstall(CniInstallArgs),
 }
 
@@ -81,6 +84,14 @@ pub struct UninstallArgs {
     /// in-cluster service account; without either, they are left alone).
     #[arg(long, value_name = "FILE")]
     pub kubeconfig: Option<PathBuf>,
+
+    /// The node's CNI configuration: `ambpf-cni` is un-chained from every
+    /// *.conflist in it.
+    #[arg(long, env = "AMBPF_CNI_CONF_DIR", default_value = crate::cni::install::DEFAULT_CONF_DIR)]
+    pub cni_conf_dir: PathBuf,
+    /// The runtime's CNI plugin directory: the `ambpf-cni` binary is removed.
+    #[arg(long, env = "AMBPF_CNI_BIN_DIR", default_value = crate::cni::install::DEFAULT_BIN_DIR)]
+    pub cni_bin_dir: PathBuf,
 }
 
 impl UninstallArgs {
@@ -116,6 +127,46 @@ pub struct CniInstallArgs {
     /// Keep running, re-applying every this many seconds.
     #[arg(long, value_name = "SECONDS")]
     pub watch: Option<f64>,
+    /// The kubeconfig for finding this pod's DaemonSet (--watch; default: the
+    /// in-cluster service account; without either the plugin stays chained
+    /// on shutdown).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+    /// This pod's name (the downward API's metadata.name), whose DaemonSet
+    /// decides on shutdown whether the plugin stays.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// This pod's namespace (the downward API's metadata.namespace).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
+}
+
+impl CniInstallArgs {
+    /// Where the shutdown decision asks, or why it cannot: Kubernetes as
+    /// `run` finds it (--kubeconfig or in a cluster), and this pod's name.
+    fn owner_lookup(&self) -> Result<(Option<PathBuf>, crate::cni::shutdown::SelfPod), String> {
+        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+        if self.kubeconfig.is_none() && !in_cluster {
+            return Err(
+                "no Kubernetes configuration (not in a cluster, no --kubeconfig) to find this \
+                 pod's DaemonSet"
+                    .into(),
+            );
+        }
+        let given = |value: &Option<String>| value.clone().filter(|v| !v.is_empty());
+        match (given(&self.pod_name), given(&self.pod_namespace)) {
+            (Some(name), Some(namespace)) => Ok((
+                self.kubeconfig.clone(),
+                crate::cni::shutdown::SelfPod { namespace, name },
+            )),
+            _ => Err(
+                "POD_NAME and POD_NAMESPACE are not both set (give --pod-name and \
+                      --pod-namespace, in a DaemonSet from the downward API's metadata.name \
+                      and metadata.namespace)"
+                    .into(),
+            ),
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -277,6 +328,8 @@ pub fn execute(cli: Cli) -> Result<()> {
                 kube: args.kube_target(),
                 pins,
                 mode: args.redirect_mode,
+                cni_conf_dir: args.cni_conf_dir,
+                cni_bin_dir: args.cni_bin_dir,
             })
         }
         Command::CniInstall(args) => cni_install(args),
@@ -285,6 +338,7 @@ pub fn execute(cli: Cli) -> Result<()> {
 
 fn cni_install(args: CniInstallArgs) -> Result<()> {
     use crate::cni::install::{InstallConfig, install_once, keep_installed};
+    let owner = args.owner_lookup();
     let plugin_binary = match args.plugin_binary {
         Some(path) => path,
         None => std::env::current_exe()?
@@ -306,19 +360,89 @@ fn cni_install(args: CniInstallArgs) -> Result<()> {
         done.conflist_changed,
         done.binary_changed
     );
-    if let Some(every) = args.watch {
-        let every = std::time::Duration::try_from_secs_f64(every).context("--watch")?;
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?
-            .block_on(async {
-                tokio::select! {
-                    () = keep_installed(config, every) => Ok(()),
-                    signal = wait_for_shutdown() => signal,
-                }
-            })?;
+    let Some(every) = args.watch else {
+        return Ok(());
+    };
+    let every = std::time::Duration::try_from_secs_f64(every).context("--watch")?;
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(async {
+            // Listening first: a signal from here on gets the decision below.
+            let shutdown = shutdown_signal()?;
+            let owner = match owner {
+                Ok((kubeconfig, pod)) => match sources::kube::client(kubeconfig.as_deref()).await {
+                    Ok(client) => Ok(crate::cni::shutdown::OwnerWatch::start(client, pod)),
+                    Err(e) => Err(e.to_string()),
+                },
+                Err(why) => Err(why),
+            };
+            match &owner {
+                Ok(_) => info!(
+                    "on shutdown ambpf-cni stays chained if this pod's DaemonSet is still \
+                     there, and is removed if it is gone or being deleted"
+                ),
+                Err(why) => log::warn!("on shutdown ambpf-cni will stay chained: {why}"),
+            }
+            tokio::select! {
+                () = keep_installed(config.clone(), every) => {}
+                () = shutdown => {}
+            }
+            let action = match owner {
+                Ok(watch) => watch.decide(crate::cni::shutdown::LOOKUP_TIMEOUT).await,
+                Err(why) => crate::cni::shutdown::ShutdownAction::Undecided { why },
+            };
+            on_shutdown(action, &config)
+        })
+}
+
+/// Leaves the plugin chained or removes it, as `action` says.
+fn on_shutdown(
+    action: crate::cni::shutdown::ShutdownAction,
+    config: &crate::cni::install::InstallConfig,
+) -> Result<()> {
+    use crate::cni::shutdown::ShutdownAction;
+    let (conf_dir, bin_dir) = (config.conf_dir.display(), config.bin_dir.display());
+    let by_hand = format!(
+        "run `ambpf uninstall --cni-conf-dir {conf_dir} --cni-bin-dir \
+         {bin_dir}` on the node (which also removes the rest of ambpf's node state), or delete \
+         the plugin of type {plugin} from the *.conflist in {conf_dir} and {bin_dir}/{plugin}",
+        plugin = crate::cni::PLUGIN_TYPE
+    );
+    match action {
+        ShutdownAction::Keep { daemonset } => {
+            info!(
+                "stopping: DaemonSet {daemonset} is still there and not being deleted (an upgrade \
+                 or a restart): ambpf-cni stays chained for its next pod"
+            );
+            Ok(())
+        }
+        ShutdownAction::Undecided { why } => {
+            log::warn!(
+                "stopping: ambpf-cni stays chained in {conf_dir}, since it cannot be told whether \
+                 ambpf is being removed from this node: {why}. While no ambpf agent runs, new pods \
+                 on this node fail to start. If ambpf is being removed, {by_hand}"
+            );
+            Ok(())
+        }
+        ShutdownAction::Remove { why } => {
+            info!("stopping: {why}: ambpf is being uninstalled, removing ambpf-cni");
+            let done = crate::cni::install::uninstall(&config.conf_dir, &config.bin_dir);
+            for list in &done.unchained {
+                info!("un-chained ambpf-cni from {}", list.display());
+            }
+            if let Some(binary) = &done.binary_removed {
+                info!("removed {}", binary.display());
+            }
+            if done.errors.is_empty() {
+                return Ok(());
+            }
+            for error in &done.errors {
+                log::error!("removing ambpf-cni: {error}");
+            }
+            anyhow::bail!("ambpf-cni could not be removed completely: {by_hand}")
+        }
     }
-    Ok(())
 }
 
 /// Parses `NETNS:IFACE`; the namespace may itself be a path, so split at the
@@ -426,7 +550,8 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     "waiting for the pods of node {} from the API server",
                     config.node_name
                 );
-                let source = KubeSource::new(client, config).annotate_from(programmed_rx);
+                let source = KubeSource::new(client, config)
+                    .annotate_from(programmed_rx, zds.ztunnel_pods());
                 kube_source = Some(source.start(pods_tx.clone()).await?);
             }
             _ => log::warn!("no pod source (give --pods-file, or run in a cluster): no pods enrol"),
@@ -497,14 +622,22 @@ fn default_cgroup() -> Result<PathBuf> {
 }
 
 async fn wait_for_shutdown() -> Result<()> {
+    shutdown_signal()?.await;
+    Ok(())
+}
+
+/// Catches SIGTERM and SIGINT from now on; the future ends at the first.
+/// Needs a tokio runtime.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    Ok(())
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
 }
 
 #[cfg(test)]
@@ -593,6 +726,69 @@ mod tests {
         );
         let ebpf = uninstall_args(&["--redirect-mode", "ebpf"]);
         assert_eq!(ebpf.redirect_mode, Some(RedirectMode::Ebpf));
+    }
+
+    #[test]
+    fn cni_install_finds_its_daemonset_only_with_kubernetes_and_its_pod_name() {
+        let cni_args = |args: &[&str]| {
+            let mut argv = vec!["ambpf", "cni-install", "--watch", "10"];
+            argv.extend_from_slice(args);
+            match Cli::try_parse_from(argv).unwrap().command {
+                Command::CniInstall(args) => args,
+                other => panic!("{other:?}"),
+            }
+        };
+        let set_by_env = ["KUBERNETES_SERVICE_HOST", "POD_NAME", "POD_NAMESPACE"];
+        if set_by_env.iter().any(|v| std::env::var_os(v).is_some()) {
+            return;
+        }
+        let pod = [
+            "--pod-name",
+            "ambpf-x7k2p",
+            "--pod-namespace",
+            "istio-system",
+        ];
+        let why = cni_args(&pod).owner_lookup().unwrap_err();
+        assert!(why.contains("no Kubernetes configuration"), "{why}");
+        let why = cni_args(&["--kubeconfig", "kc", "--pod-name", "ambpf-x7k2p"])
+            .owner_lookup()
+            .unwrap_err();
+        assert!(why.contains("POD_NAMESPACE"), "{why}");
+        let mut with_kubeconfig = vec!["--kubeconfig", "kc"];
+        with_kubeconfig.extend_from_slice(&pod);
+        let (kubeconfig, pod) = cni_args(&with_kubeconfig).owner_lookup().unwrap();
+        assert_eq!(kubeconfig.as_deref(), Some(std::path::Path::new("kc")));
+        assert_eq!(pod.to_string(), "istio-system/ambpf-x7k2p");
+    }
+
+    #[test]
+    fn uninstall_unchains_the_cni_plugin_from_the_same_directories() {
+        if std::env::var_os("AMBPF_CNI_CONF_DIR").is_some()
+            || std::env::var_os("AMBPF_CNI_BIN_DIR").is_some()
+        {
+            return;
+        }
+        let parse = |argv: &[&str]| match Cli::try_parse_from(argv).unwrap().command {
+            Command::Uninstall(args) => (args.cni_conf_dir, args.cni_bin_dir),
+            other => panic!("{other:?}"),
+        };
+        let (conf_dir, bin_dir) = parse(&["ambpf", "uninstall"]);
+        assert_eq!(
+            conf_dir,
+            PathBuf::from(crate::cni::install::DEFAULT_CONF_DIR)
+        );
+        assert_eq!(bin_dir, PathBuf::from(crate::cni::install::DEFAULT_BIN_DIR));
+        let given = [
+            "--cni-conf-dir",
+            "/host/net.d",
+            "--cni-bin-dir",
+            "/host/bin",
+        ];
+        let (conf_dir, bin_dir) = parse(&[&["ambpf", "uninstall"][..], &given[..]].concat());
+        assert_eq!(
+            (conf_dir, bin_dir),
+            (PathBuf::from("/host/net.d"), PathBuf::from("/host/bin"))
+        );
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! `ambpf uninstall`: removes everything ambpf made on a node, from what
 //! the node itself shows, so that it works while no agent runs, after one
-//! crashed, and on a node where nothing is installed. In this order:
+//! crashed, and on a node where nothing is installed. First the `ambpf-cni`
+//! plugin comes out of the node's CNI configuration
+//! ([`cni::install::uninstall`]): it fails every pod's start while no agent
+//! answers. Then, in this order:
 //!
 //! 1. **eBPF mode**: the reply routing of every pod in the pinned pods map
 //!    (its namespace found again by inode), then the pin tree, which
@@ -22,6 +25,7 @@ use std::path::{Path, PathBuf};
 
 use crate::{
     bpf::{PinLayout, inspect},
+    cni,
     netns::Netns,
     redirect::{
         RedirectMode,
@@ -46,6 +50,9 @@ pub struct UninstallConfig {
     pub mode: Option<RedirectMode>,
     /// `None`: no Kubernetes access configured, annotations are skipped.
     pub kube: Option<KubeTarget>,
+    /// The node's CNI configuration and plugin directories.
+    pub cni_conf_dir: PathBuf,
+    pub cni_bin_dir: PathBuf,
 }
 
 /// Lines for the user, and how many steps failed.
@@ -68,6 +75,7 @@ impl Report {
 /// Runs every step; an error at the end when any of them failed.
 pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
     let mut report = Report::default();
+    cni_plugin(&config.cni_conf_dir, &config.cni_bin_dir, &mut report);
     if config.mode != Some(RedirectMode::Iptables) {
         ebpf_state(&config.pins, &mut report);
     }
@@ -88,6 +96,31 @@ pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
     match report.failures {
         0 => Ok(()),
         n => anyhow::bail!("uninstall incomplete: {n} step(s) failed (see above); run it again"),
+    }
+}
+
+/// The CNI plugin, un-chained first so that pods can start on the node.
+fn cni_plugin(conf_dir: &Path, bin_dir: &Path, report: &mut Report) {
+    let done = cni::install::uninstall(conf_dir, bin_dir);
+    for list in &done.unchained {
+        report.done(format!(
+            "un-chained {} from {}",
+            cni::PLUGIN_TYPE,
+            list.display()
+        ));
+    }
+    match &done.binary_removed {
+        Some(binary) => report.done(format!("removed {}", binary.display())),
+        None if done.unchained.is_empty() && done.errors.is_empty() => report.done(format!(
+            "{} is not chained in {} and not in {}",
+            cni::PLUGIN_TYPE,
+            conf_dir.display(),
+            bin_dir.display()
+        )),
+        None => {}
+    }
+    for error in &done.errors {
+        report.failed(format!("un-chaining {}: {error}", cni::PLUGIN_TYPE));
     }
 }
 
@@ -136,16 +169,27 @@ fn ebpf_state(pins: &PinLayout, report: &mut Report) {
         ));
         return;
     }
-    remove_pins(root, report);
+    remove_pins(pins, report);
 }
 
-fn remove_pins(root: &Path, report: &mut Report) {
-    match std::fs::remove_dir_all(root) {
-        Ok(()) => report.done(format!("removed {}", root.display())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            report.done(format!("nothing pinned under {}", root.display()))
+fn remove_pins(pins: &PinLayout, report: &mut Report) {
+    let root = pins.root();
+    // A pin root at a bpffs mount point (refused by `run`, but a hand-made
+    // layout may be so) shares the filesystem with others' pins: only
+    // ambpf's own directories go.
+    let owned: Vec<PathBuf> = if crate::bpf::pins::is_mount_root(root) {
+        pins.top_level_dirs().into()
+    } else {
+        vec![root.to_owned()]
+    };
+    for dir in owned {
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => report.done(format!("removed {}", dir.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                report.done(format!("nothing pinned under {}", dir.display()))
+            }
+            Err(e) => report.failed(format!("removing {}: {e}", dir.display())),
         }
-        Err(e) => report.failed(format!("removing {}: {e}", root.display())),
     }
 }
 

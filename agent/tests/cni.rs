@@ -588,3 +588,296 @@ async fn installer_chains_the_plugin_idempotently_and_repairs_it() {
         .collect();
     assert_eq!(names.len(), 2, "{names:?}");
 }
+
+// ---------------------------------------------------------------------------
+// The installer's shutdown: an upgrade keeps the plugin, an uninstall removes
+// it.
+
+const SYSTEM_NAMESPACE: &str = "istio-system";
+const INSTALLER_POD: &str = "ambpf-x7k2p";
+
+/// The DaemonSet's pod the installer runs in, as the API server has it.
+fn installer_pod() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": INSTALLER_POD,
+            "namespace": SYSTEM_NAMESPACE,
+            "labels": { "app.kubernetes.io/name": "ambpf" },
+            "ownerReferences": [{
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "name": "ambpf",
+                "uid": "5d1c0c4e-0000-4000-8000-0000000da3e7",
+                "controller": true,
+                "blockOwnerDeletion": true
+            }]
+        },
+        "spec": {
+            "nodeName": "node-1",
+            "containers": [{ "name": "agent" }, { "name": "cni-installer" }]
+        },
+        "status": { "phase": "Running" }
+    })
+}
+
+fn installer_daemonset() -> Value {
+    json!({
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            "name": "ambpf",
+            "namespace": SYSTEM_NAMESPACE,
+            "uid": "5d1c0c4e-0000-4000-8000-0000000da3e7"
+        },
+        "spec": {
+            "selector": { "matchLabels": { "app.kubernetes.io/name": "ambpf" } },
+            "template": {
+                "metadata": { "labels": { "app.kubernetes.io/name": "ambpf" } },
+                "spec": { "containers": [{ "name": "agent" }, { "name": "cni-installer" }] }
+            }
+        }
+    })
+}
+
+/// `ambpf cni-install --watch` on a CNI configuration of its own, as the
+/// chart runs it; its log goes to a file; killed on drop.
+struct Installer {
+    child: Child,
+    log: PathBuf,
+    conflist: PathBuf,
+    binary: PathBuf,
+    _dir: TempDir,
+}
+
+impl Installer {
+    /// Starts it, with the API server's kubeconfig if given (else without
+    /// any Kubernetes configuration), and waits until the plugin is chained
+    /// and the installer has said what it will do on shutdown (from then on
+    /// it catches SIGTERM).
+    async fn start(what: &str, api: Option<&ApiServer>) -> Self {
+        let dir = TempDir::new(what);
+        let (conf_dir, bin_dir) = (dir.0.join("net.d"), dir.0.join("bin"));
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        let conflist_path = conf_dir.join("10-ptp.conflist");
+        std::fs::write(&conflist_path, conflist().to_string()).unwrap();
+        let log = dir.0.join("installer.log");
+        let mut command = Command::new(env!("CARGO_BIN_EXE_ambpf"));
+        command
+            .arg("cni-install")
+            .arg("--conf-dir")
+            .arg(&conf_dir)
+            .arg("--bin-dir")
+            .arg(&bin_dir)
+            .arg("--plugin-binary")
+            .arg(env!("CARGO_BIN_EXE_ambpf-cni"))
+            .args(["--watch", "0.2"])
+            .env("POD_NAME", INSTALLER_POD)
+            .env("POD_NAMESPACE", SYSTEM_NAMESPACE)
+            .env("RUST_LOG", "info")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        if let Some(api) = api {
+            let kubeconfig = dir.0.join("kubeconfig");
+            std::fs::write(&kubeconfig, api.kubeconfig()).unwrap();
+            command.arg("--kubeconfig").arg(kubeconfig);
+        }
+        let mut installer = Installer {
+            child: command.spawn().unwrap(),
+            log,
+            conflist: conflist_path,
+            binary: bin_dir.join(cni::PLUGIN_TYPE),
+            _dir: dir,
+        };
+        installer.wait_for_log("on shutdown ambpf-cni").await;
+        assert!(installer.chained(), "{}", installer.log());
+        installer
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn wait_for_log(&mut self, text: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while !self.log().contains(text) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("the installer exited ({status}):\n{}", self.log());
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no {text:?} in the installer's log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Whether the plugin is in the conflist and its binary in place.
+    fn chained(&self) -> bool {
+        ours(&read_json(&self.conflist)).len() == 1 && self.binary.exists()
+    }
+
+    /// SIGTERM, as the kubelet stops the container; its exit status.
+    async fn stop(&mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "still running 20 s after SIGTERM:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops it and checks the plugin was left as it was.
+    async fn stop_and_expect_chained(&mut self) -> String {
+        let status = self.stop().await;
+        let log = self.log();
+        assert!(status.success(), "{status}:\n{log}");
+        assert!(self.chained(), "ambpf-cni was removed:\n{log}");
+        assert!(!log.contains("un-chained"), "{log}");
+        log
+    }
+
+    /// Stops it and checks the plugin and its binary are gone, and the
+    /// network's own plugins are as they were.
+    async fn stop_and_expect_removed(&mut self) -> String {
+        let status = self.stop().await;
+        let log = self.log();
+        assert!(status.success(), "{status}:\n{log}");
+        assert_eq!(read_json(&self.conflist), conflist(), "{log}");
+        assert!(!self.binary.exists(), "{log}");
+        assert!(
+            log.contains(&format!(
+                "un-chained ambpf-cni from {}",
+                self.conflist.display()
+            )),
+            "{log}"
+        );
+        log
+    }
+}
+
+impl Drop for Installer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_shutdown_the_plugin_stays_while_its_daemonset_stays_or_cannot_be_read() {
+    let mut api = ApiServer::start().await.unwrap();
+    api.apply("pods", installer_pod());
+    api.apply("daemonsets", installer_daemonset());
+
+    // An upgrade or a restart: the DaemonSet is still there.
+    let mut installer = Installer::start("upgrade", Some(&api)).await;
+    installer
+        .wait_for_log("DaemonSet istio-system/ambpf exists")
+        .await;
+    let log = installer.stop_and_expect_chained().await;
+    assert!(
+        log.contains(
+            "DaemonSet ambpf is still there and not being deleted (an upgrade or a restart)"
+        ),
+        "{log}"
+    );
+    let asked = api.requests();
+    for path in [
+        "/api/v1/namespaces/istio-system/pods/ambpf-x7k2p",
+        "/apis/apps/v1/namespaces/istio-system/daemonsets/ambpf",
+    ] {
+        assert!(asked.iter().any(|r| r.path == path), "no GET {path}");
+    }
+
+    // Without Kubernetes configuration nothing can be told: it stays, and
+    // the log says how to remove it by hand.
+    let mut installer = Installer::start("nokube", None).await;
+    let log = installer.stop_and_expect_chained().await;
+    assert!(
+        log.contains("on shutdown ambpf-cni will stay chained: no Kubernetes configuration"),
+        "{log}"
+    );
+    assert!(log.contains("ambpf uninstall --cni-conf-dir"), "{log}");
+
+    // The API server stops answering while the DaemonSet is there: the
+    // same (the watch saw it there, the read at shutdown fails).
+    let mut installer = Installer::start("apidown", Some(&api)).await;
+    installer
+        .wait_for_log("DaemonSet istio-system/ambpf exists")
+        .await;
+    api.shutdown().await;
+    let log = installer.stop_and_expect_chained().await;
+    assert!(
+        log.contains("stays chained") && log.contains("cannot read DaemonSet ambpf"),
+        "{log}"
+    );
+    assert!(log.contains("ambpf uninstall --cni-conf-dir"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_shutdown_the_plugin_goes_with_its_daemonset() {
+    let api = ApiServer::start().await.unwrap();
+    api.apply("pods", installer_pod());
+
+    // helm uninstall (background deletion): the DaemonSet is gone by the
+    // time the kubelet stops its pods.
+    api.apply("daemonsets", installer_daemonset());
+    let mut installer = Installer::start("gone", Some(&api)).await;
+    installer
+        .wait_for_log("DaemonSet istio-system/ambpf exists")
+        .await;
+    api.delete("daemonsets", SYSTEM_NAMESPACE, "ambpf").unwrap();
+    let log = installer.stop_and_expect_removed().await;
+    assert!(log.contains("stopping: DaemonSet ambpf is gone"), "{log}");
+
+    // Foreground deletion: it is still there, carrying a deletionTimestamp.
+    api.apply("daemonsets", installer_daemonset());
+    let mut installer = Installer::start("deleting", Some(&api)).await;
+    installer
+        .wait_for_log("DaemonSet istio-system/ambpf exists")
+        .await;
+    api.modify("daemonsets", SYSTEM_NAMESPACE, "ambpf", |ds| {
+        ds["metadata"]["deletionTimestamp"] = json!("2026-12-02T10:00:00Z");
+        ds["metadata"]["finalizers"] = json!(["foregroundDeletion"]);
+    })
+    .unwrap();
+    let log = installer.stop_and_expect_removed().await;
+    assert!(
+        log.contains("stopping: DaemonSet ambpf is being deleted"),
+        "{log}"
+    );
+
+    // helm uninstall also removes the RBAC right after the DaemonSet, before
+    // the pod stops: every read at shutdown is refused, and the deletion the
+    // watch saw decides.
+    api.apply("daemonsets", installer_daemonset());
+    let mut installer = Installer::start("rbac", Some(&api)).await;
+    installer
+        .wait_for_log("DaemonSet istio-system/ambpf exists")
+        .await;
+    api.delete("daemonsets", SYSTEM_NAMESPACE, "ambpf").unwrap();
+    installer
+        .wait_for_log("DaemonSet istio-system/ambpf is deleted")
+        .await;
+    for verb in ["get", "list", "watch"] {
+        api.deny(verb, "daemonsets");
+        api.deny(verb, "pods");
+    }
+    let log = installer.stop_and_expect_removed().await;
+    assert!(
+        log.contains("the watch saw DaemonSet ambpf deleted")
+            && log.contains("RBAC denies the agent `get` on daemonsets"),
+        "{log}"
+    );
+}

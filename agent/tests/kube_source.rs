@@ -4,10 +4,12 @@
 //!
 //! Most tests inject network namespace discovery (a path per UID); the
 //! discovery test at the end runs the real thing, with a process in a real
-//! network namespace and a real cgroup named after the pod.
+//! network namespace and a real cgroup named after the pod. The annotation
+//! is tested from the annotator's inputs, then end to end with the real
+//! controller, ZDS server and the ztunnel double (`ambpf_testbed::ztunnel`).
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     process::{Child, Command},
     sync::{Arc, Mutex},
@@ -22,9 +24,14 @@ use ambpf::{
         KubeSource, KubeSourceConfig, KubeSourceError, KubeSourceHandle, PodQuery,
         rules::{DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION},
     },
-    zds::{NetnsSource, ZdsConfig, ZdsHandle},
+    zds::{NetnsSource, ZdsConfig, ZdsHandle, ZdsStats, ZtunnelStatus},
 };
-use ambpf_testbed::{CgroupGuard, NetnsGuard, apiserver::ApiServer};
+use ambpf_testbed::{
+    CgroupGuard, NetnsGuard,
+    apiserver::ApiServer,
+    bench::TempDir,
+    ztunnel::{ZdsEvent, ZtunnelConfig, ZtunnelDouble, ZtunnelState},
+};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -566,8 +573,25 @@ fn annotation(server: &ApiServer, name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// The values (`null`: removed) each patch of pod `name` set, in order.
+fn patched_values(server: &ApiServer, name: &str) -> Vec<Value> {
+    server
+        .patches()
+        .into_iter()
+        .filter(|p| p.name == name)
+        .map(|p| p.body["metadata"]["annotations"][REDIRECTION_ANNOTATION].clone())
+        .collect()
+}
+
+async fn eventually_annotated(server: &ApiServer, name: &str, value: Option<&str>) {
+    eventually(&format!("{name} annotated {value:?}"), || {
+        annotation(server, name).as_deref() == value
+    })
+    .await;
+}
+
 #[tokio::test]
-async fn enrolment_is_recorded_on_the_pods_after_the_controller_reports_it() {
+async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
     init_logging();
     let server = ApiServer::start().await.unwrap();
     server.apply("namespaces", namespace("shop", true));
@@ -580,61 +604,80 @@ async fn enrolment_is_recorded_on_the_pods_after_the_controller_reports_it() {
             with(
                 pod("shop", "stale"),
                 &["metadata", "annotations"],
-                json!({ REDIRECTION_ANNOTATION: "enabled" }),
+                json!({ REDIRECTION_ANNOTATION: "pending" }),
             ),
             &["metadata", "labels"],
             json!({ DATAPLANE_MODE_LABEL: "none" }),
         ),
     );
     let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
+    let (ztunnel_tx, ztunnel_rx) = watch::channel(Arc::new(BTreeMap::new()));
     let (tx, mut pods) = watch::channel(Arc::new(Vec::new()));
     let _source = KubeSource::new(client(&server), config())
         .with_resolver(fake_netns)
-        .annotate_from(programmed_rx)
+        .annotate_from(programmed_rx, ztunnel_rx)
         .start(tx)
         .await
         .unwrap();
     assert_eq!(uids(&pods.borrow()), ["uid-a", "uid-b"]);
 
-    // Nothing is recorded before the controller reports.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(server.patches().is_empty(), "{:?}", server.patches());
-
     let report = |uids: &[&str]| {
         programmed_tx.send_replace(Arc::new(uids.iter().map(|u| (*u).to_owned()).collect()));
     };
+    let ztunnel = |uid: &str, status: ZtunnelStatus| {
+        ztunnel_tx.send_modify(|pods| {
+            Arc::make_mut(pods).insert(uid.to_owned(), status);
+        });
+    };
+
+    // Nothing is recorded before the controller reports, whatever ztunnel
+    // says.
+    ztunnel("uid-a", ZtunnelStatus::Acked);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(server.patches().is_empty(), "{:?}", server.patches());
+
     report(&["uid-a"]);
-    eventually("a annotated", || {
-        annotation(&server, "a").as_deref() == Some("enabled")
-    })
-    .await;
-    eventually("the stale annotation removed", || {
-        annotation(&server, "stale").is_none()
-    })
-    .await;
+    eventually_annotated(&server, "a", Some("enabled")).await;
+    eventually_annotated(&server, "stale", None).await;
     assert_eq!(annotation(&server, "b"), None, "b is not programmed yet");
     let patch = server
         .patches()
         .into_iter()
         .find(|p| p.name == "a")
         .unwrap();
-    assert_eq!(patch.resource, "pods");
+    assert_eq!(patch.resource, "pods/status");
     assert_eq!(patch.content_type, "application/merge-patch+json");
     assert_eq!(
         patch.body,
         json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: "enabled" } } })
     );
 
-    // RBAC denies patching: logged and retried until allowed.
-    server.deny("patch", "pods");
+    // Programmed, its Add on its way to ztunnel: the answer decides.
     report(&["uid-a", "uid-b"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(annotation(&server, "b"), None);
+
+    // No ztunnel to take it: pending. RBAC denies patching pods/status
+    // first: logged and retried until allowed.
+    server.deny("patch", "pods/status");
+    ztunnel("uid-b", ZtunnelStatus::Unserved);
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(annotation(&server, "b"), None);
-    server.allow("patch", "pods");
-    eventually("b annotated", || {
-        annotation(&server, "b").as_deref() == Some("enabled")
-    })
-    .await;
+    server.allow("patch", "pods/status");
+    eventually_annotated(&server, "b", Some("pending")).await;
+
+    // ztunnel acks it: enabled; NACKs it: pending again.
+    ztunnel("uid-b", ZtunnelStatus::Acked);
+    eventually_annotated(&server, "b", Some("enabled")).await;
+    ztunnel("uid-b", ZtunnelStatus::Refused);
+    eventually_annotated(&server, "b", Some("pending")).await;
+    ztunnel("uid-b", ZtunnelStatus::Acked);
+    eventually_annotated(&server, "b", Some("enabled")).await;
+    // No ztunnel connected (as after an agent restart, before ztunnel
+    // reconnects): ztunnel keeps the proxies it has, so enabled stays.
+    ztunnel("uid-b", ZtunnelStatus::Unserved);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(annotation(&server, "b").as_deref(), Some("enabled"));
 
     // b leaves the mesh: its annotation stays until the controller has
     // removed it, then goes.
@@ -645,10 +688,7 @@ async fn enrolment_is_recorded_on_the_pods_after_the_controller_reports_it() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(annotation(&server, "b").as_deref(), Some("enabled"));
     report(&["uid-a"]);
-    eventually("b's annotation removed", || {
-        annotation(&server, "b").is_none()
-    })
-    .await;
+    eventually_annotated(&server, "b", None).await;
     let removal = server
         .patches()
         .into_iter()
@@ -659,10 +699,21 @@ async fn enrolment_is_recorded_on_the_pods_after_the_controller_reports_it() {
         json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: null } } })
     );
 
-    // Each change was patched once: a patch is not repeated while the watch
-    // catches up.
-    let count = |name: &str| server.patches().iter().filter(|p| p.name == name).count();
-    assert_eq!((count("a"), count("b"), count("stale")), (1, 2, 1));
+    // Each change was patched once, on the status subresource: a patch is
+    // not repeated while the watch catches up.
+    assert_eq!(patched_values(&server, "a"), [json!("enabled")]);
+    assert_eq!(
+        patched_values(&server, "b"),
+        [
+            json!("pending"),
+            json!("enabled"),
+            json!("pending"),
+            json!("enabled"),
+            Value::Null
+        ]
+    );
+    assert_eq!(patched_values(&server, "stale"), [Value::Null]);
+    assert!(server.patches().iter().all(|p| p.resource == "pods/status"));
 }
 
 /// A redirection that only records, for the end-to-end test with the real
@@ -703,30 +754,46 @@ impl PodRedirection for Recorder {
 }
 
 #[tokio::test]
-async fn with_the_controller_pods_reach_ztunnel_and_are_annotated() {
+async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_them() {
     init_logging();
     let server = ApiServer::start().await.unwrap();
     server.apply("namespaces", namespace("shop", true));
-    let netns: Vec<NetnsGuard> = (0..2)
+    let names = ["a", "b", "d", "e"];
+    let netns: Vec<NetnsGuard> = names
+        .iter()
         .map(|_| NetnsGuard::create("kube").unwrap())
         .collect();
-    let paths: Vec<PathBuf> = netns.iter().map(NetnsGuard::path).collect();
+    let paths: BTreeMap<String, PathBuf> = names
+        .iter()
+        .zip(&netns)
+        .map(|(name, ns)| (format!("uid-{name}"), ns.path()))
+        .collect();
     server.apply("pods", pod("shop", "a"));
     server.apply("pods", pod("shop", "b"));
-    let resolver = move |pod: &PodQuery| match pod.uid.as_str() {
-        "uid-a" => Ok(NetnsSource::Path(paths[0].clone())),
-        "uid-b" => Ok(NetnsSource::Path(paths[1].clone())),
-        other => Err(format!("no netns for {other}")),
+    let resolver = move |pod: &PodQuery| match paths.get(&pod.uid) {
+        Some(path) => Ok(NetnsSource::Path(path.clone())),
+        None => Err(format!("no netns for {}", pod.uid)),
     };
 
-    let zds = ZdsHandle::new(ZdsConfig::default());
+    let dir = TempDir::create("ambpf-kube-zds").unwrap();
+    let socket = dir.join("ztunnel.sock");
+    let zds = ZdsHandle::new(ZdsConfig {
+        socket: socket.clone(),
+        retry_delay: Duration::from_millis(100),
+        max_retry_delay: Duration::from_millis(400),
+        ..Default::default()
+    });
+    tokio::spawn(
+        zds.clone()
+            .serve_on(ambpf::zds::listener::bind(&socket).unwrap()),
+    );
     let mut controller = Controller::new(Box::new(Recorder::default()), zds.clone(), true);
     let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
     controller.report_programmed(programmed_tx);
     let (tx, rx) = watch::channel(Arc::new(Vec::new()));
     let _source = KubeSource::new(client(&server), config())
         .with_resolver(resolver)
-        .annotate_from(programmed_rx)
+        .annotate_from(programmed_rx, zds.ztunnel_pods())
         .start(tx)
         .await
         .unwrap();
@@ -739,28 +806,89 @@ async fn with_the_controller_pods_reach_ztunnel_and_are_annotated() {
         ["uid-a", "uid-b"]
     );
     tokio::spawn(controller.run(rx));
-    eventually("both annotated", || {
-        annotation(&server, "a").is_some() && annotation(&server, "b").is_some()
+
+    // Redirected, but no ztunnel has them yet: pending.
+    eventually_annotated(&server, "a", Some("pending")).await;
+    eventually_annotated(&server, "b", Some("pending")).await;
+
+    // ztunnel connects and acks the snapshot: enabled.
+    let ztunnel =
+        ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::zds_only().nack("uid-d"));
+    eventually_annotated(&server, "a", Some("enabled")).await;
+    eventually_annotated(&server, "b", Some("enabled")).await;
+    assert!(ztunnel.is_ready());
+    for name in ["a", "b"] {
+        assert_eq!(
+            patched_values(&server, name),
+            [json!("pending"), json!("enabled")]
+        );
+    }
+
+    // A pod ztunnel refuses stays pending while the agent retries it, and is
+    // enabled once ztunnel takes it.
+    server.apply("pods", pod("shop", "d"));
+    let nacked = |s: &ZtunnelState| {
+        s.events
+            .iter()
+            .filter(|e| matches!(e, ZdsEvent::Nacked { uid: Some(uid), .. } if uid == "uid-d"))
+            .count()
+    };
+    ztunnel
+        .wait_until(|s| nacked(s) >= 2, PATIENCE)
+        .await
+        .unwrap();
+    eventually_annotated(&server, "d", Some("pending")).await;
+    ztunnel.set_nack("uid-d", false);
+    eventually_annotated(&server, "d", Some("enabled")).await;
+    assert_eq!(
+        patched_values(&server, "d"),
+        [json!("pending"), json!("enabled")]
+    );
+
+    // ztunnel restarts: the pods it had stay enabled while it is away, and
+    // its new snapshot changes nothing.
+    ztunnel.shutdown().await;
+    eventually("the connection gone", || {
+        ZdsStats::get(&zds.stats().connections_active) == 0
     })
     .await;
+    let patches_before = server.patches().len();
+    // A pod that arrives meanwhile is pending...
+    server.apply("pods", pod("shop", "e"));
+    eventually_annotated(&server, "e", Some("pending")).await;
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::zds_only());
+    // ... until the new ztunnel takes it.
+    eventually_annotated(&server, "e", Some("enabled")).await;
+    ztunnel
+        .wait_until(|s| s.ready && s.workloads.len() == 4, PATIENCE)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let since: Vec<String> = server.patches()[patches_before..]
+        .iter()
+        .map(|p| p.name.clone())
+        .collect();
+    assert_eq!(since, ["e", "e"], "only e was patched");
+    for name in ["a", "b", "d"] {
+        assert_eq!(annotation(&server, name).as_deref(), Some("enabled"));
+    }
 
     // A pod that leaves: out of ztunnel, then unannotated.
     server.modify("pods", "shop", "a", |p| {
         p["metadata"]["labels"][DATAPLANE_MODE_LABEL] = json!("none")
     });
-    eventually("a out of ztunnel", || {
-        !zds.workloads().contains_key("uid-a")
-    })
-    .await;
-    eventually("a's annotation removed", || {
-        annotation(&server, "a").is_none()
-    })
-    .await;
-    // A pod whose netns cannot be found is not handed to ztunnel.
+    ztunnel
+        .wait_until(|s| !s.workloads.contains_key("uid-a"), PATIENCE)
+        .await
+        .unwrap();
+    eventually_annotated(&server, "a", None).await;
+    // A pod whose netns cannot be found is not handed to ztunnel, nor
+    // annotated.
     server.apply("pods", pod("shop", "c"));
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["uid-b"]);
+    assert!(!zds.workloads().contains_key("uid-c"));
     assert_eq!(annotation(&server, "c"), None);
+    assert!(server.patches().iter().all(|p| p.resource == "pods/status"));
 }
 
 /// A process of a pod: in the pod's network namespace and in a cgroup named

@@ -125,6 +125,10 @@ fn uninstall_on(
         .args(args)
         .env_remove("KUBERNETES_SERVICE_HOST")
         .env_remove("NODE_NAME")
+        // The host's own CNI configuration is not the test's: without
+        // --cni-conf-dir/--cni-bin-dir it looks where nothing is.
+        .env("AMBPF_CNI_CONF_DIR", stage.0.join("no-cni-conf"))
+        .env("AMBPF_CNI_BIN_DIR", stage.0.join("no-cni-bin"))
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -400,6 +404,90 @@ fn a_clean_node_uninstalls_cleanly() {
     }
 }
 
+/// A node cleaned by hand: `ambpf-cni` comes out of the CNI configuration
+/// and its binary goes, so pods start on the node again; the network's own
+/// plugins and other files stay as they were.
+#[test]
+fn the_cni_plugin_is_unchained_so_pods_start_again() {
+    use ambpf::cni::install::{InstallConfig, install_once};
+    let _serial = serial();
+    let node = NetnsGuard::create("node").unwrap();
+    let work = TempDir::create("ambpf-uninstall-cni");
+    let (conf_dir, bin_dir) = (work.0.join("net.d"), work.0.join("bin"));
+    std::fs::create_dir(&conf_dir).unwrap();
+    let network = json!({
+        "cniVersion": "1.0.0",
+        "name": "k8s-pod-network",
+        "plugins": [
+            { "type": "ptp", "ipam": { "type": "host-local", "subnet": "10.244.1.0/24" } },
+            { "type": "portmap", "capabilities": { "portMappings": true } }
+        ]
+    });
+    let conflist = conf_dir.join("10-ptp.conflist");
+    std::fs::write(&conflist, network.to_string()).unwrap();
+    let other = conf_dir.join("99-other.conflist");
+    let other_text = "{\"name\": \"other\", \"plugins\": [{\"type\": \"bridge\"}]}\n";
+    std::fs::write(&other, other_text).unwrap();
+    install_once(&InstallConfig {
+        conf_dir: conf_dir.clone(),
+        bin_dir: bin_dir.clone(),
+        plugin_binary: Some(PathBuf::from(env!("CARGO_BIN_EXE_ambpf-cni"))),
+        agent_socket: PathBuf::from("/var/run/ambpf/pluginevent.sock"),
+        agent_timeout_seconds: None,
+    })
+    .unwrap();
+    let binary = bin_dir.join("ambpf-cni");
+    let chained = |path: &Path| {
+        let list: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        list["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["type"] == "ambpf-cni")
+    };
+    assert!(chained(&conflist) && binary.exists());
+
+    let args = [
+        "--redirect-mode",
+        "ebpf",
+        "--cni-conf-dir",
+        conf_dir.to_str().unwrap(),
+        "--cni-bin-dir",
+        bin_dir.to_str().unwrap(),
+    ];
+    let pin_root = work.0.join("no-pins");
+    let out = uninstall_on(&node, &[], &[], &pin_root, &args);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    assert!(
+        text.contains(&format!("un-chained ambpf-cni from {}", conflist.display())),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("removed {}", binary.display())),
+        "{text}"
+    );
+    let left: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+    assert_eq!(left, network);
+    assert!(!binary.exists());
+    assert_eq!(std::fs::read_to_string(&other).unwrap(), other_text);
+
+    let again = uninstall_on(&node, &[], &[], &pin_root, &args);
+    assert!(again.status.success());
+    let text = stdout(&again);
+    assert!(
+        text.contains(&format!(
+            "ambpf-cni is not chained in {}",
+            conf_dir.display()
+        )),
+        "{text}"
+    );
+    assert!(
+        !text.contains("removed") && !text.contains("un-chained"),
+        "{text}"
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Annotations
 
@@ -461,7 +549,7 @@ fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
         pod_object(
             "web-1",
             NODE,
-            json!({ REDIRECTION_ANNOTATION: "enabled", "team": "shop" }),
+            json!({ REDIRECTION_ANNOTATION: "pending", "team": "shop" }),
         ),
     );
     server.apply("pods", pod_object("db-0", NODE, json!({ "team": "shop" })));
@@ -476,13 +564,15 @@ fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
 
     // Patches refused: each pod is tried and reported, the rest still runs,
     // and the command fails.
-    server.deny("patch", "pods");
+    server.deny("patch", "pods/status");
     let out = uninstall_on(&node, &[], &[], &pin_root, &args);
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     for pod in ["shop/web-0", "shop/web-1"] {
         assert!(
-            stderr.contains(&format!("pod {pod}: RBAC denies")),
+            stderr.contains(&format!(
+                "pod {pod}: RBAC denies the agent `patch` on pods/status"
+            )),
             "{stderr}"
         );
     }
@@ -493,7 +583,7 @@ fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
     assert!(stdout(&out).contains("nothing pinned under"));
     assert_eq!(annotations_of(&server, "web-0"), enabled);
 
-    server.allow("patch", "pods");
+    server.allow("patch", "pods/status");
     let out = uninstall_on(&node, &[], &[], &pin_root, &args);
     assert!(out.status.success());
     let text = stdout(&out);
@@ -514,6 +604,7 @@ fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
     let patched: Vec<String> = server.patches().into_iter().map(|p| p.name).collect();
     assert_eq!(patched, ["web-0", "web-1"]);
     for patch in server.patches() {
+        assert_eq!(patch.resource, "pods/status");
         assert_eq!(patch.content_type, "application/merge-patch+json");
         assert_eq!(
             patch.body,

@@ -3,6 +3,7 @@
 
 mod common;
 
+use ambpf::zds::ZtunnelStatus;
 use common::*;
 
 #[tokio::test]
@@ -121,11 +122,28 @@ async fn a_newer_ztunnel_takes_over_and_the_older_one_resumes_when_it_leaves() {
     old.ack().await;
 }
 
+/// What the server publishes about ztunnel's side of pod `uid`.
+fn ztunnel_status(server: &Server, uid: &str) -> Option<ZtunnelStatus> {
+    server.handle.ztunnel_pods().borrow().get(uid).copied()
+}
+
+async fn wait_for_status(server: &Server, uid: &str, status: ZtunnelStatus) {
+    let mut pods = server.handle.ztunnel_pods();
+    timeout(
+        PATIENCE,
+        pods.wait_for(|pods| pods.get(uid) == Some(&status)),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{uid} never {status:?}: {:?}", ztunnel_status(server, uid)))
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_nack_is_counted_and_the_pod_retried() {
     let server = Server::start(fast_config());
     let a = NetnsGuard::create("zds").unwrap();
     server.handle.upsert(pod("a", &a));
+    assert_eq!(ztunnel_status(&server, "a"), Some(ZtunnelStatus::Unserved));
 
     let peer = Peer::hello(&server.socket()).await;
     let first = peer.recv_some().await;
@@ -133,6 +151,7 @@ async fn a_nack_is_counted_and_the_pod_retried() {
     peer.nack("failure to start proxy: test").await;
     let snapshot_sent = peer.recv_some().await;
     assert_eq!(snapshot_sent.kind(), "snapshot_sent");
+    assert_eq!(ztunnel_status(&server, "a"), Some(ZtunnelStatus::Refused));
     peer.ack().await;
     assert_eq!(server.stat(|s| &s.nacks), 1);
 
@@ -149,6 +168,21 @@ async fn a_nack_is_counted_and_the_pod_retried() {
     })
     .await
     .unwrap();
+    wait_for_status(&server, "a", ZtunnelStatus::Acked).await;
+
+    // ztunnel going away does not undo its Ack: it keeps its proxies.
+    drop(peer);
+    timeout(PATIENCE, async {
+        while server.stat(|s| &s.connections_active) > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(ztunnel_status(&server, "a"), Some(ZtunnelStatus::Acked));
+    // A pod that leaves is forgotten.
+    server.handle.remove("a");
+    assert_eq!(ztunnel_status(&server, "a"), None);
 }
 
 #[tokio::test]
@@ -236,6 +270,9 @@ async fn a_pod_whose_netns_is_gone_is_kept_not_dropped() {
             ("keep", "vanished".to_owned(), 0)
         ]
     );
+    // ztunnel could not be given the vanished pod: refused, not acked.
+    assert_eq!(ztunnel_status(&server, "live"), Some(ZtunnelStatus::Acked));
+    wait_for_status(&server, "vanished", ZtunnelStatus::Refused).await;
 }
 
 #[tokio::test]

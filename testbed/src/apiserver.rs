@@ -1,12 +1,14 @@
-//! A test Kubernetes API server: enough of the core/v1 REST API for kube-rs's
-//! client, watchers and reflectors, served over plain HTTP/1.1 on 127.0.0.1.
+//! A test Kubernetes API server: enough of the core/v1 REST API (and of
+//! apps/v1 for `daemonsets`) for kube-rs's client, watchers and reflectors,
+//! served over plain HTTP/1.1 on 127.0.0.1.
 //!
 //! Objects are arbitrary JSON (so a test can store malformed ones) kept per
-//! resource (`pods`, `namespaces`, ...), keyed by namespace and name. Every
-//! change bumps one global `resourceVersion`, as etcd does, and is kept in a
-//! history that watches replay from the version they ask for.
+//! resource (`pods`, `namespaces`, `daemonsets`, ...), keyed by namespace and
+//! name. Every change bumps one global `resourceVersion`, as etcd does, and
+//! is kept in a history that watches replay from the version they ask for.
 //!
-//! Served:
+//! Served, under `/api/v1` for the core resources and `/apis/apps/v1` for
+//! `daemonsets` (written for the core group below):
 //! - list: `GET /api/v1/{resource}` and `/api/v1/namespaces/{ns}/{resource}`,
 //!   with `fieldSelector` and `labelSelector` (`=`, `==`, `!=`), answering a
 //!   `{Kind}List` whose `metadata.resourceVersion` is the current version;
@@ -22,7 +24,7 @@
 //! - patch: `PATCH` on an object or its `status` subresource with
 //!   `application/merge-patch+json` (RFC 7386), recorded for
 //!   [`ApiServer::patches`];
-//! - discovery: `/api`, `/api/v1`, `/apis`, `/version`.
+//! - discovery: `/api`, `/api/v1`, `/apis`, `/apis/apps/v1`, `/version`.
 //!
 //! Test controls: [`ApiServer::apply`], [`ApiServer::modify`] and
 //! [`ApiServer::delete`] objects; [`ApiServer::expire`] or
@@ -65,44 +67,51 @@ use tokio::{
     task::{JoinHandle, JoinSet},
 };
 
-/// A resource the server knows: its URL plural, kind and scope.
+/// A resource the server knows: its API group, URL plural, kind and scope.
 #[derive(Clone, Copy, Debug)]
 struct Kind {
+    /// `""` for the core group.
+    group: &'static str,
+    /// `v1` or `{group}/v1`.
+    api_version: &'static str,
     plural: &'static str,
     kind: &'static str,
     namespaced: bool,
 }
 
+const fn core(plural: &'static str, kind: &'static str, namespaced: bool) -> Kind {
+    Kind {
+        group: "",
+        api_version: "v1",
+        plural,
+        kind,
+        namespaced,
+    }
+}
+
 const KINDS: &[Kind] = &[
+    core("pods", "Pod", true),
+    core("namespaces", "Namespace", false),
+    core("nodes", "Node", false),
+    core("services", "Service", true),
+    core("configmaps", "ConfigMap", true),
     Kind {
-        plural: "pods",
-        kind: "Pod",
-        namespaced: true,
-    },
-    Kind {
-        plural: "namespaces",
-        kind: "Namespace",
-        namespaced: false,
-    },
-    Kind {
-        plural: "nodes",
-        kind: "Node",
-        namespaced: false,
-    },
-    Kind {
-        plural: "services",
-        kind: "Service",
-        namespaced: true,
-    },
-    Kind {
-        plural: "configmaps",
-        kind: "ConfigMap",
+        group: "apps",
+        api_version: "apps/v1",
+        plural: "daemonsets",
+        kind: "DaemonSet",
         namespaced: true,
     },
 ];
 
+/// The resource named `plural` (in any group: plurals are unique here).
 fn kind_of(plural: &str) -> Option<Kind> {
     KINDS.iter().copied().find(|k| k.plural == plural)
+}
+
+/// The resource named `plural` in API group `group`.
+fn kind_in(group: &str, plural: &str) -> Option<Kind> {
+    kind_of(plural).filter(|k| k.group == group)
 }
 
 /// One request as the server saw it.
@@ -276,7 +285,7 @@ impl Subscription {
         }
         event_line(
             "BOOKMARK",
-            &json!({ "kind": self.kind.kind, "apiVersion": "v1", "metadata": metadata }),
+            &json!({ "kind": self.kind.kind, "apiVersion": self.kind.api_version, "metadata": metadata }),
         )
     }
 }
@@ -354,7 +363,7 @@ impl State {
             .collect();
         json!({
             "kind": format!("{}List", kind.kind),
-            "apiVersion": "v1",
+            "apiVersion": kind.api_version,
             "metadata": { "resourceVersion": self.rv.to_string() },
             "items": items,
         })
@@ -429,10 +438,10 @@ impl ApiServer {
     }
 
     /// Creates or replaces an object of `resource` (`pods`, `namespaces`,
-    /// ...): ADDED or MODIFIED to watches. Any JSON is stored as given (a
-    /// malformed object included); `metadata.resourceVersion` is set when
-    /// `metadata` is an object, and `metadata.uid` when it has none. Returns
-    /// the stored object.
+    /// `daemonsets`, ...): ADDED or MODIFIED to watches. Any JSON is stored
+    /// as given (a malformed object included); `metadata.resourceVersion` is
+    /// set when `metadata` is an object, and `metadata.uid` when it has none.
+    /// Returns the stored object.
     pub fn apply(&self, resource: &str, mut object: Value) -> Value {
         let kind = kind_of(resource).unwrap_or_else(|| panic!("unknown resource {resource}"));
         let mut state = self.lock();
@@ -469,8 +478,9 @@ impl ApiServer {
         object
     }
 
-    /// Changes an object in place (MODIFIED); `namespace` is empty for
-    /// cluster-scoped resources. Returns the new object, `None` when absent.
+    /// Changes an object in place (MODIFIED), e.g. sets
+    /// `metadata.deletionTimestamp`; `namespace` is empty for cluster-scoped
+    /// resources. Returns the new object, `None` when absent.
     pub fn modify(
         &self,
         resource: &str,
@@ -768,15 +778,20 @@ enum Target {
 }
 
 fn route(segments: &[&str]) -> Option<Target> {
+    let (group, segments) = match segments {
+        ["api", "v1", rest @ ..] => ("", rest),
+        ["apis", group, "v1", rest @ ..] => (*group, rest),
+        _ => return None,
+    };
     let collection = |plural: &str, namespace: Option<&str>| {
-        let kind = kind_of(plural)?;
+        let kind = kind_in(group, plural)?;
         (kind.namespaced || namespace.is_none()).then(|| Target::Collection {
             kind,
             namespace: namespace.map(str::to_owned),
         })
     };
     let object = |plural: &str, namespace: &str, name: &str, sub: Option<&str>| {
-        let kind = kind_of(plural)?;
+        let kind = kind_in(group, plural)?;
         (kind.namespaced != namespace.is_empty()).then(|| Target::Object {
             kind,
             namespace: namespace.to_owned(),
@@ -785,14 +800,12 @@ fn route(segments: &[&str]) -> Option<Target> {
         })
     };
     match segments {
-        ["api", "v1", plural] => collection(plural, None),
-        ["api", "v1", "namespaces", ns, plural] => collection(plural, Some(ns)),
-        ["api", "v1", plural, name] => object(plural, "", name, None),
-        ["api", "v1", plural, name, sub] if *plural != "namespaces" => {
-            object(plural, "", name, Some(sub))
-        }
-        ["api", "v1", "namespaces", ns, plural, name] => object(plural, ns, name, None),
-        ["api", "v1", "namespaces", ns, plural, name, sub] => object(plural, ns, name, Some(sub)),
+        [plural] => collection(plural, None),
+        ["namespaces", ns, plural] => collection(plural, Some(ns)),
+        [plural, name] => object(plural, "", name, None),
+        [plural, name, sub] if *plural != "namespaces" => object(plural, "", name, Some(sub)),
+        ["namespaces", ns, plural, name] => object(plural, ns, name, None),
+        ["namespaces", ns, plural, name, sub] => object(plural, ns, name, Some(sub)),
         _ => None,
     }
 }
@@ -859,6 +872,9 @@ async fn handle(
         .denied
         .contains(&(verb.to_owned(), resource.clone()))
     {
+        let group = match &target {
+            Target::Collection { kind, .. } | Target::Object { kind, .. } => kind.group,
+        };
         let scope = match &target {
             Target::Collection {
                 namespace: Some(ns),
@@ -870,7 +886,7 @@ async fn handle(
             _ => "at the cluster scope".to_owned(),
         };
         let message = format!(
-            "{resource} is forbidden: User \"system:serviceaccount:istio-system:ambpf\" cannot {verb} resource \"{resource}\" in API group \"\" {scope}"
+            "{resource} is forbidden: User \"system:serviceaccount:istio-system:ambpf\" cannot {verb} resource \"{resource}\" in API group \"{group}\" {scope}"
         );
         let status = status_json(
             StatusCode::FORBIDDEN,
@@ -956,8 +972,17 @@ fn resource_name(kind: Kind, subresource: &Option<String>) -> String {
     }
 }
 
+/// `pods` or `daemonsets.apps`, as the API server names a resource in
+/// messages.
+fn qualified(kind: Kind) -> String {
+    match kind.group {
+        "" => kind.plural.to_owned(),
+        group => format!("{}.{group}", kind.plural),
+    }
+}
+
 fn not_found(kind: Kind, name: &str) -> Response<ApiBody> {
-    let message = format!("{} \"{name}\" not found", kind.plural);
+    let message = format!("{} \"{name}\" not found", qualified(kind));
     respond(
         StatusCode::NOT_FOUND,
         &status_json(
@@ -974,25 +999,43 @@ fn discovery(segments: &[&str]) -> Option<Value> {
         ["api"] => {
             json!({ "kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [] })
         }
-        ["apis"] => json!({ "kind": "APIGroupList", "apiVersion": "v1", "groups": [] }),
+        ["apis"] => {
+            let mut groups: Vec<Value> = Vec::new();
+            for kind in KINDS.iter().filter(|k| !k.group.is_empty()) {
+                if !groups.iter().any(|g| g["name"] == kind.group) {
+                    let version = json!({ "groupVersion": kind.api_version, "version": "v1" });
+                    groups.push(json!({ "name": kind.group, "versions": [version], "preferredVersion": version }));
+                }
+            }
+            json!({ "kind": "APIGroupList", "apiVersion": "v1", "groups": groups })
+        }
         ["version"] => {
             json!({ "major": "1", "minor": "37", "gitVersion": "v1.37.0-ambpf-testbed", "platform": "linux/amd64" })
         }
-        ["api", "v1"] => {
-            let resources: Vec<Value> = KINDS
-                .iter()
-                .flat_map(|k| {
-                    let verbs = json!(["get", "list", "watch", "patch"]);
-                    [
-                        json!({ "name": k.plural, "singularName": k.kind.to_lowercase(), "namespaced": k.namespaced, "kind": k.kind, "verbs": verbs }),
-                        json!({ "name": format!("{}/status", k.plural), "singularName": "", "namespaced": k.namespaced, "kind": k.kind, "verbs": ["get", "patch"] }),
-                    ]
-                })
-                .collect();
-            json!({ "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "v1", "resources": resources })
-        }
+        ["api", "v1"] => resource_list(""),
+        ["apis", group, "v1"] if KINDS.iter().any(|k| k.group == *group) => resource_list(group),
         _ => return None,
     })
+}
+
+/// The APIResourceList of one group's v1.
+fn resource_list(group: &str) -> Value {
+    let resources: Vec<Value> = KINDS
+        .iter()
+        .filter(|k| k.group == group)
+        .flat_map(|k| {
+            let verbs = json!(["get", "list", "watch", "patch"]);
+            [
+                json!({ "name": k.plural, "singularName": k.kind.to_lowercase(), "namespaced": k.namespaced, "kind": k.kind, "verbs": verbs }),
+                json!({ "name": format!("{}/status", k.plural), "singularName": "", "namespaced": k.namespaced, "kind": k.kind, "verbs": ["get", "patch"] }),
+            ]
+        })
+        .collect();
+    let group_version = match group {
+        "" => "v1".to_owned(),
+        group => format!("{group}/v1"),
+    };
+    json!({ "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources })
 }
 
 fn start_watch(
@@ -1277,6 +1320,104 @@ mod tests {
         )
         .await;
         assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    }
+
+    /// The body of a raw response, as JSON.
+    fn body(response: &str) -> Value {
+        serde_json::from_str(response.split("\r\n\r\n").nth(1).unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn daemonsets_are_served_under_apps_v1() {
+        let server = ApiServer::start().await.unwrap();
+        server.apply(
+            "daemonsets",
+            json!({
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": { "name": "ambpf", "namespace": "istio-system" },
+            }),
+        );
+        let path = "/apis/apps/v1/namespaces/istio-system/daemonsets/ambpf";
+        let text = raw(&server, &get(path)).await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        let found = body(&text);
+        assert_eq!(found["metadata"]["name"], "ambpf");
+        assert!(found["metadata"]["uid"].is_string(), "{found}");
+        assert!(found["metadata"].get("deletionTimestamp").is_none());
+
+        let text = raw(
+            &server,
+            &get("/apis/apps/v1/namespaces/istio-system/daemonsets"),
+        )
+        .await;
+        let list = body(&text);
+        assert_eq!(list["kind"], "DaemonSetList");
+        assert_eq!(list["apiVersion"], "apps/v1");
+        assert_eq!(list["items"].as_array().unwrap().len(), 1);
+
+        // Absent, or asked for in the wrong group: 404, as the API server says it.
+        let text = raw(
+            &server,
+            &get("/apis/apps/v1/namespaces/istio-system/daemonsets/other"),
+        )
+        .await;
+        assert!(text.starts_with("HTTP/1.1 404"), "{text}");
+        assert_eq!(
+            body(&text)["message"],
+            "daemonsets.apps \"other\" not found"
+        );
+        for wrong in [
+            "/api/v1/namespaces/istio-system/daemonsets/ambpf",
+            "/apis/apps/v1/namespaces/istio-system/pods",
+            "/apis/batch/v1/namespaces/istio-system/daemonsets/ambpf",
+        ] {
+            let text = raw(&server, &get(wrong)).await;
+            assert!(text.starts_with("HTTP/1.1 404"), "{wrong}: {text}");
+        }
+
+        // Being deleted, then gone.
+        server
+            .modify("daemonsets", "istio-system", "ambpf", |ds| {
+                ds["metadata"]["deletionTimestamp"] = json!("2026-12-02T10:00:00Z")
+            })
+            .unwrap();
+        let text = raw(&server, &get(path)).await;
+        assert_eq!(
+            body(&text)["metadata"]["deletionTimestamp"],
+            "2026-12-02T10:00:00Z"
+        );
+        server
+            .delete("daemonsets", "istio-system", "ambpf")
+            .unwrap();
+        let text = raw(&server, &get(path)).await;
+        assert!(text.starts_with("HTTP/1.1 404"), "{text}");
+
+        server.deny("get", "daemonsets");
+        let text = raw(&server, &get(path)).await;
+        assert!(text.starts_with("HTTP/1.1 403"), "{text}");
+        assert!(
+            body(&text)["message"]
+                .as_str()
+                .unwrap()
+                .contains("cannot get resource \"daemonsets\" in API group \"apps\""),
+            "{text}"
+        );
+
+        // Discovery names the group.
+        let groups = body(&raw(&server, &get("/apis")).await);
+        assert_eq!(groups["groups"][0]["name"], "apps");
+        let resources = body(&raw(&server, &get("/apis/apps/v1")).await);
+        assert_eq!(resources["groupVersion"], "apps/v1");
+        assert_eq!(resources["resources"][0]["name"], "daemonsets");
+        let core = body(&raw(&server, &get("/api/v1")).await);
+        let names: Vec<&str> = core["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|r| r["name"].as_str())
+            .collect();
+        assert!(names.contains(&"pods") && !names.contains(&"daemonsets"));
     }
 
     #[tokio::test]

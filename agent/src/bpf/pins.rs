@@ -34,6 +34,11 @@ pub enum PinError {
     },
     #[error("cannot use pin directory {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+    #[error(
+        "{path} is the root of a mounted filesystem; pin into a directory of ambpf's own below \
+         it (e.g. {path}/ambpf), which `ambpf uninstall` can remove whole"
+    )]
+    MountRoot { path: PathBuf },
 }
 
 #[derive(Clone, Debug)]
@@ -76,9 +81,20 @@ impl PinLayout {
         self.root.join("links/pods").join(netns_inode.to_string())
     }
 
-    /// Checks that the root lies on bpffs and creates the directory tree.
+    /// What ambpf pins directly under the root; all of it is ambpf's.
+    pub fn top_level_dirs(&self) -> [PathBuf; 2] {
+        [self.maps_dir(), self.root.join("links")]
+    }
+
+    /// Checks that the root lies on bpffs, below its mount point (the root
+    /// is ambpf's alone), and creates the directory tree.
     pub fn prepare(&self) -> Result<(), PinError> {
         check_bpffs(&self.root)?;
+        if is_mount_root(&self.root) {
+            return Err(PinError::MountRoot {
+                path: self.root.clone(),
+            });
+        }
         for dir in [self.maps_dir(), self.tc_links_dir()] {
             std::fs::create_dir_all(&dir).map_err(|source| PinError::Io { path: dir, source })?;
         }
@@ -100,6 +116,22 @@ pub fn parse_tc_link_name(name: &str) -> Option<(u32, Direction)> {
         _ => return None,
     };
     Some((ifindex.parse().ok()?, direction))
+}
+
+/// Whether `path` exists and is where a filesystem is mounted (a different
+/// device from its parent's, or `/`).
+pub fn is_mount_root(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(canonical) = path.canonicalize() else {
+        return false;
+    };
+    let Some(parent) = canonical.parent() else {
+        return true;
+    };
+    match (std::fs::metadata(&canonical), std::fs::metadata(parent)) {
+        (Ok(this), Ok(parent)) => this.dev() != parent.dev(),
+        _ => false,
+    }
 }
 
 /// Checks that `path`, or the nearest ancestor that exists, is on bpffs.
@@ -129,6 +161,25 @@ pub fn check_bpffs(path: &Path) -> Result<(), PinError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mount_roots_are_told_from_directories_below_them() {
+        assert!(is_mount_root(Path::new("/")));
+        assert!(is_mount_root(Path::new("/proc")));
+        assert!(!is_mount_root(Path::new("/proc/self")));
+        assert!(!is_mount_root(Path::new("/no/such/dir")));
+    }
+
+    #[test]
+    fn a_pin_root_at_a_mount_point_is_refused() {
+        // Privileged: a fresh bpffs, whose root must not be the pin root.
+        let bpffs = ambpf_testbed::BpffsMount::create().unwrap();
+        let at_root = PinLayout::new(bpffs.path());
+        assert!(matches!(at_root.prepare(), Err(PinError::MountRoot { .. })));
+        let below = PinLayout::new(bpffs.path().join("ambpf"));
+        below.prepare().unwrap();
+        assert!(below.maps_dir().is_dir());
+    }
 
     #[test]
     fn layout_names_every_pin_under_the_root() {

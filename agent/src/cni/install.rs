@@ -5,7 +5,8 @@
 //! directory, and the plugin binary is copied into the CNI bin directory.
 //! Both are idempotent; [`keep_installed`] re-applies them on a poll, so an
 //! entry removed (e.g. by the network plugin rewriting its conflist) comes
-//! back.
+//! back. [`uninstall`] takes both out again, so that pods can start on a node
+//! ambpf has left (the plugin fails every pod while no agent answers).
 
 use std::{
     fs, io,
@@ -63,16 +64,21 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> InstallError + '_ {
     }
 }
 
-/// The first `*.conflist` in `dir`, by name (the one the runtime uses).
-pub fn find_conflist(dir: &Path) -> Result<PathBuf, InstallError> {
-    let mut lists: Vec<PathBuf> = fs::read_dir(dir)
-        .map_err(io_err(dir))?
+/// Every `*.conflist` in `dir`, by name.
+fn conflists(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut lists: Vec<PathBuf> = fs::read_dir(dir)?
         .filter_map(Result::ok)
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|e| e == "conflist") && p.is_file())
         .collect();
     lists.sort();
-    lists
+    Ok(lists)
+}
+
+/// The first `*.conflist` in `dir`, by name (the one the runtime uses).
+pub fn find_conflist(dir: &Path) -> Result<PathBuf, InstallError> {
+    conflists(dir)
+        .map_err(io_err(dir))?
         .into_iter()
         .next()
         .ok_or_else(|| InstallError::NoConflist(dir.to_owned()))
@@ -90,6 +96,11 @@ pub fn plugin_entry(config: &InstallConfig) -> Value {
     entry
 }
 
+/// Whether a plugin entry is ambpf's.
+fn is_ours(plugin: &Value) -> bool {
+    plugin.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE)
+}
+
 /// `conflist` with exactly one plugin entry equal to `entry`, last; `None`
 /// when it already is so.
 fn with_entry(mut conflist: Value, entry: &Value) -> Result<Option<Value>, String> {
@@ -97,13 +108,30 @@ fn with_entry(mut conflist: Value, entry: &Value) -> Result<Option<Value>, Strin
         .get_mut("plugins")
         .and_then(Value::as_array_mut)
         .ok_or("no \"plugins\" array")?;
-    let ours = |p: &Value| p.get("type").and_then(Value::as_str) == Some(PLUGIN_TYPE);
-    if plugins.iter().filter(|p| ours(p)).count() == 1 && plugins.last() == Some(entry) {
+    if plugins.iter().filter(|p| is_ours(p)).count() == 1 && plugins.last() == Some(entry) {
         return Ok(None);
     }
-    plugins.retain(|p| !ours(p));
+    plugins.retain(|p| !is_ours(p));
     plugins.push(entry.clone());
     Ok(Some(conflist))
+}
+
+/// `conflist` without ambpf's plugin entries; `None` when it has none.
+fn without_entry(mut conflist: Value) -> Option<Value> {
+    let plugins = conflist.get_mut("plugins").and_then(Value::as_array_mut)?;
+    let before = plugins.len();
+    plugins.retain(|p| !is_ours(p));
+    (plugins.len() != before).then_some(conflist)
+}
+
+/// Writes `conflist` over `path`, atomically and with the file's mode.
+fn write_conflist(path: &Path, conflist: &Value) -> Result<(), InstallError> {
+    let mut bytes = serde_json::to_vec_pretty(conflist).expect("a JSON value serializes");
+    bytes.push(b'\n');
+    let mode = fs::metadata(path)
+        .map(|m| m.permissions().mode() & 0o777)
+        .unwrap_or(0o644);
+    write_atomically(path, &bytes, mode)
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so the
@@ -164,16 +192,73 @@ pub fn install_once(config: &InstallConfig) -> Result<Installed, InstallError> {
     };
     let conflist: Value = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
     if let Some(updated) = with_entry(conflist, &plugin_entry(config)).map_err(invalid)? {
-        let mut bytes = serde_json::to_vec_pretty(&updated).expect("a JSON value serializes");
-        bytes.push(b'\n');
-        let mode = fs::metadata(&path)
-            .map(|m| m.permissions().mode() & 0o777)
-            .unwrap_or(0o644);
-        write_atomically(&path, &bytes, mode)?;
+        write_conflist(&path, &updated)?;
         installed.conflist_changed = true;
     }
     installed.conflist = path;
     Ok(installed)
+}
+
+/// What [`uninstall`] removed, and what it could not.
+#[derive(Debug, Default)]
+pub struct Uninstalled {
+    /// The conflists that carried the plugin and no longer do.
+    pub unchained: Vec<PathBuf>,
+    /// The plugin binary, when there was one.
+    pub binary_removed: Option<PathBuf>,
+    /// What could not be removed (the rest was still done).
+    pub errors: Vec<InstallError>,
+}
+
+/// Takes the plugin out of the node: its entries (type `ambpf-cni`) from
+/// every `*.conflist` in `conf_dir`, each rewritten atomically with the other
+/// plugins kept, then its binary from `bin_dir`. Idempotent: a conflist
+/// without the entry is not rewritten, and a missing directory has nothing
+/// to remove. A conflist that cannot be read or rewritten is reported in
+/// [`Uninstalled::errors`]; the others, and the binary, are still done.
+pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Uninstalled {
+    let mut done = Uninstalled::default();
+    let lists = match conflists(conf_dir) {
+        Ok(lists) => lists,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => {
+            done.errors.push(io_err(conf_dir)(e));
+            Vec::new()
+        }
+    };
+    for path in lists {
+        match unchain(&path) {
+            Ok(true) => done.unchained.push(path),
+            Ok(false) => {}
+            Err(e) => done.errors.push(e),
+        }
+    }
+    let binary = bin_dir.join(PLUGIN_TYPE);
+    match fs::remove_file(&binary) {
+        Ok(()) => done.binary_removed = Some(binary),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => done.errors.push(io_err(&binary)(e)),
+    }
+    done
+}
+
+/// Removes ambpf's entries from one conflist; whether it had any.
+fn unchain(path: &Path) -> Result<bool, InstallError> {
+    let text = fs::read(path).map_err(io_err(path))?;
+    // A file that does not name the plugin holds nothing of ours, whatever
+    // else it holds (another plugin's malformed file is not ours to judge).
+    let needle = PLUGIN_TYPE.as_bytes();
+    if !text.windows(needle.len()).any(|w| w == needle) {
+        return Ok(false);
+    }
+    let conflist: Value = serde_json::from_slice(&text).map_err(|e| InstallError::Invalid {
+        path: path.to_owned(),
+        why: e.to_string(),
+    })?;
+    match without_entry(conflist) {
+        Some(updated) => write_conflist(path, &updated).map(|()| true),
+        None => Ok(false),
+    }
 }
 
 /// [`install_once`] now and every `interval`, forever: repairs the entry or
@@ -191,5 +276,174 @@ pub async fn keep_installed(config: InstallConfig, interval: Duration) {
             Err(e) => warn!("installing the CNI plugin: {e}"),
         }
         tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory of the test's own, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new() -> Self {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let dir =
+                std::env::temp_dir().join(format!("ambpf-cni-install-{}-{n}", std::process::id()));
+            let _ = fs::remove_dir_all(&dir);
+            fs::create_dir_all(dir.join("net.d")).unwrap();
+            fs::create_dir_all(dir.join("bin")).unwrap();
+            Self(dir)
+        }
+
+        fn conf_dir(&self) -> PathBuf {
+            self.0.join("net.d")
+        }
+
+        fn bin_dir(&self) -> PathBuf {
+            self.0.join("bin")
+        }
+
+        fn config(&self) -> InstallConfig {
+            let plugin = self.0.join("ambpf-cni.src");
+            fs::write(&plugin, b"#!/bin/true\n").unwrap();
+            InstallConfig {
+                conf_dir: self.conf_dir(),
+                bin_dir: self.bin_dir(),
+                plugin_binary: Some(plugin),
+                agent_socket: PathBuf::from("/var/run/ambpf/pluginevent.sock"),
+                agent_timeout_seconds: None,
+            }
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn network(name: &str) -> Value {
+        json!({
+            "cniVersion": "1.0.0",
+            "name": name,
+            "plugins": [
+                { "type": "ptp", "ipam": { "type": "host-local", "subnet": "10.244.1.0/24" } },
+                { "type": "portmap", "capabilities": { "portMappings": true } }
+            ]
+        })
+    }
+
+    fn read_json(path: &Path) -> Value {
+        serde_json::from_slice(&fs::read(path).unwrap()).unwrap()
+    }
+
+    fn file_names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn uninstall_unchains_every_conflist_and_removes_the_binary() {
+        let dir = TempDir::new();
+        let conf_dir = dir.conf_dir();
+        let first = conf_dir.join("10-ptp.conflist");
+        let second = conf_dir.join("20-other.conflist");
+        fs::write(&first, network("k8s-pod-network").to_string()).unwrap();
+        fs::set_permissions(&first, fs::Permissions::from_mode(0o600)).unwrap();
+        install_once(&dir.config()).unwrap();
+        // An entry of ours in another conflist too (an older installer's,
+        // chained in the middle), and one that never had it.
+        let mut other = network("other");
+        other["plugins"].as_array_mut().unwrap().insert(
+            1,
+            json!({ "type": PLUGIN_TYPE, "agentSocket": "/old.sock" }),
+        );
+        fs::write(&second, other.to_string()).unwrap();
+        let untouched = conf_dir.join("30-untouched.conflist");
+        let untouched_text = "{ \"name\": \"x\",\n  \"plugins\": [ {\"type\": \"bridge\"} ] }\n";
+        fs::write(&untouched, untouched_text).unwrap();
+        // Not JSON, but not ours to judge: it does not name the plugin.
+        let broken = conf_dir.join("40-broken.conflist");
+        fs::write(&broken, "{ not json").unwrap();
+        assert!(dir.bin_dir().join(PLUGIN_TYPE).exists());
+
+        let done = uninstall(&conf_dir, &dir.bin_dir());
+        assert!(done.errors.is_empty(), "{:?}", done.errors);
+        assert_eq!(done.unchained, [first.clone(), second.clone()]);
+        assert_eq!(done.binary_removed, Some(dir.bin_dir().join(PLUGIN_TYPE)));
+        // Exactly the other plugins are left, in their order.
+        assert_eq!(read_json(&first), network("k8s-pod-network"));
+        assert_eq!(read_json(&second), network("other"));
+        assert_eq!(fs::read_to_string(&untouched).unwrap(), untouched_text);
+        assert_eq!(fs::read_to_string(&broken).unwrap(), "{ not json");
+        let mode = fs::metadata(&first).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert!(!dir.bin_dir().join(PLUGIN_TYPE).exists());
+        // No temporary file left behind.
+        assert_eq!(
+            file_names(&conf_dir),
+            [
+                "10-ptp.conflist",
+                "20-other.conflist",
+                "30-untouched.conflist",
+                "40-broken.conflist"
+            ]
+        );
+
+        // Again: nothing left to remove, nothing rewritten.
+        let before = fs::metadata(&first).unwrap().modified().unwrap();
+        let again = uninstall(&conf_dir, &dir.bin_dir());
+        assert!(again.errors.is_empty() && again.unchained.is_empty());
+        assert_eq!(again.binary_removed, None);
+        assert_eq!(fs::metadata(&first).unwrap().modified().unwrap(), before);
+    }
+
+    #[test]
+    fn uninstall_reports_a_conflist_it_cannot_read_and_does_the_rest() {
+        let dir = TempDir::new();
+        let chained = dir.conf_dir().join("10-ptp.conflist");
+        fs::write(&chained, network("k8s-pod-network").to_string()).unwrap();
+        install_once(&dir.config()).unwrap();
+        // Names the plugin but does not parse: it may chain it, so it is an
+        // error rather than silently left.
+        let broken = dir.conf_dir().join("05-broken.conflist");
+        fs::write(&broken, r#"{ "plugins": [ { "type": "ambpf-cni" "#).unwrap();
+
+        let done = uninstall(&dir.conf_dir(), &dir.bin_dir());
+        assert_eq!(done.unchained, std::slice::from_ref(&chained));
+        assert!(done.binary_removed.is_some());
+        assert_eq!(done.errors.len(), 1, "{:?}", done.errors);
+        let error = done.errors[0].to_string();
+        assert!(
+            error.contains("05-broken.conflist") && error.contains("not a CNI conflist"),
+            "{error}"
+        );
+        assert_eq!(read_json(&chained), network("k8s-pod-network"));
+    }
+
+    #[test]
+    fn uninstall_where_nothing_was_installed_is_a_no_op() {
+        let dir = TempDir::new();
+        let missing = dir.0.join("no-such-dir");
+        let done = uninstall(&missing, &missing);
+        assert!(done.errors.is_empty() && done.unchained.is_empty());
+        assert_eq!(done.binary_removed, None);
+        assert!(!missing.exists());
+
+        let list = dir.conf_dir().join("10-ptp.conflist");
+        fs::write(&list, network("k8s-pod-network").to_string()).unwrap();
+        let done = uninstall(&dir.conf_dir(), &dir.bin_dir());
+        assert!(done.errors.is_empty() && done.unchained.is_empty());
+        assert_eq!(
+            fs::read_to_string(&list).unwrap(),
+            network("k8s-pod-network").to_string()
+        );
     }
 }

@@ -17,11 +17,14 @@
 //!   [`Controller`](crate::controller::Controller).
 //! - [`selection`]: which posted pods are enrolled.
 //! - [`install`]: puts the plugin into the node's CNI configuration and keeps
-//!   it there.
+//!   it there; takes it out again.
+//! - [`shutdown`]: whether the plugin stays when the installer stops (an
+//!   upgrade) or goes with it (an uninstall).
 
 pub mod install;
 pub mod selection;
 pub mod server;
+pub mod shutdown;
 
 use serde::{Deserialize, Serialize};
 

@@ -6,6 +6,9 @@
 //! coalesced, a takeover (the newest connection dropping) brings the older
 //! one up to date, and nothing depends on a change being seen exactly once.
 //!
+//! Every Add's outcome is recorded in the shared ztunnel statuses (acked,
+//! or refused by a NACK or because it could not be sent).
+//!
 //! Failures and what they cost:
 //! - a NACK: logged and counted; the pod is retried with backoff;
 //! - a pod whose netns cannot be opened: sent as Keep during the snapshot (so
@@ -154,6 +157,7 @@ impl Connection<'_> {
                         .await?
                     {
                         self.nacked(workload, &why);
+                        self.shared.ztunnel_answered(&workload.uid, false);
                     }
                     // Not "sent" with a netns: once it can be opened, Add it.
                     self.schedule_retry(&workload.uid);
@@ -218,6 +222,7 @@ impl Connection<'_> {
                         "ZDS: cannot open the netns of pod {}/{}: {e}",
                         workload.namespace, workload.name
                     );
+                    self.shared.not_sent(&workload.uid);
                     self.schedule_retry(&workload.uid);
                 }
             }
@@ -234,6 +239,7 @@ impl Connection<'_> {
                 "ZDS: pod {}/{} does not fit a {MAX_MESSAGE_LEN}-byte ZDS message; not sent",
                 workload.namespace, workload.name
             );
+            self.shared.not_sent(&workload.uid);
             return Ok(());
         }
         let outcome = self.request(&request, Some(&netns)).await?;
@@ -249,9 +255,11 @@ impl Connection<'_> {
                         netns: workload.netns.clone(),
                     },
                 );
+                self.shared.ztunnel_answered(&workload.uid, true);
             }
             Outcome::Nacked(why) => {
                 self.nacked(workload, &why);
+                self.shared.ztunnel_answered(&workload.uid, false);
                 self.schedule_retry(&workload.uid);
             }
         }

@@ -9,6 +9,10 @@
 //! The desired pods live in one [`ZdsHandle`]; connections reconcile against
 //! it, so any change reaches every connection, and a connection that drops
 //! mid-way loses nothing: the next one gets the full snapshot again.
+//!
+//! What ztunnel made of each desired pod is published too
+//! ([`ZdsHandle::ztunnel_pods`], a [`ZtunnelStatus`] per pod), so that the
+//! pod can be marked `enabled` or `pending` as Istio's node agent does.
 
 mod connection;
 pub mod listener;
@@ -30,6 +34,28 @@ use tokio_seqpacket::UnixSeqpacketListener;
 
 pub use listener::{DEFAULT_SOCKET, ListenError};
 pub use workload::{NetnsSource, Workload, WorkloadSet};
+
+/// What ztunnel has made of one desired pod, as far as the agent knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZtunnelStatus {
+    /// A ztunnel connection acked the pod's Add: ztunnel runs its proxy.
+    /// Kept while ztunnel reconnects (it keeps its proxies while the agent
+    /// is away, and the new connection's snapshot re-Adds the pod) until an
+    /// Add is NACKed or the pod leaves the desired set.
+    Acked,
+    /// ztunnel NACKed the pod's latest Add, or the agent could not send it
+    /// (its netns cannot be opened, the message does not fit). Retried.
+    Refused,
+    /// Never acked, and no ztunnel is connected to take it.
+    Unserved,
+}
+
+/// The desired pods' [`ZtunnelStatus`] by UID. A desired pod that is absent
+/// is on its way: its Add is being sent or awaits its Ack.
+pub type ZtunnelPodSet = Arc<BTreeMap<String, ZtunnelStatus>>;
+
+/// A subscription to [`ZtunnelPodSet`] updates.
+pub type ZtunnelPods = watch::Receiver<ZtunnelPodSet>;
 
 #[derive(Clone, Debug)]
 pub struct ZdsConfig {
@@ -86,6 +112,9 @@ impl ZdsStats {
 struct Shared {
     config: ZdsConfig,
     desired: watch::Sender<WorkloadSet>,
+    /// What ztunnel made of the desired pods. Lock order: this, then
+    /// `desired` or `live`.
+    ztunnel: watch::Sender<ZtunnelPodSet>,
     /// Id of the newest live connection (0: none). Only it receives Adds, as
     /// with Istio's node agent during a ztunnel rolling update; when it goes,
     /// the previous one takes over.
@@ -117,6 +146,7 @@ impl ZdsHandle {
             shared: Arc::new(Shared {
                 config,
                 desired: watch::Sender::new(Arc::new(BTreeMap::new())),
+                ztunnel: watch::Sender::new(Arc::new(BTreeMap::new())),
                 newest: watch::Sender::new(0),
                 live: Mutex::new(Vec::new()),
                 snapshots: watch::Sender::new(0),
@@ -135,39 +165,54 @@ impl ZdsHandle {
 
     /// Adds a pod, or updates it (a new netns makes ztunnel replace its proxy).
     pub fn upsert(&self, workload: Workload) {
-        self.shared.desired.send_if_modified(|set| {
+        let changed = self.shared.desired.send_if_modified(|set| {
             if set.get(&workload.uid) == Some(&workload) {
                 return false;
             }
             Arc::make_mut(set).insert(workload.uid.clone(), workload);
             true
         });
+        if changed {
+            self.shared.settle_ztunnel_pods();
+        }
     }
 
     pub fn remove(&self, uid: &str) {
-        self.shared.desired.send_if_modified(|set| {
+        let changed = self.shared.desired.send_if_modified(|set| {
             if !set.contains_key(uid) {
                 return false;
             }
             Arc::make_mut(set).remove(uid);
             true
         });
+        if changed {
+            self.shared.settle_ztunnel_pods();
+        }
     }
 
     /// Replaces the whole set (a source's full resync).
     pub fn replace_all(&self, workloads: impl IntoIterator<Item = Workload>) {
         let next: BTreeMap<_, _> = workloads.into_iter().map(|w| (w.uid.clone(), w)).collect();
-        self.shared.desired.send_if_modified(|set| {
+        let changed = self.shared.desired.send_if_modified(|set| {
             if **set == next {
                 return false;
             }
             *set = Arc::new(next);
             true
         });
+        if changed {
+            self.shared.settle_ztunnel_pods();
+        }
     }
 
     pub fn workloads(&self) -> WorkloadSet {
         self.shared.desired.borrow().clone()
+    }
+
+    /// What ztunnel made of each desired pod, updated as it answers; see
+    /// [`ZtunnelStatus`].
+    pub fn ztunnel_pods(&self) -> ZtunnelPods {
+        self.shared.ztunnel.subscribe()
     }
 
     /// Waits until some ztunnel has acked a full snapshot (readiness).
@@ -236,13 +281,193 @@ impl Shared {
     }
 
     fn unregister(&self, id: u64) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        live.retain(|&other| other != id);
-        let newest = live.last().copied().unwrap_or(0);
-        self.newest
-            .send_if_modified(|current| std::mem::replace(current, newest) != newest);
-        self.stats
-            .connections_active
-            .store(live.len() as u64, Ordering::Relaxed);
+        {
+            let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+            live.retain(|&other| other != id);
+            let newest = live.last().copied().unwrap_or(0);
+            self.newest
+                .send_if_modified(|current| std::mem::replace(current, newest) != newest);
+            self.stats
+                .connections_active
+                .store(live.len() as u64, Ordering::Relaxed);
+        }
+        self.settle_ztunnel_pods();
+    }
+
+    /// Brings the ztunnel statuses in line with the desired set: pods that
+    /// left are forgotten; with no ztunnel connected, pods on their way
+    /// become [`ZtunnelStatus::Unserved`] (acked pods stay acked).
+    fn settle_ztunnel_pods(&self) {
+        self.ztunnel.send_if_modified(|pods| {
+            let desired = self.desired.borrow();
+            let unserved = self
+                .live
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty();
+            let stale = pods.keys().any(|uid| !desired.contains_key(uid));
+            let waiting = unserved && desired.keys().any(|uid| !pods.contains_key(uid));
+            if !stale && !waiting {
+                return false;
+            }
+            let pods = Arc::make_mut(pods);
+            pods.retain(|uid, _| desired.contains_key(uid));
+            if unserved {
+                for uid in desired.keys() {
+                    pods.entry(uid.clone()).or_insert(ZtunnelStatus::Unserved);
+                }
+            }
+            true
+        });
+    }
+
+    /// Records ztunnel's answer to a pod's Add (an Ack or a NACK), if the
+    /// pod is still desired.
+    fn ztunnel_answered(&self, uid: &str, acked: bool) {
+        let status = if acked {
+            ZtunnelStatus::Acked
+        } else {
+            ZtunnelStatus::Refused
+        };
+        self.set_ztunnel_status(uid, |_| status);
+    }
+
+    /// Records that a pod's Add could not be sent. ztunnel still runs a
+    /// proxy it acked earlier, so an acked pod stays acked.
+    fn not_sent(&self, uid: &str) {
+        self.set_ztunnel_status(uid, |previous| match previous {
+            Some(ZtunnelStatus::Acked) => ZtunnelStatus::Acked,
+            _ => ZtunnelStatus::Refused,
+        });
+    }
+
+    fn set_ztunnel_status(
+        &self,
+        uid: &str,
+        next: impl FnOnce(Option<ZtunnelStatus>) -> ZtunnelStatus,
+    ) {
+        self.ztunnel.send_if_modified(|pods| {
+            // Under the status lock, so a pod removed meanwhile is not
+            // brought back (removal settles after changing `desired`).
+            if !self.desired.borrow().contains_key(uid) {
+                return false;
+            }
+            let previous = pods.get(uid).copied();
+            let status = next(previous);
+            if previous == Some(status) {
+                return false;
+            }
+            Arc::make_mut(pods).insert(uid.to_owned(), status);
+            true
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(uid: &str) -> Workload {
+        Workload {
+            uid: uid.into(),
+            name: uid.into(),
+            namespace: "shop".into(),
+            service_account: "default".into(),
+            netns: NetnsSource::Path(format!("/run/netns/{uid}").into()),
+        }
+    }
+
+    fn statuses(zds: &ZdsHandle) -> Vec<(String, ZtunnelStatus)> {
+        zds.ztunnel_pods()
+            .borrow()
+            .iter()
+            .map(|(uid, status)| (uid.clone(), *status))
+            .collect()
+    }
+
+    fn status(uid: &str, status: ZtunnelStatus) -> (String, ZtunnelStatus) {
+        (uid.to_owned(), status)
+    }
+
+    #[test]
+    fn pods_desired_while_no_ztunnel_is_connected_are_unserved() {
+        let zds = ZdsHandle::new(ZdsConfig::default());
+        zds.replace_all([workload("a"), workload("b")]);
+        assert_eq!(
+            statuses(&zds),
+            [
+                status("a", ZtunnelStatus::Unserved),
+                status("b", ZtunnelStatus::Unserved)
+            ]
+        );
+        zds.remove("a");
+        zds.upsert(workload("c"));
+        assert_eq!(
+            statuses(&zds),
+            [
+                status("b", ZtunnelStatus::Unserved),
+                status("c", ZtunnelStatus::Unserved)
+            ]
+        );
+    }
+
+    #[test]
+    fn answers_are_kept_across_a_reconnect_until_ztunnel_says_otherwise() {
+        let zds = ZdsHandle::new(ZdsConfig::default());
+        let shared = &zds.shared;
+        shared.register(1);
+        zds.replace_all([workload("a"), workload("b"), workload("c")]);
+        // With a ztunnel connected, new pods are on their way.
+        assert!(statuses(&zds).is_empty());
+        shared.ztunnel_answered("a", true);
+        shared.ztunnel_answered("b", false);
+        assert_eq!(
+            statuses(&zds),
+            [
+                status("a", ZtunnelStatus::Acked),
+                status("b", ZtunnelStatus::Refused)
+            ]
+        );
+
+        // ztunnel goes away: the acked pod stays acked, the one on its way
+        // is unserved, the refused one stays refused.
+        shared.unregister(1);
+        assert_eq!(
+            statuses(&zds),
+            [
+                status("a", ZtunnelStatus::Acked),
+                status("b", ZtunnelStatus::Refused),
+                status("c", ZtunnelStatus::Unserved)
+            ]
+        );
+
+        // The next connection's answers decide; an Add that cannot be sent
+        // does not undo an earlier Ack.
+        shared.register(2);
+        shared.not_sent("a");
+        shared.ztunnel_answered("b", true);
+        shared.not_sent("c");
+        assert_eq!(
+            statuses(&zds),
+            [
+                status("a", ZtunnelStatus::Acked),
+                status("b", ZtunnelStatus::Acked),
+                status("c", ZtunnelStatus::Refused)
+            ]
+        );
+        shared.ztunnel_answered("a", false);
+        assert_eq!(statuses(&zds)[0], status("a", ZtunnelStatus::Refused));
+
+        // A pod that left is forgotten, and a late answer does not bring it
+        // back.
+        zds.remove("b");
+        shared.ztunnel_answered("b", true);
+        assert_eq!(
+            statuses(&zds),
+            [
+                status("a", ZtunnelStatus::Refused),
+                status("c", ZtunnelStatus::Refused)
+            ]
+        );
     }
 }

@@ -395,7 +395,7 @@ fn annotated_since(server: &ApiServer, from: usize) -> Vec<String> {
         .patches()
         .into_iter()
         .skip(from)
-        .filter(|p| p.resource == "pods" && enables_redirection(&p.body))
+        .filter(|p| p.resource == "pods/status" && enables_redirection(&p.body))
         .map(|p| p.name)
         .collect()
 }

@@ -1,15 +1,22 @@
-//! Recording enrolment on the pods: `ambient.istio.io/redirection: enabled`
-//! on a pod once the controller reports it programmed, removed once the pod
-//! has left the mesh, with a JSON merge patch on the pod, as Istio's node
-//! agent does; [`remove_redirection_annotations`] takes it off every pod of
+//! Recording enrolment on the pods, as Istio's node agent does:
+//! `ambient.istio.io/redirection: enabled` once a pod's redirection is in
+//! place and ztunnel has acked it, `pending` while the redirection is in
+//! place but ztunnel has not taken the pod (none connected, or it NACKed),
+//! removed once the pod has left the mesh. Each is a JSON merge patch on the
+//! pod's `status` subresource (which may change metadata, and is the lower
+//! privilege); [`remove_redirection_annotations`] takes it off every pod of
 //! the node for `ambpf uninstall`.
 //!
-//! The controller's report ([`crate::controller::ProgrammedPods`]) is the
-//! truth for adding. For removing, a pod must be neither programmed nor in
-//! the set the source last published (so a pod the source just added is not
-//! stripped before the controller has had its pass). Nothing happens before
-//! the controller's first report. A patch is not repeated while the watch
-//! has not yet shown its result; failures are retried on the next trigger.
+//! The controller's report ([`crate::controller::ProgrammedPods`]) and the
+//! ZDS server's ([`crate::zds::ZtunnelPods`]) decide a programmed pod's
+//! value ([`target`]). A pod annotated `enabled` stays so while no ztunnel is
+//! connected: ztunnel keeps its proxies across a reconnect, and Istio does
+//! not flip the annotation back either. For removing, a pod must be neither
+//! programmed nor in the set the source last published (so a pod the source
+//! just added is not stripped before the controller has had its pass).
+//! Nothing happens before the controller's first report. A patch is not
+//! repeated while the watch has not yet shown its result; failures are
+//! retried on the next trigger.
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -29,16 +36,91 @@ use tokio::sync::{Notify, watch};
 
 use super::{
     Lenient,
-    rules::{self, REDIRECTION_ANNOTATION, REDIRECTION_ENABLED},
+    rules::{self, REDIRECTION_ANNOTATION, Redirection},
 };
-use crate::controller::ProgrammedPods;
+use crate::{
+    controller::ProgrammedPods,
+    zds::{ZtunnelPodSet, ZtunnelPods, ZtunnelStatus},
+};
+
+/// What a pod's annotation should become.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Target {
+    /// Whatever it is now (nothing is known that would change it).
+    Leave,
+    Set(Redirection),
+    Remove,
+}
+
+/// The annotation a pod should carry: `programmed` by the controller,
+/// `published` by the source, what ztunnel made of it, and the agent's
+/// value it carries now.
+pub(super) fn target(
+    programmed: bool,
+    published: bool,
+    ztunnel: Option<ZtunnelStatus>,
+    current: Option<Redirection>,
+) -> Target {
+    if !programmed {
+        return if current.is_some() && !published {
+            Target::Remove
+        } else {
+            Target::Leave
+        };
+    }
+    match ztunnel {
+        Some(ZtunnelStatus::Acked) => Target::Set(Redirection::Enabled),
+        Some(ZtunnelStatus::Refused) => Target::Set(Redirection::Pending),
+        // ztunnel is away: a pod it had keeps its proxy, and its value.
+        Some(ZtunnelStatus::Unserved) if current == Some(Redirection::Enabled) => Target::Leave,
+        Some(ZtunnelStatus::Unserved) => Target::Set(Redirection::Pending),
+        // Its Add is on its way; the answer decides, so a pod ztunnel takes
+        // at once is patched once.
+        None => Target::Leave,
+    }
+}
+
+/// Patches to one pod whose result the watch has not shown yet.
+#[derive(Debug, Default)]
+struct InFlight {
+    /// The value last patched (`None`: removed).
+    wanted: Option<Redirection>,
+    /// The pod's resourceVersion after the latest patch, per its answer.
+    latest: Option<String>,
+    /// Versions older than the latest patch: while the store shows one of
+    /// them, the watch has not caught up and the patch is not repeated.
+    superseded: Vec<String>,
+}
+
+impl InFlight {
+    /// Whether the latest patch already asks for `wanted` of a pod the
+    /// store shows at `version`, and the watch has not shown its result.
+    fn awaits(&self, wanted: Option<Redirection>, version: Option<&str>) -> bool {
+        self.wanted == wanted && version.is_some_and(|v| self.superseded.iter().any(|s| s == v))
+    }
+
+    /// Records a patch to `wanted`, sent while the store showed `before`,
+    /// that left the pod at `after`. An earlier patch's result predates it
+    /// too, so a quick `pending` then `enabled` is not repeated when the
+    /// watch shows the `pending` version.
+    fn patched(
+        &mut self,
+        wanted: Option<Redirection>,
+        before: Option<String>,
+        after: Option<String>,
+    ) {
+        self.wanted = wanted;
+        self.superseded.extend(before);
+        self.superseded
+            .extend(std::mem::replace(&mut self.latest, after));
+    }
+}
 
 pub(super) struct Annotator {
     client: Client,
     pods: Store<Lenient<Pod>>,
-    /// uid -> (annotation wanted, the pod's resourceVersion when patched):
-    /// patches whose result the watch has not shown yet.
-    in_flight: HashMap<String, (bool, Option<String>)>,
+    /// uid -> patches whose result the watch has not shown yet.
+    in_flight: HashMap<String, InFlight>,
     /// The last patch failure logged as a warning, to log a run of the same
     /// failure once.
     last_failure: Option<String>,
@@ -54,10 +136,11 @@ impl Annotator {
         }
     }
 
-    /// Runs until the controller or the source goes away.
+    /// Runs until the controller, the ZDS server or the source goes away.
     pub(super) async fn run(
         mut self,
         mut programmed: ProgrammedPods,
+        mut ztunnel: ZtunnelPods,
         mut published: watch::Receiver<Arc<BTreeSet<String>>>,
         pods_changed: Arc<Notify>,
         retry: Duration,
@@ -70,10 +153,13 @@ impl Annotator {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let now_programmed = programmed.borrow_and_update().clone();
+            let now_ztunnel = ztunnel.borrow_and_update().clone();
             let now_published = published.borrow_and_update().clone();
-            self.reconcile(&now_programmed, &now_published).await;
+            self.reconcile(&now_programmed, &now_ztunnel, &now_published)
+                .await;
             tokio::select! {
                 changed = programmed.changed() => if changed.is_err() { return },
+                changed = ztunnel.changed() => if changed.is_err() { return },
                 changed = published.changed() => if changed.is_err() { return },
                 () = pods_changed.notified() => {}
                 _ = tick.tick() => {}
@@ -81,7 +167,12 @@ impl Annotator {
         }
     }
 
-    async fn reconcile(&mut self, programmed: &BTreeSet<String>, published: &BTreeSet<String>) {
+    async fn reconcile(
+        &mut self,
+        programmed: &BTreeSet<String>,
+        ztunnel: &ZtunnelPodSet,
+        published: &BTreeSet<String>,
+    ) {
         let pods = self.pods.state();
         let mut present = BTreeSet::new();
         for pod in &pods {
@@ -92,28 +183,45 @@ impl Annotator {
                 continue;
             };
             present.insert(uid.clone());
-            let has = rules::annotated_enabled(pod);
-            let wanted = if programmed.contains(uid) {
-                true
-            } else if has && !published.contains(uid) {
-                false
-            } else {
-                self.in_flight.remove(uid);
-                continue;
+            let current = rules::redirection_annotation(meta);
+            let wanted = match target(
+                programmed.contains(uid),
+                published.contains(uid),
+                ztunnel.get(uid).copied(),
+                current,
+            ) {
+                Target::Leave => {
+                    self.in_flight.remove(uid);
+                    continue;
+                }
+                Target::Set(value) => Some(value),
+                Target::Remove => None,
             };
-            if wanted == has {
+            if wanted == current {
                 self.in_flight.remove(uid);
                 continue;
             }
             let version = meta.resource_version.clone();
-            if self.in_flight.get(uid) == Some(&(wanted, version.clone())) {
+            if self
+                .in_flight
+                .get(uid)
+                .is_some_and(|patch| patch.awaits(wanted, version.as_deref()))
+            {
                 continue;
             }
-            match self.patch(namespace, name, wanted).await {
-                Ok(()) => {
-                    let what = if wanted { "recorded" } else { "removed" };
-                    info!("pod {namespace}/{name}: {what} {REDIRECTION_ANNOTATION}");
-                    self.in_flight.insert(uid.clone(), (wanted, version));
+            match patch_annotation(&self.client, namespace, name, wanted).await {
+                Ok(patched_version) => {
+                    match wanted {
+                        Some(value) => {
+                            info!("pod {namespace}/{name}: {REDIRECTION_ANNOTATION}={value}")
+                        }
+                        None => info!("pod {namespace}/{name}: removed {REDIRECTION_ANNOTATION}"),
+                    }
+                    self.in_flight.entry(uid.clone()).or_default().patched(
+                        wanted,
+                        version,
+                        patched_version,
+                    );
                     self.last_failure = None;
                 }
                 Err(PatchError::Gone) => {
@@ -132,37 +240,37 @@ impl Annotator {
         }
         self.in_flight.retain(|uid, _| present.contains(uid));
     }
-
-    async fn patch(&self, namespace: &str, name: &str, enabled: bool) -> Result<(), PatchError> {
-        patch_annotation(&self.client, namespace, name, enabled).await
-    }
 }
 
-/// Sets (`enabled`) or removes [`REDIRECTION_ANNOTATION`] on one pod, with a
-/// JSON merge patch (`null` deletes the key, RFC 7386).
+/// Sets [`REDIRECTION_ANNOTATION`] on one pod to `value`, or removes it
+/// (`None`), with a JSON merge patch (`null` deletes the key, RFC 7386) on
+/// the pod's `status` subresource, as Istio's node agent does: both `pods`
+/// and `pods/status` may change metadata, and the latter is the lower
+/// privilege. Returns the pod's resourceVersion after the patch.
 async fn patch_annotation(
     client: &Client,
     namespace: &str,
     name: &str,
-    enabled: bool,
-) -> Result<(), PatchError> {
-    let value = if enabled {
-        json!(REDIRECTION_ENABLED)
-    } else {
-        json!(null)
-    };
-    let patch = json!({ "metadata": { "annotations": { REDIRECTION_ANNOTATION: value } } });
+    value: Option<Redirection>,
+) -> Result<Option<String>, PatchError> {
+    let patch = json!({
+        "metadata": { "annotations": { REDIRECTION_ANNOTATION: value.map(Redirection::as_str) } }
+    });
     let api: Api<Lenient<Pod>> = Api::namespaced(client.clone(), namespace);
     let params = PatchParams {
         field_manager: Some("ambpf".into()),
         ..Default::default()
     };
-    let what = if enabled { "recorded" } else { "removed" };
-    match api.patch(name, &params, &Patch::Merge(&patch)).await {
-        Ok(_) => Ok(()),
+    let what = if value.is_some() {
+        "recorded"
+    } else {
+        "removed"
+    };
+    match api.patch_status(name, &params, &Patch::Merge(&patch)).await {
+        Ok(pod) => Ok(pod.metadata().resource_version.clone()),
         Err(kube::Error::Api(status)) if status.code == 404 => Err(PatchError::Gone),
         Err(kube::Error::Api(status)) if status.code == 403 => Err(PatchError::Failed(format!(
-            "RBAC denies the agent `patch` on pods in namespace {namespace}, so \
+            "RBAC denies the agent `patch` on pods/status in namespace {namespace}, so \
              {REDIRECTION_ANNOTATION} cannot be {what}: {}",
             status.message
         ))),
@@ -183,10 +291,11 @@ pub struct AnnotationRemoval {
     pub outcome: Result<bool, String>,
 }
 
-/// Removes `ambient.istio.io/redirection: enabled` from every pod of
-/// `node_name` that carries it, for `ambpf uninstall`. Pods whose spec does
-/// not parse are included (only their metadata is read). Every pod is
-/// attempted, one patch each; fails only when the pods cannot be listed.
+/// Removes `ambient.istio.io/redirection` (`enabled` or `pending`) from
+/// every pod of `node_name` that carries it, for `ambpf uninstall`. Pods
+/// whose spec does not parse are included (only their metadata is read).
+/// Every pod is attempted, one patch each; fails only when the pods cannot
+/// be listed.
 pub async fn remove_redirection_annotations(
     client: &Client,
     node_name: &str,
@@ -201,19 +310,14 @@ pub async fn remove_redirection_annotations(
     let mut removals = Vec::new();
     for pod in &pods.items {
         let meta = pod.metadata();
-        let annotated = meta
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(REDIRECTION_ANNOTATION))
-            .is_some_and(|v| v == REDIRECTION_ENABLED);
         let (Some(namespace), Some(name)) = (&meta.namespace, &meta.name) else {
             continue;
         };
-        if !annotated {
+        if rules::redirection_annotation(meta).is_none() {
             continue;
         }
-        let outcome = match patch_annotation(client, namespace, name, false).await {
-            Ok(()) => Ok(true),
+        let outcome = match patch_annotation(client, namespace, name, None).await {
+            Ok(_) => Ok(true),
             Err(PatchError::Gone) => Ok(false),
             Err(PatchError::Failed(why)) => Err(why),
         };
@@ -228,4 +332,91 @@ pub async fn remove_redirection_annotations(
 enum PatchError {
     Gone,
     Failed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ENABLED: Option<Redirection> = Some(Redirection::Enabled);
+    const PENDING: Option<Redirection> = Some(Redirection::Pending);
+
+    #[test]
+    fn a_programmed_pod_is_enabled_once_ztunnel_acks_it_and_pending_when_refused() {
+        for current in [None, PENDING, ENABLED] {
+            for published in [false, true] {
+                assert_eq!(
+                    target(true, published, Some(ZtunnelStatus::Acked), current),
+                    Target::Set(Redirection::Enabled)
+                );
+                assert_eq!(
+                    target(true, published, Some(ZtunnelStatus::Refused), current),
+                    Target::Set(Redirection::Pending),
+                    "a NACK undoes enabled too"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn with_no_ztunnel_a_new_pod_is_pending_and_an_enabled_one_stays_enabled() {
+        let unserved = Some(ZtunnelStatus::Unserved);
+        assert_eq!(
+            target(true, true, unserved, None),
+            Target::Set(Redirection::Pending)
+        );
+        assert_eq!(
+            target(true, true, unserved, PENDING),
+            Target::Set(Redirection::Pending)
+        );
+        assert_eq!(target(true, true, unserved, ENABLED), Target::Leave);
+    }
+
+    #[test]
+    fn a_pod_whose_add_is_on_its_way_waits_for_the_answer() {
+        for current in [None, PENDING, ENABLED] {
+            assert_eq!(target(true, true, None, current), Target::Leave);
+        }
+    }
+
+    #[test]
+    fn a_patch_is_not_repeated_until_the_watch_shows_a_newer_version() {
+        let v = |n: u32| Some(n.to_string());
+        let mut patch = InFlight::default();
+        // `pending` patched at version 1, leaving the pod at 2.
+        patch.patched(PENDING, v(1), v(2));
+        assert!(patch.awaits(PENDING, Some("1")));
+        assert!(
+            !patch.awaits(ENABLED, Some("1")),
+            "a different value is sent"
+        );
+        // ztunnel acks at once: `enabled` patched while the store still
+        // shows 1, leaving the pod at 3.
+        patch.patched(ENABLED, v(1), v(3));
+        assert!(patch.awaits(ENABLED, Some("1")));
+        assert!(
+            patch.awaits(ENABLED, Some("2")),
+            "the watch showing the `pending` patch is not a reason to patch again"
+        );
+        // Another writer's version after ours: if it lost the value, patch.
+        assert!(!patch.awaits(ENABLED, Some("4")));
+        assert!(!patch.awaits(ENABLED, None));
+    }
+
+    #[test]
+    fn a_pod_not_programmed_loses_the_annotation_only_once_the_source_dropped_it() {
+        for ztunnel in [
+            None,
+            Some(ZtunnelStatus::Acked),
+            Some(ZtunnelStatus::Refused),
+            Some(ZtunnelStatus::Unserved),
+        ] {
+            assert_eq!(target(false, false, ztunnel, ENABLED), Target::Remove);
+            assert_eq!(target(false, false, ztunnel, PENDING), Target::Remove);
+            assert_eq!(target(false, false, ztunnel, None), Target::Leave);
+            // Published but not programmed yet (or not enrolled): kept.
+            assert_eq!(target(false, true, ztunnel, ENABLED), Target::Leave);
+            assert_eq!(target(false, true, ztunnel, None), Target::Leave);
+        }
+    }
 }

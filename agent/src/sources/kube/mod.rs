@@ -20,7 +20,8 @@
 //! list is complete, so nothing is lost or removed in between.
 //!
 //! With [`KubeSource::annotate_from`], enrolled pods get
-//! `ambient.istio.io/redirection: enabled`, removed when they leave the mesh.
+//! `ambient.istio.io/redirection: enabled` once ztunnel has them (`pending`
+//! while it has not), removed when they leave the mesh ([`annotate`]).
 
 pub mod annotate;
 pub mod lenient;
@@ -59,7 +60,7 @@ pub use self::{
 };
 use crate::{
     controller::{PodSpec, ProgrammedPods},
-    zds::Workload,
+    zds::{Workload, ZtunnelPods},
 };
 
 /// What the source needs to know beyond the API server.
@@ -198,7 +199,7 @@ pub struct KubeSource {
     client: Client,
     config: KubeSourceConfig,
     resolver: Box<dyn NetnsResolver>,
-    programmed: Option<ProgrammedPods>,
+    annotate: Option<(ProgrammedPods, ZtunnelPods)>,
 }
 
 /// The running source's tasks; dropping it stops them.
@@ -229,7 +230,7 @@ impl KubeSource {
             client,
             config,
             resolver,
-            programmed: None,
+            annotate: None,
         }
     }
 
@@ -240,9 +241,10 @@ impl KubeSource {
     }
 
     /// Records enrolment on the pods from the controller's reports (see
-    /// [`crate::controller::Controller::report_programmed`]).
-    pub fn annotate_from(mut self, programmed: ProgrammedPods) -> Self {
-        self.programmed = Some(programmed);
+    /// [`crate::controller::Controller::report_programmed`]) and the ZDS
+    /// server's ([`crate::zds::ZdsHandle::ztunnel_pods`]).
+    pub fn annotate_from(mut self, programmed: ProgrammedPods, ztunnel: ZtunnelPods) -> Self {
+        self.annotate = Some((programmed, ztunnel));
         self
     }
 
@@ -256,7 +258,7 @@ impl KubeSource {
             client,
             config,
             resolver,
-            programmed,
+            annotate,
         } = self;
         if config.node_name.is_empty() {
             return Err(KubeSourceError::NoNodeName);
@@ -304,10 +306,11 @@ impl KubeSource {
             namespace_events,
             synced_tx,
         ))];
-        if let Some(programmed) = programmed {
+        if let Some((programmed, ztunnel)) = annotate {
             let annotator = annotate::Annotator::new(client, pod_store);
             tasks.push(tokio::spawn(annotator.run(
                 programmed,
+                ztunnel,
                 published_rx,
                 pods_changed,
                 config.resync,

@@ -17,7 +17,7 @@ use std::{
     net::IpAddr,
 };
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::{api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::ObjectMeta};
 
 /// The label, on a pod or its namespace, that enrols it.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
@@ -30,9 +30,11 @@ pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
 pub const SIDECAR_CONTAINER: &str = "istio-proxy";
 /// A pod's own DNS capture choice (`"false"` opts out of the node's default).
 pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
-/// The enrolment state recorded on the pod, as Istio's node agent does.
+/// The enrolment state recorded on the pod, as Istio's node agent does
+/// (see [`Redirection`]).
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
 pub const REDIRECTION_ENABLED: &str = "enabled";
+pub const REDIRECTION_PENDING: &str = "pending";
 /// The namespaces excluded when none are configured.
 pub const DEFAULT_EXCLUDED_NAMESPACES: &[&str] = &["kube-system"];
 
@@ -176,13 +178,44 @@ pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
     }
 }
 
-/// Whether the pod carries `ambient.istio.io/redirection: enabled`.
-pub fn annotated_enabled(pod: &Pod) -> bool {
-    pod.metadata
+/// The values of [`REDIRECTION_ANNOTATION`] the agent writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Redirection {
+    /// The redirection is in place and ztunnel acked the pod.
+    Enabled,
+    /// The redirection is in place but ztunnel has not taken the pod (none
+    /// connected, or it refused the pod); enrolment is not complete.
+    Pending,
+}
+
+impl Redirection {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Redirection::Enabled => REDIRECTION_ENABLED,
+            Redirection::Pending => REDIRECTION_PENDING,
+        }
+    }
+}
+
+impl fmt::Display for Redirection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The pod's [`REDIRECTION_ANNOTATION`], when it holds a value the agent
+/// writes (`None` for any other value, which is not the agent's).
+pub fn redirection_annotation(meta: &ObjectMeta) -> Option<Redirection> {
+    match meta
         .annotations
-        .as_ref()
-        .and_then(|a| a.get(REDIRECTION_ANNOTATION))
-        .is_some_and(|v| v == REDIRECTION_ENABLED)
+        .as_ref()?
+        .get(REDIRECTION_ANNOTATION)?
+        .as_str()
+    {
+        REDIRECTION_ENABLED => Some(Redirection::Enabled),
+        REDIRECTION_PENDING => Some(Redirection::Pending),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -432,10 +465,21 @@ mod tests {
     #[test]
     fn the_redirection_annotation_is_read_exactly() {
         let mut p = pod("shop", AMBIENT);
-        assert!(!annotated_enabled(&p));
-        p.metadata.annotations = Some(labels(&[(REDIRECTION_ANNOTATION, "pending")]));
-        assert!(!annotated_enabled(&p));
-        p.metadata.annotations = Some(labels(&[(REDIRECTION_ANNOTATION, REDIRECTION_ENABLED)]));
-        assert!(annotated_enabled(&p));
+        assert_eq!(redirection_annotation(&p.metadata), None);
+        for (value, expected) in [
+            ("pending", Some(Redirection::Pending)),
+            ("enabled", Some(Redirection::Enabled)),
+            ("Enabled", None),
+            ("disabled", None),
+            ("", None),
+        ] {
+            p.metadata.annotations = Some(labels(&[(REDIRECTION_ANNOTATION, value)]));
+            assert_eq!(redirection_annotation(&p.metadata), expected, "{value:?}");
+        }
+        // Another annotation's value does not count.
+        p.metadata.annotations = Some(labels(&[("example.com/redirection", "enabled")]));
+        assert_eq!(redirection_annotation(&p.metadata), None);
+        assert_eq!(Redirection::Enabled.as_str(), "enabled");
+        assert_eq!(Redirection::Pending.to_string(), "pending");
     }
 }
