@@ -82,6 +82,48 @@ async fn live_adds_and_dels_follow_the_snapshot_and_replay_on_reconnect() {
 }
 
 #[tokio::test]
+async fn a_new_path_to_the_same_netns_sends_nothing_and_a_new_netns_replaces() {
+    let server = Server::start(fast_config());
+    let a = NetnsGuard::create("zds").unwrap();
+    let b = NetnsGuard::create("zds").unwrap();
+    server.handle.upsert(pod("p", &a));
+    let peer = Peer::hello(&server.socket()).await;
+    assert_eq!(peer.take_snapshot().await.len(), 1);
+
+    // The CNI announced `/run/netns/...`; the pod source later finds the same
+    // namespace through a process of the pod.
+    let mut process = std::process::Command::new("ip")
+        .args(["netns", "exec", a.name(), "sleep", "30"])
+        .spawn()
+        .unwrap();
+    let by_process = std::path::PathBuf::from(format!("/proc/{}/ns/net", process.id()));
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while inode(&by_process) != inode(&a.path()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "sleep never entered the netns"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let mut moved = pod("p", &a);
+    moved.netns = NetnsSource::Path(by_process);
+    server.handle.upsert(moved);
+    let quiet = peer.stays_quiet().await;
+    process.kill().unwrap();
+    process.wait().unwrap();
+    assert!(quiet, "ztunnel got a second Add for the same namespace");
+
+    // A recreated sandbox is a new namespace: ztunnel must replace the proxy.
+    server.handle.upsert(pod("p", &b));
+    let add = peer.recv_some().await;
+    assert_eq!(
+        (add.kind(), add.uid(), add.netns_inode()),
+        ("add", "p", inode(&b.path()))
+    );
+    peer.ack().await;
+}
+
+#[tokio::test]
 async fn a_newer_ztunnel_takes_over_and_the_older_one_resumes_when_it_leaves() {
     let server = Server::start(fast_config());
     let a = NetnsGuard::create("zds").unwrap();

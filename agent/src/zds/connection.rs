@@ -49,9 +49,30 @@ pub enum ConnError {
     Io(#[from] std::io::Error),
 }
 
-/// What this connection has told ztunnel about one pod.
+/// What this connection has told ztunnel about one pod: which namespace,
+/// by the path it was opened through and by inode (its identity: the CNI's
+/// `/run/netns/...` and a process's `/proc/<pid>/ns/net` may name the same).
 struct Sent {
     netns: NetnsSource,
+    inode: u64,
+}
+
+impl Sent {
+    /// Whether `netns` is the namespace already sent. A new path is opened
+    /// once to compare inodes, and remembered when it names the same one, so
+    /// ztunnel gets no second Add for a pod whose path changed.
+    fn is(&mut self, netns: &NetnsSource) -> bool {
+        if self.netns == *netns {
+            return true;
+        }
+        match netns.open() {
+            Ok((_, inode)) if inode == self.inode => {
+                self.netns = netns.clone();
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 /// A pod whose last Add failed, and when to try again.
@@ -145,7 +166,7 @@ impl Connection<'_> {
         let started = std::time::Instant::now();
         for workload in snapshot.values() {
             match workload.netns.open() {
-                Ok((netns, _inode)) => self.add(workload, netns).await?,
+                Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
                     warn!(
                         "ZDS: cannot open the netns of pod {}/{} ({e}); sending Keep so ztunnel keeps its proxy",
@@ -208,14 +229,14 @@ impl Connection<'_> {
         for workload in desired.values() {
             let current = self
                 .sent
-                .get(&workload.uid)
-                .is_some_and(|s| s.netns == workload.netns);
+                .get_mut(&workload.uid)
+                .is_some_and(|sent| sent.is(&workload.netns));
             let waiting = self.retries.get(&workload.uid).is_some_and(|r| r.at > now);
             if current || waiting {
                 continue;
             }
             match workload.netns.open() {
-                Ok((netns, _inode)) => self.add(workload, netns).await?,
+                Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
                     ZdsStats::bump(&self.shared.stats.send_failures);
                     warn!(
@@ -231,7 +252,12 @@ impl Connection<'_> {
     }
 
     /// Sends an Add with the pod's netns fd and records the result.
-    async fn add(&mut self, workload: &Workload, netns: std::fs::File) -> Result<(), ConnError> {
+    async fn add(
+        &mut self,
+        workload: &Workload,
+        netns: std::fs::File,
+        inode: u64,
+    ) -> Result<(), ConnError> {
         let request = zds::WorkloadRequest::add(&workload.uid, workload.info());
         if request.encoded_len() > MAX_MESSAGE_LEN {
             ZdsStats::bump(&self.shared.stats.send_failures);
@@ -253,6 +279,7 @@ impl Connection<'_> {
                     workload.uid.clone(),
                     Sent {
                         netns: workload.netns.clone(),
+                        inode,
                     },
                 );
                 self.shared.ztunnel_answered(&workload.uid, true);
