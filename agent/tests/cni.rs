@@ -5,7 +5,6 @@
 //! ambient pods; and the installer on a temporary CNI configuration.
 
 use std::{
-    io::Write,
     os::unix::net::UnixStream,
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
@@ -82,25 +81,17 @@ fn plugin_for(command: &str, netns: &Path, cni_args: &str, socket: &Path, prev: 
         "agentTimeoutSeconds": 10,
         "prevResult": prev,
     });
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ambpf-cni"))
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", "c0ffee")
-        .env("CNI_NETNS", netns)
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", "/opt/cni/bin")
-        .env("CNI_ARGS", cni_args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(config.to_string().as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
+    ambpf_testbed::output_with_stdin(
+        Command::new(env!("CARGO_BIN_EXE_ambpf-cni"))
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", "c0ffee")
+            .env("CNI_NETNS", netns)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", "/opt/cni/bin")
+            .env("CNI_ARGS", cni_args),
+        config.to_string().as_bytes(),
+    )
+    .unwrap()
 }
 
 async fn plugin_async(

@@ -192,24 +192,14 @@ fn ipsets(ns: &NetnsGuard) -> String {
 
 /// Writes `rules` into `ns` with the given backend's `iptables-restore`.
 fn restore(ns: &NetnsGuard, backend: IptablesBackend, rules: &str) {
-    use std::io::Write as _;
     let out = ns
         .run(|| {
-            let mut child = Command::new(format!("iptables-{backend}-restore"))
-                .arg("--noflush")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            child
-                .stdin
-                .take()
-                .unwrap()
-                .write_all(rules.as_bytes())
-                .unwrap();
-            child.wait_with_output().unwrap()
+            ambpf_testbed::output_with_stdin(
+                Command::new(format!("iptables-{backend}-restore")).arg("--noflush"),
+                rules.as_bytes(),
+            )
         })
+        .unwrap()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
 }

@@ -15,7 +15,7 @@ use std::{
     io,
     os::fd::AsFd,
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
 };
 
@@ -33,6 +33,23 @@ pub mod ztunnel;
 const NETNS_DIR: &str = "/run/netns";
 /// The cgroup v2 hierarchy on these machines.
 pub const CGROUP2_ROOT: &str = "/sys/fs/cgroup/unified";
+
+/// Runs `command` with `input` on its stdin and collects its output, as a
+/// container runtime runs a CNI plugin or a test feeds `iptables-restore`.
+/// The input is written whole before the output is read: for small inputs.
+pub fn output_with_stdin(command: &mut Command, input: &[u8]) -> io::Result<Output> {
+    use std::io::Write as _;
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().expect("stdin was piped");
+    let written = stdin.write_all(input);
+    drop(stdin); // EOF
+    let output = child.wait_with_output()?;
+    written.map(|()| output)
+}
 
 /// A name no other live testbed object has: `<prefix><pid><sequence>`, short
 /// enough for an interface name (15 bytes) when `prefix` has at most 4 bytes.
