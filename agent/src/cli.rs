@@ -8,7 +8,7 @@ use log::info;
 
 use crate::{
     bpf::{self, Dataplane, PinLayout, inspect},
-    controller::Controller,
+    controller::{Controller, SourcePods},
     netns::Netns,
     observe,
     redirect::{
@@ -520,7 +520,8 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             }
         };
         let zds = zds::ZdsHandle::new(zds_config);
-        let (pods_tx, pods_rx) = tokio::sync::watch::channel(std::sync::Arc::new(Vec::new()));
+        let (pods_tx, pods_rx) =
+            tokio::sync::watch::channel(std::sync::Arc::new(SourcePods::default()));
         let (programmed_tx, programmed_rx) =
             tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
         let mut kube_source = None;
@@ -562,7 +563,7 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         if kube_source.is_some() {
             controller.report_programmed(programmed_tx);
         }
-        let first = controller.apply(&pods_rx.borrow());
+        let first = controller.apply(&pods_rx.borrow().ambient);
         let cni_requests = match &args.cni_socket {
             Some(path) => {
                 let listener = crate::cni::server::bind(path)?;

@@ -12,6 +12,11 @@
 //! A pod that cannot be enrolled (its netns not ready yet, a netlink error)
 //! is reported, left out of ztunnel, and retried on the next pass; the other
 //! pods proceed.
+//!
+//! A pod the CNI plugin posts is enrolled at once, before the source knows
+//! it, and kept until the source decides: it reports the pod as ambient
+//! (the source's entry takes over), or as a pod it knows and does not
+//! enrol (the pod is removed), or the pod's netns is gone.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
@@ -39,6 +44,17 @@ pub struct PodSpec {
     pub dns_capture: Option<bool>,
 }
 
+/// What a pod source knows of this node's pods, published as a whole.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourcePods {
+    /// The ambient pods, with their network namespaces: the pods to enrol.
+    pub ambient: Vec<PodSpec>,
+    /// uid -> why: pods the source knows on this node and judged not
+    /// ambient. A pod in neither list (not seen yet, or ambient with its
+    /// netns not found yet) is not the source's to remove.
+    pub not_ambient: BTreeMap<String, String>,
+}
+
 /// What one pass achieved.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct PassReport {
@@ -58,8 +74,9 @@ pub struct Controller {
     /// Where the programmed pods are reported, and whether a pass has been.
     programmed: Option<watch::Sender<Arc<BTreeSet<String>>>>,
     reported: bool,
-    /// Pods the CNI plugin posted that no source reports yet, by uid: they
-    /// are desired too until a source reports them or their netns is gone.
+    /// Pods the CNI plugin posted that the source does not report yet, by
+    /// uid: they are desired too until the source reports them, knows them
+    /// as not ambient, or their netns is gone.
     explicit: BTreeMap<String, PodSpec>,
 }
 
@@ -216,17 +233,31 @@ impl Controller {
 
     /// Applies every update from `pods`, and retries failed pods every
     /// [`RETRY_INTERVAL`], until the sender is gone.
-    pub async fn run(self, pods: watch::Receiver<Arc<Vec<PodSpec>>>) {
+    pub async fn run(self, pods: watch::Receiver<Arc<SourcePods>>) {
         self.run_with_requests(pods, None).await
     }
 
-    /// The desired pods: the source's, plus the CNI-posted pods it does not
-    /// report yet (forgotten once it does, or once their netns is gone: the
-    /// sandbox was deleted).
-    fn desired(&mut self, source: &[PodSpec]) -> Vec<PodSpec> {
-        let reported: HashSet<&str> = source.iter().map(|p| p.workload.uid.as_str()).collect();
+    /// The desired pods: the source's ambient pods, plus the CNI-posted pods
+    /// it does not report yet (forgotten once it does, once it knows them as
+    /// not ambient, or once their netns is gone: the sandbox was deleted).
+    fn desired(&mut self, source: &SourcePods) -> Vec<PodSpec> {
+        let reported: HashSet<&str> = source
+            .ambient
+            .iter()
+            .map(|p| p.workload.uid.as_str())
+            .collect();
         self.explicit.retain(|uid, pod| {
             if reported.contains(uid.as_str()) {
+                return false;
+            }
+            // As Istio's node agent: a pod opted out after its CNI add (or
+            // found terminal) leaves the mesh as soon as the source sees it.
+            if let Some(why) = source.not_ambient.get(uid) {
+                info!(
+                    "pod {}/{} ({uid}): the pod source knows it as not ambient ({why}); \
+                     removing the pod the CNI plugin enrolled",
+                    pod.workload.namespace, pod.workload.name
+                );
                 return false;
             }
             let alive = Netns::open(&pod.workload.netns.path().to_string_lossy()).is_ok();
@@ -235,7 +266,7 @@ impl Controller {
             }
             alive
         });
-        let mut pods = source.to_vec();
+        let mut pods = source.ambient.clone();
         pods.extend(self.explicit.values().cloned());
         pods
     }
@@ -243,8 +274,9 @@ impl Controller {
     /// Enrols the pods of CNI requests now, on top of `source`, and answers
     /// each: `Ok` once its redirection is in place and ztunnel's desired set
     /// has it. A pod that fails is not kept (the runtime tears the sandbox
-    /// down and retries with a new one).
-    pub fn apply_requests(&mut self, source: &[PodSpec], requests: Vec<EnrollRequest>) {
+    /// down and retries with a new one), nor is one the source knows as not
+    /// ambient (refused, with why).
+    pub fn apply_requests(&mut self, source: &SourcePods, requests: Vec<EnrollRequest>) {
         let mut requests = requests;
         requests.retain_mut(|request| {
             let netns = request.pod.workload.netns.path();
@@ -269,7 +301,11 @@ impl Controller {
             let result = match report.failed.get(uid) {
                 Some(why) => Err(why.clone()),
                 None if self.enrolled.contains_key(uid) => Ok(()),
-                None => Err("not enrolled".to_owned()),
+                // The runtime retries the ADD, which reads the pod afresh.
+                None => Err(match source.not_ambient.get(uid) {
+                    Some(why) => format!("the pod source knows it as not ambient ({why})"),
+                    None => "not enrolled".to_owned(),
+                }),
             };
             if let Err(why) = &result {
                 warn!("CNI add of pod {uid} refused: {why}");
@@ -287,7 +323,7 @@ impl Controller {
     /// [`Controller::run`], also serving CNI enrol requests as they come.
     pub async fn run_with_requests(
         mut self,
-        mut pods: watch::Receiver<Arc<Vec<PodSpec>>>,
+        mut pods: watch::Receiver<Arc<SourcePods>>,
         mut requests: Option<EnrollRequests>,
     ) {
         loop {
@@ -545,6 +581,24 @@ mod tests {
         assert!(rx.borrow_and_update().is_empty());
     }
 
+    fn ambient(pods: Vec<PodSpec>) -> SourcePods {
+        SourcePods {
+            ambient: pods,
+            not_ambient: BTreeMap::new(),
+        }
+    }
+
+    /// A source that knows `uids` as not ambient (with a reason each).
+    fn knows_not_ambient(pods: Vec<PodSpec>, uids: &[&str]) -> SourcePods {
+        SourcePods {
+            ambient: pods,
+            not_ambient: uids
+                .iter()
+                .map(|uid| ((*uid).to_owned(), "labelled dataplane-mode=none".to_owned()))
+                .collect(),
+        }
+    }
+
     fn request(pod: PodSpec) -> (EnrollRequest, oneshot::Receiver<Result<(), String>>) {
         let (reply, answer) = oneshot::channel();
         (EnrollRequest { pod, reply }, answer)
@@ -566,7 +620,7 @@ mod tests {
         let mut missing = spec("gone", &a, None);
         missing.workload.netns = NetnsSource::Path("/run/netns/ambpf-no-such-pod".into());
         let (req_gone, mut ans_gone) = request(missing);
-        ctl.apply_requests(&[], vec![req_a, req_b, req_gone]);
+        ctl.apply_requests(&SourcePods::default(), vec![req_a, req_b, req_gone]);
         assert_eq!(ans_a.try_recv().unwrap(), Ok(()));
         assert!(ans_b.try_recv().unwrap().is_err());
         assert!(
@@ -579,14 +633,14 @@ mod tests {
         assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
 
         // A source pass that does not know "a" yet keeps it.
-        let pods = ctl.desired(&[]);
+        let pods = ctl.desired(&SourcePods::default());
         ctl.apply(&pods);
         assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
         // Once the source reports it, the source decides.
-        let pods = ctl.desired(&[spec("a", &a, None)]);
+        let pods = ctl.desired(&ambient(vec![spec("a", &a, None)]));
         assert!(ctl.explicit.is_empty());
         ctl.apply(&pods);
-        let pods = ctl.desired(&[]);
+        let pods = ctl.desired(&SourcePods::default());
         ctl.apply(&pods);
         assert!(zds.workloads().is_empty());
         assert_eq!(
@@ -599,5 +653,115 @@ mod tests {
             "a once, b refused: {:?}",
             log.lock().unwrap()
         );
+    }
+
+    fn enrolled_by_cni(ctl: &mut Controller, pods: Vec<PodSpec>) {
+        let (requests, answers): (Vec<_>, Vec<_>) = pods.into_iter().map(request).unzip();
+        ctl.apply_requests(&SourcePods::default(), requests);
+        for mut answer in answers {
+            assert_eq!(answer.try_recv().unwrap(), Ok(()));
+        }
+    }
+
+    #[test]
+    fn a_cni_pod_the_source_knows_as_not_ambient_is_removed() {
+        let (opted_out, other) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
+        let recorder = Recorder::default();
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+        enrolled_by_cni(
+            &mut ctl,
+            vec![
+                spec("opted-out", &opted_out, None),
+                spec("other", &other, None),
+            ],
+        );
+        assert_eq!(
+            zds.workloads().keys().collect::<Vec<_>>(),
+            ["opted-out", "other"]
+        );
+
+        // The source now knows "opted-out" and does not enrol it; "other"
+        // it has not seen.
+        let source = knows_not_ambient(vec![], &["opted-out"]);
+        let pods = ctl.desired(&source);
+        let report = ctl.apply(&pods);
+        assert_eq!(report.removed, 1);
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["other"]);
+        assert_eq!(ctl.explicit.keys().collect::<Vec<_>>(), ["other"]);
+        assert_eq!(
+            log.lock().unwrap().last(),
+            Some(&format!("unenroll {}", inode(&opted_out)))
+        );
+        // Later passes do not bring it back.
+        let pods = ctl.desired(&source);
+        assert_eq!(ctl.apply(&pods), PassReport::default());
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["other"]);
+    }
+
+    #[test]
+    fn a_cni_pod_the_source_has_not_seen_or_has_no_netns_for_is_kept() {
+        let (unseen, pending, known) = (
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+            NetnsGuard::create("ctl").unwrap(),
+        );
+        let recorder = Recorder::default();
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+        enrolled_by_cni(
+            &mut ctl,
+            vec![
+                spec("unseen", &unseen, None),
+                spec("pending", &pending, None),
+            ],
+        );
+
+        // "unseen" is not on the source's lists; "pending" neither, as the
+        // kube source publishes an ambient pod whose netns it has not found
+        // yet. The source knows other pods, ambient and not.
+        let source = knows_not_ambient(vec![spec("known", &known, None)], &["someone-else"]);
+        for _ in 0..2 {
+            let pods = ctl.desired(&source);
+            let report = ctl.apply(&pods);
+            assert_eq!(report.removed, 0);
+            assert_eq!(
+                zds.workloads().keys().collect::<Vec<_>>(),
+                ["known", "pending", "unseen"]
+            );
+        }
+        assert_eq!(
+            ctl.explicit.keys().collect::<Vec<_>>(),
+            ["pending", "unseen"]
+        );
+        assert!(
+            !log.lock()
+                .unwrap()
+                .iter()
+                .any(|l| l.starts_with("unenroll")),
+            "{:?}",
+            log.lock().unwrap()
+        );
+    }
+
+    #[test]
+    fn a_cni_add_of_a_pod_the_source_knows_as_not_ambient_is_refused_with_why() {
+        let a = NetnsGuard::create("ctl").unwrap();
+        let recorder = Recorder::default();
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+        let (req, mut answer) = request(spec("a", &a, None));
+        ctl.apply_requests(&knows_not_ambient(vec![], &["a"]), vec![req]);
+        let why = answer.try_recv().unwrap().unwrap_err();
+        assert!(
+            why.contains("not ambient (labelled dataplane-mode=none)"),
+            "{why}"
+        );
+        assert!(zds.workloads().is_empty());
+        assert!(ctl.explicit.is_empty());
+        assert!(log.lock().unwrap().is_empty(), "{:?}", log.lock().unwrap());
     }
 }

@@ -142,7 +142,7 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     });
     let controller = Controller::new(Box::new(dataplane), zds.clone(), true);
     // The regular source knows no pods yet: the race the plugin closes.
-    let (pods_tx, pods_rx) = tokio::sync::watch::channel(Arc::new(Vec::new()));
+    let (pods_tx, pods_rx) = tokio::sync::watch::channel(Arc::default());
     let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(8);
     let controller = tokio::spawn(controller.run_with_requests(pods_rx, Some(requests_rx)));
     let socket = dir.0.join("pluginevent.sock");

@@ -17,7 +17,7 @@ use std::{
 };
 
 use ambpf::{
-    controller::{Controller, PodSpec},
+    controller::{Controller, EnrollRequest, SourcePods},
     netns::Netns,
     redirect::{EnrollError, EnrollOptions, EnrolledPod, PodRedirection, RedirectMode},
     sources::kube::{
@@ -40,7 +40,7 @@ use tokio::sync::watch;
 const PATIENCE: Duration = Duration::from_secs(20);
 const NODE: &str = "node-1";
 
-type Pods = watch::Receiver<Arc<Vec<PodSpec>>>;
+type Pods = watch::Receiver<Arc<SourcePods>>;
 
 fn init_logging() {
     let _ = env_logger::builder().is_test(true).try_init();
@@ -69,7 +69,7 @@ fn fake_netns(pod: &PodQuery) -> Result<NetnsSource, String> {
 
 async fn start(server: &ApiServer, config: KubeSourceConfig) -> (KubeSourceHandle, Pods) {
     init_logging();
-    let (tx, rx) = watch::channel(Arc::new(Vec::new()));
+    let (tx, rx) = watch::channel(Arc::default());
     let source = KubeSource::new(client(server), config).with_resolver(fake_netns);
     let handle = tokio::time::timeout(PATIENCE, source.start(tx))
         .await
@@ -107,16 +107,25 @@ fn with(mut object: Value, path: &[&str], value: Value) -> Value {
     object
 }
 
-fn uids(pods: &[PodSpec]) -> Vec<String> {
-    pods.iter().map(|p| p.workload.uid.clone()).collect()
+/// The UIDs of the ambient pods published.
+fn uids(pods: &SourcePods) -> Vec<String> {
+    pods.ambient
+        .iter()
+        .map(|p| p.workload.uid.clone())
+        .collect()
+}
+
+/// The UIDs of the pods published as not ambient.
+fn not_ambient(pods: &SourcePods) -> Vec<String> {
+    pods.not_ambient.keys().cloned().collect()
 }
 
 /// Waits until the published set satisfies `done`.
 async fn wait_for(
     pods: &mut Pods,
     what: &str,
-    done: impl Fn(&[PodSpec]) -> bool,
-) -> Arc<Vec<PodSpec>> {
+    done: impl Fn(&SourcePods) -> bool,
+) -> Arc<SourcePods> {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {
         let current = pods.borrow_and_update().clone();
@@ -135,7 +144,7 @@ async fn wait_for(
     }
 }
 
-async fn wait_for_uids(pods: &mut Pods, expected: &[&str]) -> Arc<Vec<PodSpec>> {
+async fn wait_for_uids(pods: &mut Pods, expected: &[&str]) -> Arc<SourcePods> {
     wait_for(pods, &format!("{expected:?}"), |p| uids(p) == expected).await
 }
 
@@ -244,7 +253,7 @@ async fn istios_enrolment_rules_apply_end_to_end() {
         uids(&first),
         ["uid-by-namespace", "uid-by-pod", "uid-no-dns"]
     );
-    let by_namespace = &first[0];
+    let by_namespace = &first.ambient[0];
     assert_eq!(by_namespace.workload.name, "by-namespace");
     assert_eq!(by_namespace.workload.namespace, "mesh");
     assert_eq!(by_namespace.workload.service_account, "sa-by-namespace");
@@ -253,7 +262,7 @@ async fn istios_enrolment_rules_apply_end_to_end() {
         NetnsSource::Path("/run/netns/uid-by-namespace".into())
     );
     assert_eq!(by_namespace.dns_capture, None);
-    assert_eq!(first[2].dns_capture, Some(false));
+    assert_eq!(first.ambient[2].dns_capture, Some(false));
 
     // The pods of this node only, and the watches ask for bookmarks.
     eventually("both watches", || {
@@ -283,7 +292,7 @@ async fn relabelling_and_deleting_enrols_and_removes_pods_live() {
     server.apply("namespaces", namespace("shop", false));
     server.apply("pods", pod("shop", "web"));
     let (_source, mut pods) = start(&server, config()).await;
-    assert!(pods.borrow().is_empty());
+    assert!(pods.borrow().ambient.is_empty());
 
     let set_ns_mode = |mode: Value| {
         server.modify("namespaces", "", "shop", |ns| {
@@ -329,9 +338,72 @@ async fn relabelling_and_deleting_enrols_and_removes_pods_live() {
         p["metadata"]["annotations"] = json!({ DNS_CAPTURE_ANNOTATION: "false" })
     });
     wait_for(&mut pods, "dns opt-out", |p| {
-        p.len() == 1 && p[0].dns_capture == Some(false)
+        p.ambient.len() == 1 && p.ambient[0].dns_capture == Some(false)
     })
     .await;
+}
+
+#[tokio::test]
+async fn pods_known_not_to_be_ambient_are_published_with_why_but_not_ambient_pods_without_a_netns()
+{
+    let server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("mesh", true));
+    server.apply("namespaces", namespace("plain", false));
+    server.apply("pods", pod("mesh", "web"));
+    // Ambient, but its processes are not found yet (discovery fails).
+    server.apply("pods", pod("mesh", "starting"));
+    server.apply(
+        "pods",
+        with(
+            pod("mesh", "opted-out"),
+            &["metadata", "labels"],
+            json!({ DATAPLANE_MODE_LABEL: "none" }),
+        ),
+    );
+    server.apply("pods", pod("plain", "unlabelled"));
+    server.apply(
+        "pods",
+        with(
+            pod("plain", "elsewhere"),
+            &["spec", "nodeName"],
+            json!("node-2"),
+        ),
+    );
+    init_logging();
+    let (tx, mut pods) = watch::channel(Arc::default());
+    let _source = KubeSource::new(client(&server), config())
+        .with_resolver(|pod: &PodQuery| match pod.name.as_str() {
+            "starting" => Err("no process of the pod yet".to_owned()),
+            _ => fake_netns(pod),
+        })
+        .start(tx)
+        .await
+        .unwrap();
+
+    let first = pods.borrow().clone();
+    assert_eq!(uids(&first), ["uid-web"]);
+    // Not "uid-starting" (ambient, netns pending) nor the other node's pod.
+    assert_eq!(not_ambient(&first), ["uid-opted-out", "uid-unlabelled"]);
+    assert_eq!(
+        first.not_ambient["uid-opted-out"],
+        "the pod is labelled istio.io/dataplane-mode=none"
+    );
+    assert!(
+        first.not_ambient["uid-unlabelled"].contains("neither the pod nor its namespace"),
+        "{:?}",
+        first.not_ambient
+    );
+
+    // Opting out live moves a pod across; deleted pods leave the lists.
+    server.modify("pods", "mesh", "web", |p| {
+        p["metadata"]["labels"][DATAPLANE_MODE_LABEL] = json!("none")
+    });
+    server.delete("pods", "plain", "unlabelled");
+    let now = wait_for(&mut pods, "web opted out", |p| {
+        uids(p).is_empty() && not_ambient(p) == ["uid-opted-out", "uid-web"]
+    })
+    .await;
+    assert!(!now.not_ambient.contains_key("uid-starting"));
 }
 
 /// Records every set the source publishes.
@@ -499,7 +571,7 @@ async fn start_up_errors_say_what_is_wrong() {
     let mut server = ApiServer::start().await.unwrap();
     let client = client(&server);
     let attempt = |config: KubeSourceConfig| {
-        let (tx, _rx) = watch::channel(Arc::new(Vec::new()));
+        let (tx, _rx) = watch::channel(Arc::default());
         let source = KubeSource::new(client.clone(), config).with_resolver(fake_netns);
         async move {
             tokio::time::timeout(PATIENCE, source.start(tx))
@@ -612,7 +684,7 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
     );
     let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
     let (ztunnel_tx, ztunnel_rx) = watch::channel(Arc::new(BTreeMap::new()));
-    let (tx, mut pods) = watch::channel(Arc::new(Vec::new()));
+    let (tx, mut pods) = watch::channel(Arc::default());
     let _source = KubeSource::new(client(&server), config())
         .with_resolver(fake_netns)
         .annotate_from(programmed_rx, ztunnel_rx)
@@ -720,7 +792,7 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
 /// controller (the redirection itself is tested in tests/redirect.rs).
 #[derive(Default)]
 struct Recorder {
-    enrolled: BTreeSet<u64>,
+    enrolled: Arc<Mutex<BTreeSet<u64>>>,
 }
 
 impl PodRedirection for Recorder {
@@ -733,7 +805,7 @@ impl PodRedirection for Recorder {
         netns: &Netns,
         options: EnrollOptions,
     ) -> Result<EnrolledPod, EnrollError> {
-        self.enrolled.insert(netns.inode());
+        self.enrolled.lock().unwrap().insert(netns.inode());
         Ok(EnrolledPod {
             netns: netns.path().to_owned(),
             netns_inode: netns.inode(),
@@ -745,11 +817,11 @@ impl PodRedirection for Recorder {
     }
 
     fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
-        Ok(self.enrolled.remove(&netns_inode))
+        Ok(self.enrolled.lock().unwrap().remove(&netns_inode))
     }
 
     fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
-        Ok(self.enrolled.iter().copied().collect())
+        Ok(self.enrolled.lock().unwrap().iter().copied().collect())
     }
 }
 
@@ -790,7 +862,7 @@ async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_th
     let mut controller = Controller::new(Box::new(Recorder::default()), zds.clone(), true);
     let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
     controller.report_programmed(programmed_tx);
-    let (tx, rx) = watch::channel(Arc::new(Vec::new()));
+    let (tx, rx) = watch::channel(Arc::default());
     let _source = KubeSource::new(client(&server), config())
         .with_resolver(resolver)
         .annotate_from(programmed_rx, zds.ztunnel_pods())
@@ -799,7 +871,7 @@ async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_th
         .unwrap();
     // As `ambpf run` does: the complete first set is programmed before
     // anything else.
-    let first = controller.apply(&rx.borrow());
+    let first = controller.apply(&rx.borrow().ambient);
     assert_eq!(first.enrolled, 2);
     assert_eq!(
         zds.workloads().keys().collect::<Vec<_>>(),
@@ -891,6 +963,101 @@ async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_th
     assert!(server.patches().iter().all(|p| p.resource == "pods/status"));
 }
 
+/// Asks the controller to enrol `uid` as the CNI endpoint does; its answer.
+async fn cni_add(
+    requests: &tokio::sync::mpsc::Sender<EnrollRequest>,
+    uid: &str,
+    netns: &NetnsGuard,
+) -> Result<(), String> {
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let pod = ambpf::controller::PodSpec {
+        workload: ambpf::zds::Workload {
+            uid: uid.to_owned(),
+            name: uid.trim_start_matches("uid-").to_owned(),
+            namespace: "shop".to_owned(),
+            service_account: "default".to_owned(),
+            netns: NetnsSource::Path(netns.path()),
+        },
+        dns_capture: None,
+    };
+    requests.send(EnrollRequest { pod, reply }).await.unwrap();
+    tokio::time::timeout(PATIENCE, answer)
+        .await
+        .expect("answered in time")
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_pod_enrolled_by_cni_leaves_once_the_source_sees_it_opt_out() {
+    init_logging();
+    let server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", true));
+    let (fresh, unseen) = (
+        NetnsGuard::create("kcni").unwrap(),
+        NetnsGuard::create("kcni").unwrap(),
+    );
+    let fresh_inode = Netns::open(fresh.name()).unwrap().inode();
+    let recorder = Recorder::default();
+    let enrolled = recorder.enrolled.clone();
+    let zds = ZdsHandle::new(ZdsConfig::default());
+    let controller = Controller::new(Box::new(recorder), zds.clone(), true);
+    // Discovery never finds a netns: every ambient pod of the source stays
+    // "netns pending", covered by its CNI add alone.
+    let (tx, rx) = watch::channel(Arc::default());
+    let _source = KubeSource::new(client(&server), config())
+        .with_resolver(|pod: &PodQuery| Err(format!("no process of {} yet", pod.uid)))
+        .start(tx)
+        .await
+        .unwrap();
+    let mut pods = rx.clone();
+    let (requests, requests_rx) = tokio::sync::mpsc::channel(8);
+    tokio::spawn(controller.run_with_requests(rx, Some(requests_rx)));
+
+    // "fresh" is added by CNI before the source has it; "unseen" the
+    // source never sees (the API server does not have it).
+    cni_add(&requests, "uid-fresh", &fresh).await.unwrap();
+    cni_add(&requests, "uid-unseen", &unseen).await.unwrap();
+    server.apply("pods", pod("shop", "fresh"));
+    // A pod applied after "fresh" shows the source has seen "fresh".
+    server.apply(
+        "pods",
+        with(
+            pod("shop", "marker"),
+            &["metadata", "labels"],
+            json!({ DATAPLANE_MODE_LABEL: "none" }),
+        ),
+    );
+    wait_for(&mut pods, "the marker", |p| {
+        p.not_ambient.contains_key("uid-marker")
+    })
+    .await;
+    // Known as ambient, its netns not found: the CNI add keeps it.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        zds.workloads().keys().collect::<Vec<_>>(),
+        ["uid-fresh", "uid-unseen"]
+    );
+    assert!(enrolled.lock().unwrap().contains(&fresh_inode));
+
+    // Opted out right after its creation: out of the redirection and of
+    // ztunnel's set as soon as the source sees it; "unseen" stays.
+    server.modify("pods", "shop", "fresh", |p| {
+        p["metadata"]["labels"][DATAPLANE_MODE_LABEL] = json!("none")
+    });
+    eventually("fresh removed", || {
+        !zds.workloads().contains_key("uid-fresh")
+    })
+    .await;
+    assert!(!enrolled.lock().unwrap().contains(&fresh_inode));
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["uid-unseen"]);
+
+    // A CNI add of a pod the source knows as not ambient is refused (the
+    // runtime retries it, reading the pod afresh).
+    let why = cni_add(&requests, "uid-fresh", &fresh).await.unwrap_err();
+    assert!(why.contains("istio.io/dataplane-mode=none"), "{why}");
+    assert!(!enrolled.lock().unwrap().contains(&fresh_inode));
+}
+
 /// A process of a pod: in the pod's network namespace and in a cgroup named
 /// as the kubelet's systemd driver names a pod's (`..-pod<uid_>.slice`).
 struct PodProcess {
@@ -979,13 +1146,16 @@ async fn real_network_namespaces_are_found_through_proc_and_followed_across_rest
 
     let mut web = PodProcess::spawn(&netns, &cgroups, uid_web);
     let _visitor = PodProcess::spawn(&netns, &cgroups, uid_visitor);
-    let (tx, mut pods) = watch::channel(Arc::new(Vec::new()));
+    let (tx, mut pods) = watch::channel(Arc::default());
     let _source = KubeSource::new(client(&server), config())
         .start(tx)
         .await
         .unwrap();
     let found = wait_for_uids(&mut pods, &[uid_web]).await;
-    assert_eq!(found[0].workload.netns, NetnsSource::Path(web.netns_path()));
+    assert_eq!(
+        found.ambient[0].workload.netns,
+        NetnsSource::Path(web.netns_path())
+    );
     let inode = |path: &Path| Netns::open(&path.to_string_lossy()).unwrap().inode();
     assert_eq!(inode(&web.netns_path()), inode(&netns.path()));
 
@@ -994,10 +1164,10 @@ async fn real_network_namespaces_are_found_through_proc_and_followed_across_rest
     drop(web);
     web = PodProcess::spawn(&netns, &cgroups, uid_web);
     let moved = wait_for(&mut pods, "the new process", |p| {
-        p.len() == 1 && p[0].workload.netns == NetnsSource::Path(web.netns_path())
+        p.ambient.len() == 1 && p.ambient[0].workload.netns == NetnsSource::Path(web.netns_path())
     })
     .await;
-    assert_ne!(moved[0].workload.netns, NetnsSource::Path(old));
+    assert_ne!(moved.ambient[0].workload.netns, NetnsSource::Path(old));
 
     // All of the pod's processes gone: it leaves the set until it is back.
     drop(web);

@@ -12,6 +12,10 @@
 //! /run/netns) or by `pid` (any process in the pod). The file is re-read when
 //! it changes. A malformed file is reported and the previous pods are kept; a
 //! malformed entry is reported and skipped, the others still apply.
+//!
+//! The file lists the pods to enrol and nothing else, so this source never
+//! knows a pod as not ambient: a pod the CNI plugin enrolled stays until the
+//! file lists it or its netns is gone.
 
 use std::{
     path::{Path, PathBuf},
@@ -26,7 +30,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 use crate::{
-    controller::PodSpec,
+    controller::{PodSpec, SourcePods},
     netns::NAMED_NETNS_DIR,
     zds::{NetnsSource, Workload},
 };
@@ -129,7 +133,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
 /// complete snapshot before serving ztunnel. Needs a tokio runtime.
 pub fn watch(
     path: PathBuf,
-    pods: watch::Sender<Arc<Vec<PodSpec>>>,
+    pods: watch::Sender<Arc<SourcePods>>,
 ) -> Result<tokio::task::JoinHandle<()>, LocalSourceError> {
     let mut last = load(&path, &pods)?;
     Ok(tokio::spawn(async move {
@@ -157,7 +161,7 @@ fn modified(path: &Path) -> Option<SystemTime> {
 
 fn load(
     path: &Path,
-    pods: &watch::Sender<Arc<Vec<PodSpec>>>,
+    pods: &watch::Sender<Arc<SourcePods>>,
 ) -> Result<Option<SystemTime>, LocalSourceError> {
     let stamp = modified(path);
     let text = std::fs::read_to_string(path).map_err(|source| LocalSourceError::Read {
@@ -169,7 +173,10 @@ fn load(
         warn!("{}: skipped {why}", path.display());
     }
     info!("{}: {} pods", path.display(), parsed.pods.len());
-    pods.send_replace(Arc::new(parsed.pods));
+    pods.send_replace(Arc::new(SourcePods {
+        ambient: parsed.pods,
+        not_ambient: Default::default(),
+    }));
     Ok(stamp)
 }
 

@@ -7,10 +7,13 @@
 //! processes come and go without the API server knowing), the source works
 //! out which pods are ambient ([`rules::ambient`]), finds their network
 //! namespaces ([`netns`]) and publishes the full set into the controller's
-//! watch channel. The first publish is a complete snapshot: [`KubeSource::start`]
-//! returns only after it, so the caller can program every pod before serving
-//! ztunnel, and can reconcile state pinned by an earlier agent against the
-//! truth rather than against an empty set.
+//! watch channel, with the pods it judged not ambient and why (so that a pod
+//! the CNI plugin enrolled leaves when it opts out; an ambient pod whose
+//! network namespace is not found yet is in neither list). The first publish
+//! is a complete snapshot: [`KubeSource::start`] returns only after it, so
+//! the caller can program every pod before serving ztunnel, and can
+//! reconcile state pinned by an earlier agent against the truth rather than
+//! against an empty set.
 //!
 //! Relabelling a namespace or a pod enrols or removes its pods at once.
 //! Objects that do not parse are logged and skipped ([`Lenient`]); the rest
@@ -59,7 +62,7 @@ pub use self::{
     netns::{NetnsResolver, PodQuery, ProcNetnsFinder},
 };
 use crate::{
-    controller::{PodSpec, ProgrammedPods},
+    controller::{PodSpec, ProgrammedPods, SourcePods},
     zds::{Workload, ZtunnelPods},
 };
 
@@ -252,7 +255,7 @@ impl KubeSource {
     /// complete set has been published into `pods`. Needs a tokio runtime.
     pub async fn start(
         self,
-        pods: watch::Sender<Arc<Vec<PodSpec>>>,
+        pods: watch::Sender<Arc<SourcePods>>,
     ) -> Result<KubeSourceHandle, KubeSourceError> {
         let Self {
             client,
@@ -411,7 +414,7 @@ struct Engine {
     namespaces: Store<Lenient<Namespace>>,
     /// Taken while discovery runs on a blocking thread.
     resolver: Option<Box<dyn NetnsResolver>>,
-    out: watch::Sender<Arc<Vec<PodSpec>>>,
+    out: watch::Sender<Arc<SourcePods>>,
     /// The UIDs last published, for the annotator.
     published: watch::Sender<Arc<BTreeSet<String>>>,
     pods_changed: Arc<Notify>,
@@ -545,6 +548,7 @@ impl Engine {
         let mut queries = Vec::new();
         let mut details = HashMap::new();
         let mut present = BTreeSet::new();
+        let mut not_ambient = BTreeMap::new();
         for entry in self.pods.state() {
             self.note_malformed("pod", &entry);
             let Ok(pod) = &entry.object else { continue };
@@ -573,7 +577,10 @@ impl Engine {
                         ips: rules::pod_ips(pod),
                     });
                 }
-                Err(why) => self.note(uid, debug_note(format!("{label} is not ambient: {why}"))),
+                Err(why) => {
+                    self.note(uid, debug_note(format!("{label} is not ambient: {why}")));
+                    not_ambient.insert(uid.clone(), why.to_string());
+                }
             }
         }
 
@@ -627,18 +634,23 @@ impl Engine {
         self.notes.retain(|uid, _| present.contains(uid));
 
         let uids: BTreeSet<String> = specs.iter().map(|s| s.workload.uid.clone()).collect();
+        let snapshot = SourcePods {
+            ambient: specs,
+            not_ambient,
+        };
         if std::mem::take(&mut self.first) {
             info!(
-                "pods of node {}: {} ambient (initial snapshot)",
+                "pods of node {}: {} ambient, {} not (initial snapshot)",
                 self.config.node_name,
-                specs.len()
+                snapshot.ambient.len(),
+                snapshot.not_ambient.len()
             );
-            self.out.send_replace(Arc::new(specs));
+            self.out.send_replace(Arc::new(snapshot));
         } else {
             self.out.send_if_modified(|current| {
-                let changed = **current != specs;
+                let changed = **current != snapshot;
                 if changed {
-                    *current = Arc::new(specs);
+                    *current = Arc::new(snapshot);
                 }
                 changed
             });
