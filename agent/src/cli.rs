@@ -92,6 +92,10 @@ pub struct UninstallArgs {
     /// The runtime's CNI plugin directory: the `ambpf-cni` binary is removed.
     #[arg(long, env = "AMBPF_CNI_BIN_DIR", default_value = crate::cni::install::DEFAULT_BIN_DIR)]
     pub cni_bin_dir: PathBuf,
+    /// Leave `ambpf-cni` chained (only this agent's state goes, e.g. a demo
+    /// agent on a node where ambpf is also installed).
+    #[arg(long)]
+    pub keep_cni: bool,
 }
 
 impl UninstallArgs {
@@ -330,6 +334,7 @@ pub fn execute(cli: Cli) -> Result<()> {
                 mode: args.redirect_mode,
                 cni_conf_dir: args.cni_conf_dir,
                 cni_bin_dir: args.cni_bin_dir,
+                keep_cni: args.keep_cni,
             })
         }
         Command::CniInstall(args) => cni_install(args),

@@ -53,6 +53,9 @@ pub struct UninstallConfig {
     /// The node's CNI configuration and plugin directories.
     pub cni_conf_dir: PathBuf,
     pub cni_bin_dir: PathBuf,
+    /// Leave the plugin chained: only an agent's own state goes (a test or
+    /// demo agent beside a real installation).
+    pub keep_cni: bool,
 }
 
 /// Lines for the user, and how many steps failed.
@@ -75,7 +78,11 @@ impl Report {
 /// Runs every step; an error at the end when any of them failed.
 pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
     let mut report = Report::default();
-    cni_plugin(&config.cni_conf_dir, &config.cni_bin_dir, &mut report);
+    if config.keep_cni {
+        report.done(format!("{} left chained (--keep-cni)", cni::PLUGIN_TYPE));
+    } else {
+        cni_plugin(&config.cni_conf_dir, &config.cni_bin_dir, &mut report);
+    }
     if config.mode != Some(RedirectMode::Iptables) {
         ebpf_state(&config.pins, &mut report);
     }

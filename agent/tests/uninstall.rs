@@ -446,6 +446,17 @@ fn the_cni_plugin_is_unchained_so_pods_start_again() {
         bin_dir.to_str().unwrap(),
     ];
     let pin_root = work.0.join("no-pins");
+    // --keep-cni: an agent's own state only (the demo's and benches' way).
+    let keep: Vec<&str> = args.iter().copied().chain(["--keep-cni"]).collect();
+    let kept = uninstall_on(&node, &[], &[], &pin_root, &keep);
+    assert!(kept.status.success());
+    assert!(
+        stdout(&kept).contains("ambpf-cni left chained"),
+        "{}",
+        stdout(&kept)
+    );
+    assert!(chained(&conflist) && binary.exists());
+
     let out = uninstall_on(&node, &[], &[], &pin_root, &args);
     assert!(out.status.success());
     let text = stdout(&out);

@@ -240,7 +240,7 @@ impl Agent {
         let out = Command::new(&self.binary)
             .arg("--pin-root")
             .arg(&self.pin_root)
-            .args(["uninstall", "--redirect-mode", "ebpf"])
+            .args(["uninstall", "--redirect-mode", "ebpf", "--keep-cni"])
             .output()?;
         ensure!(
             out.status.success(),

@@ -118,11 +118,12 @@ async fn main() -> Result<(), Error> {
     )?;
     let result = demo(&args, &cluster, &pin_root, &socket, &mut agent).await;
     stop(&mut agent);
-    // The demo's pins only: a full uninstall sweeps the whole machine.
+    // The demo's pins only: a full uninstall sweeps the whole machine and
+    // un-chains an installed ambpf-cni.
     run_agent_cli(
         &args.agent,
         &pin_root,
-        &["uninstall", "--redirect-mode", "ebpf"],
+        &["uninstall", "--redirect-mode", "ebpf", "--keep-cni"],
     );
     result
 }
