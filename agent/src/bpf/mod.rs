@@ -2,6 +2,7 @@
 //! pinning its maps, attaching programs, and reading their state back.
 
 pub mod cgroup;
+pub mod compat;
 pub mod features;
 pub mod inspect;
 pub mod object;
@@ -26,6 +27,8 @@ pub enum LoadError {
     Kernel(#[from] features::FeatureError),
     #[error(transparent)]
     Pins(#[from] pins::PinError),
+    #[error(transparent)]
+    PinnedMap(#[from] compat::CompatError),
     #[error("loading the ambpf BPF object: {0}")]
     Object(#[from] aya::EbpfError),
     #[error("BPF program {name} is missing from the object")]
@@ -51,6 +54,7 @@ impl Dataplane {
         }
         features::check_kernel()?;
         pins.prepare()?;
+        compat::check_pinned_maps(object::OBJECT, &pins)?;
 
         let map_pins: Vec<_> = maps::PINNED
             .iter()
