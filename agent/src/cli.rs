@@ -569,11 +569,17 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             controller.report_programmed(programmed_tx);
         }
         let first = controller.apply(&pods_rx.borrow().ambient);
+        let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
         let cni_requests = match &args.cni_socket {
             Some(path) => {
                 let listener = crate::cni::server::bind(path)?;
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crate::cni::server::serve(listener, tx, cni_selection));
+                tokio::spawn(crate::cni::server::serve(
+                    listener,
+                    tx,
+                    cni_selection,
+                    cni_stats.clone(),
+                ));
                 info!("CNI endpoint on {}", path.display());
                 Some(rx)
             }
@@ -589,6 +595,7 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             zds: zds.clone(),
             controller: controller.stats(),
             pins: kernel_pins,
+            cni: args.cni_socket.is_some().then_some(cni_stats),
         });
         tokio::spawn(observe::serve_metrics(
             metrics,

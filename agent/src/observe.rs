@@ -32,6 +32,7 @@ use tokio::{
 
 use crate::{
     bpf::{PinLayout, inspect},
+    cni::CniStats,
     zds::{ZdsHandle, ZdsStats},
 };
 
@@ -54,6 +55,8 @@ pub struct AgentCollector {
     pub controller: Arc<ControllerStats>,
     /// Pins of the eBPF mode's maps (none in iptables mode).
     pub pins: Option<PinLayout>,
+    /// The CNI endpoint's answers (none without `--cni-socket`).
+    pub cni: Option<Arc<CniStats>>,
 }
 
 fn counter(
@@ -152,6 +155,33 @@ impl Collector for AgentCollector {
             "Pods that could not be sent to ztunnel.",
             ZdsStats::get(&zds.send_failures),
         )?;
+
+        if let Some(cni) = &self.cni {
+            for (name, help, value) in [
+                (
+                    "cni_adds_enrolled",
+                    "Pods enrolled before their CNI ADD was answered.",
+                    &cni.enrolled,
+                ),
+                (
+                    "cni_adds_skipped",
+                    "CNI ADDs let through without enrolment (pod not ambient or gone).",
+                    &cni.skipped,
+                ),
+                (
+                    "cni_adds_refused",
+                    "CNI ADDs failed by the agent (the pod's network setup fails and is retried).",
+                    &cni.refused,
+                ),
+                (
+                    "cni_requests_invalid",
+                    "Requests to the CNI endpoint that were not a valid ADD.",
+                    &cni.invalid,
+                ),
+            ] {
+                counter(&mut encoder, name, help, get(value))?;
+            }
+        }
 
         let Some(pins) = &self.pins else {
             return Ok(());
@@ -296,10 +326,13 @@ mod tests {
             (health.local_addr().unwrap(), metrics.local_addr().unwrap());
         let controller = Arc::new(ControllerStats::default());
         controller.pods_enrolled.store(3, Ordering::Relaxed);
+        let cni = Arc::new(CniStats::default());
+        cni.skipped.store(2, Ordering::Relaxed);
         let registry = Arc::new(registry(AgentCollector {
             zds: zds.clone(),
             controller,
             pins: None,
+            cni: Some(cni),
         }));
         tokio::spawn(serve_health(health, zds.clone()));
         tokio::spawn(serve_metrics(metrics, registry));
@@ -320,6 +353,8 @@ mod tests {
         assert!(body.starts_with("HTTP/1.1 200"), "{body}");
         assert!(body.contains("ambpf_pods_enrolled 3"), "{body}");
         assert!(body.contains("ambpf_zds_nacks_total 0"), "{body}");
+        assert!(body.contains("ambpf_cni_adds_skipped_total 2"), "{body}");
+        assert!(body.contains("ambpf_cni_adds_refused_total 0"), "{body}");
         assert!(body.contains("# EOF"), "{body}");
 
         // A ztunnel connects and acks the (empty) snapshot: now ready.

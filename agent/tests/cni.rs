@@ -146,10 +146,12 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(8);
     let controller = tokio::spawn(controller.run_with_requests(pods_rx, Some(requests_rx)));
     let socket = dir.0.join("pluginevent.sock");
+    let stats = Arc::new(cni::CniStats::default());
     let server = tokio::spawn(cni::server::serve(
         cni::server::bind(&socket).unwrap(),
         requests_tx,
         cni::selection::PodSelection::Every,
+        stats.clone(),
     ));
 
     let inode = Netns::open(pod.ns.name()).unwrap().inode();
@@ -202,6 +204,12 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         "{error}"
     );
     assert!(!zds.workloads().contains_key("pod-2-uid"));
+    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        [&stats.enrolled, &stats.skipped, &stats.refused].map(count),
+        [1, 0, 1],
+        "the endpoint's metrics"
+    );
 
     // DEL and CHECK succeed without the agent, printing nothing.
     for command in ["DEL", "CHECK"] {

@@ -26,7 +26,36 @@ pub mod selection;
 pub mod server;
 pub mod shutdown;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use serde::{Deserialize, Serialize};
+
+/// What the endpoint answered, for metrics.
+#[derive(Debug, Default)]
+pub struct CniStats {
+    /// Pods enrolled before their ADD was answered.
+    pub enrolled: AtomicU64,
+    /// Pods let start without enrolment (not ambient, or deleted meanwhile).
+    pub skipped: AtomicU64,
+    /// ADDs failed by the agent: enrolment failed or timed out, the API
+    /// server could not say whether the pod is ambient, shutting down.
+    pub refused: AtomicU64,
+    /// Requests that were not a valid ADD.
+    pub invalid: AtomicU64,
+}
+
+impl CniStats {
+    /// Counts one answer: a reply, or an error status.
+    pub fn count(&self, answer: Result<&CmdAddReply, u16>) {
+        let counter = match answer {
+            Ok(CmdAddReply::Enrolled) => &self.enrolled,
+            Ok(CmdAddReply::Skipped { .. }) => &self.skipped,
+            Err(status) if (400..500).contains(&status) => &self.invalid,
+            Err(_) => &self.refused,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
 
 /// Where the agent listens for the plugin.
 pub const DEFAULT_SOCKET: &str = "/var/run/ambpf/pluginevent.sock";

@@ -9,7 +9,7 @@
 //! status with the reason as the body (503 when the API server could not
 //! say whether the pod is ambient).
 
-use std::{io, path::Path, time::Duration};
+use std::{io, path::Path, sync::Arc, time::Duration};
 
 use log::{debug, info, warn};
 use tokio::{
@@ -19,7 +19,7 @@ use tokio::{
 };
 
 use super::{
-    CmdAdd, CmdAddReply,
+    CmdAdd, CmdAddReply, CniStats,
     selection::{PodSelection, Verdict},
 };
 use crate::controller::EnrollRequest;
@@ -49,6 +49,7 @@ pub async fn serve(
     listener: UnixListener,
     controller: mpsc::Sender<EnrollRequest>,
     selection: PodSelection,
+    stats: Arc<CniStats>,
 ) {
     info!(
         "CNI endpoint ready; enrolling {}",
@@ -69,7 +70,12 @@ pub async fn serve(
         if controller.is_closed() {
             return;
         }
-        tokio::spawn(handle(conn, controller.clone(), selection.clone()));
+        tokio::spawn(handle(
+            conn,
+            controller.clone(),
+            selection.clone(),
+            stats.clone(),
+        ));
     }
 }
 
@@ -77,6 +83,7 @@ async fn handle(
     mut conn: UnixStream,
     controller: mpsc::Sender<EnrollRequest>,
     selection: PodSelection,
+    stats: Arc<CniStats>,
 ) {
     let answer = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut conn)).await {
         Ok(Ok((method, path, body))) => {
@@ -88,6 +95,7 @@ async fn handle(
             return;
         }
     };
+    stats.count(answer.as_ref().map_err(|(status, _)| *status));
     let (status, content_type, body) = match answer {
         Ok(reply) => (
             200,
@@ -240,7 +248,8 @@ mod tests {
         let listener = bind(&path).unwrap();
         assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
         let (tx, mut rx) = mpsc::channel(4);
-        let server = tokio::spawn(serve(listener, tx, PodSelection::Every));
+        let stats = Arc::new(CniStats::default());
+        let server = tokio::spawn(serve(listener, tx, PodSelection::Every, stats.clone()));
         // A controller double: accepts uid "ok", refuses the rest.
         tokio::spawn(async move {
             while let Some(request) = rx.recv().await {
@@ -274,6 +283,17 @@ mod tests {
         assert!(garbage.starts_with("HTTP/1.1 400"), "{garbage}");
         let get = post(&path, "GET /cmdadd HTTP/1.1\r\n\r\n").await;
         assert!(get.starts_with("HTTP/1.1 405"), "{get}");
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            [
+                &stats.enrolled,
+                &stats.skipped,
+                &stats.refused,
+                &stats.invalid
+            ]
+            .map(get),
+            [1, 0, 1, 2]
+        );
         server.abort();
         fs::remove_dir_all(&dir).unwrap();
     }
