@@ -11,7 +11,8 @@
 //! 3. sends traffic: the pod's app to the remote server (captured to 15001),
 //!    the remote client to the app (captured to 15006, source kept), and the
 //!    node to the app (a kubelet probe: not captured);
-//! 4. prints what ztunnel proxied, `ambpf status` and `bpftool`'s view, holds
+//! 4. prints what ztunnel proxied, `ambpf status` and `bpftool`'s view (the
+//!    programs, and the pods map with its BTF field names), holds
 //!    so you can look around, then stops and removes everything (also on
 //!    Ctrl-C).
 
@@ -186,6 +187,18 @@ async fn demo(
             .lines()
             .filter(|l| l.contains(" name ambpf_"))
         {
+            println!("   {line}");
+        }
+        // The maps carry BTF: entries print with their field names.
+        let pods_map = pin_root
+            .join("maps")
+            .join(ambpf_common::maps::PODS_BY_NETNS);
+        println!("== bpftool map dump pinned {}", pods_map.display());
+        let out = Command::new("bpftool")
+            .args(["map", "dump", "pinned"])
+            .arg(&pods_map)
+            .output()?;
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
             println!("   {line}");
         }
     }
