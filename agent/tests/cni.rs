@@ -271,35 +271,50 @@ fn add_fails_the_pod_with_a_cni_error_when_no_agent_listens() {
     );
 }
 
-/// `ambpf run`, killed on drop; its log goes to a file.
-struct Agent {
+/// A child process (the agent, the installer) whose stderr goes to a log
+/// file; killed on drop.
+struct Logged {
+    name: &'static str,
     child: Child,
     log: PathBuf,
 }
 
-impl Agent {
+impl Logged {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// Waits until the CNI endpoint accepts connections.
-    async fn wait_for_endpoint(&mut self, socket: &Path) {
+    /// Waits up to 20 s until `ready(log)`; fails, with the log, if the
+    /// process exits first or the time runs out.
+    async fn wait_until(&mut self, waiting_for: &str, mut ready: impl FnMut(&str) -> bool) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while UnixStream::connect(socket).is_err() {
+        loop {
+            let log = self.log();
+            if ready(&log) {
+                return;
+            }
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("the agent exited ({status}):\n{}", self.log());
+                panic!("the {} exited ({status}):\n{log}", self.name);
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "no CNI endpoint:\n{}",
-                self.log()
+                "{} never {waiting_for}:\n{log}",
+                self.name
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+
+    /// Waits until the agent's CNI endpoint accepts connections.
+    async fn wait_for_endpoint(&mut self, socket: &Path) {
+        self.wait_until("served its CNI endpoint", |_| {
+            UnixStream::connect(socket).is_ok()
+        })
+        .await;
+    }
 }
 
-impl Drop for Agent {
+impl Drop for Logged {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -370,7 +385,11 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let mut agent = Agent { child, log };
+    let mut agent = Logged {
+        name: "agent",
+        child,
+        log,
+    };
     agent.wait_for_endpoint(&socket).await;
 
     let enrolled = || -> Vec<u64> {
@@ -643,8 +662,7 @@ fn installer_daemonset() -> Value {
 /// `ambpf cni-install --watch` on a CNI configuration of its own, as the
 /// chart runs it; its log goes to a file; killed on drop.
 struct Installer {
-    child: Child,
-    log: PathBuf,
+    process: Logged,
     conflist: PathBuf,
     binary: PathBuf,
     _dir: TempDir,
@@ -684,8 +702,11 @@ impl Installer {
             command.arg("--kubeconfig").arg(kubeconfig);
         }
         let mut installer = Installer {
-            child: command.spawn().unwrap(),
-            log,
+            process: Logged {
+                name: "installer",
+                child: command.spawn().unwrap(),
+                log,
+            },
             conflist: conflist_path,
             binary: bin_dir.join(cni::PLUGIN_TYPE),
             _dir: dir,
@@ -696,22 +717,13 @@ impl Installer {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.log()
     }
 
     async fn wait_for_log(&mut self, text: &str) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while !self.log().contains(text) {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("the installer exited ({status}):\n{}", self.log());
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "no {text:?} in the installer's log:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.process
+            .wait_until(&format!("logged {text:?}"), |log| log.contains(text))
+            .await;
     }
 
     /// Whether the plugin is in the conflist and its binary in place.
@@ -721,11 +733,11 @@ impl Installer {
 
     /// SIGTERM, as the kubelet stops the container; its exit status.
     async fn stop(&mut self) -> std::process::ExitStatus {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let pid = nix::unistd::Pid::from_raw(self.process.child.id() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if let Some(status) = self.process.child.try_wait().unwrap() {
                 return status;
             }
             assert!(
@@ -763,13 +775,6 @@ impl Installer {
             "{log}"
         );
         log
-    }
-}
-
-impl Drop for Installer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
