@@ -11,6 +11,7 @@ pub mod bpf;
 pub mod cli;
 pub mod cni;
 pub mod controller;
+pub mod http;
 pub mod netns;
 pub mod observe;
 pub mod redirect;

@@ -7,8 +7,7 @@
 //!   and the redirection counters the kernel programs keep (read from the
 //!   pinned map at scrape time, so they survive agent restarts).
 //!
-//! Served by a deliberately small HTTP/1.1 responder: three GET paths do not
-//! warrant an HTTP server framework.
+//! Served by the agent's small HTTP/1.1 responder ([`crate::http`]).
 
 use std::{
     sync::{
@@ -25,10 +24,7 @@ use prometheus_client::{
     metrics::{counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-};
+use tokio::{io::AsyncWriteExt, net::TcpListener};
 
 use crate::{
     bpf::{PinLayout, inspect},
@@ -242,6 +238,9 @@ pub async fn serve_health(listener: TcpListener, zds: ZdsHandle) {
     .await
 }
 
+/// Largest health or metrics request accepted: a GET has no body.
+const MAX_REQUEST: usize = 2048;
+
 /// Answers each GET with `respond(path)` and closes the connection.
 async fn serve<F>(listener: TcpListener, respond: F)
 where
@@ -259,44 +258,20 @@ where
         };
         let respond = respond.clone();
         tokio::spawn(async move {
-            let mut request = [0u8; 2048];
-            let mut read = 0;
-            // Read the request head; slow or oversized clients are dropped.
-            let head = tokio::time::timeout(Duration::from_secs(5), async {
-                while read < request.len() {
-                    let n = conn.read(&mut request[read..]).await.ok()?;
-                    if n == 0 {
-                        return None;
-                    }
-                    read += n;
-                    if request[..read].windows(4).any(|w| w == b"\r\n\r\n") {
-                        return Some(());
-                    }
+            // Slow or malformed requests are dropped.
+            let read = crate::http::read_request(&mut conn, MAX_REQUEST);
+            let request = match tokio::time::timeout(Duration::from_secs(5), read).await {
+                Ok(Ok(request)) => request,
+                _ => {
+                    debug!("http: dropped an incomplete request from {peer}");
+                    return;
                 }
-                None
-            })
-            .await;
-            if !matches!(head, Ok(Some(()))) {
-                debug!("http: dropped an incomplete request from {peer}");
-                return;
-            }
-            let line = String::from_utf8_lossy(&request[..read]);
-            let mut words = line.split_whitespace();
-            let (status, content_type, body) = match (words.next(), words.next()) {
-                (Some("GET"), Some(path)) => respond(path.split('?').next().unwrap_or(path)),
+            };
+            let (status, content_type, body) = match request.method.as_str() {
+                "GET" => respond(&request.path),
                 _ => (405, "text/plain", "only GET\n".to_owned()),
             };
-            let reason = match status {
-                200 => "OK",
-                404 => "Not Found",
-                405 => "Method Not Allowed",
-                503 => "Service Unavailable",
-                _ => "Internal Server Error",
-            };
-            let response = format!(
-                "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
+            let response = crate::http::response(status, content_type, &body);
             let _ = conn.write_all(response.as_bytes()).await;
         });
     }
@@ -304,6 +279,8 @@ where
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::AsyncReadExt as _;
+
     use super::*;
     use crate::zds::ZdsConfig;
 

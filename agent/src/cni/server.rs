@@ -1,7 +1,7 @@
 //! The agent's CNI endpoint: `POST /cmdadd` over a unix socket.
 //!
-//! A deliberately small HTTP/1.1 responder (one request per connection, then
-//! close), like the health endpoint. Each posted pod is first checked against
+//! Served by the agent's small HTTP/1.1 responder ([`crate::http`]), one
+//! request per connection, as the health endpoint is. Each posted pod is first checked against
 //! the [`PodSelection`]; a pod to enrol is handed to the controller, which
 //! stays the only owner of the redirection. The answer is 200 with a
 //! [`CmdAddReply`] once the pod's redirection is in place and ztunnel's
@@ -9,11 +9,11 @@
 //! status with the reason as the body (503 when the API server could not
 //! say whether the pod is ambient).
 
-use std::{io, path::Path, sync::Arc, time::Duration};
+use std::{path::Path, sync::Arc, time::Duration};
 
 use log::{debug, info, warn};
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::AsyncWriteExt,
     net::{UnixListener, UnixStream},
     sync::{mpsc, oneshot},
 };
@@ -85,10 +85,9 @@ async fn handle(
     selection: PodSelection,
     stats: Arc<CniStats>,
 ) {
-    let answer = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut conn)).await {
-        Ok(Ok((method, path, body))) => {
-            respond(&method, &path, &body, &controller, &selection).await
-        }
+    let read = crate::http::read_request(&mut conn, MAX_REQUEST);
+    let answer = match tokio::time::timeout(READ_TIMEOUT, read).await {
+        Ok(Ok(request)) => respond(&request, &controller, &selection).await,
         Ok(Err(e)) => Err((400, format!("{e}\n"))),
         Err(_) => {
             debug!("CNI: dropped a slow request");
@@ -104,18 +103,7 @@ async fn handle(
         ),
         Err((status, text)) => (status, "text/plain", text),
     };
-    let reason = match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        503 => "Service Unavailable",
-        _ => "Internal Server Error",
-    };
-    let response = format!(
-        "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
+    let response = crate::http::response(status, content_type, &body);
     let _ = conn.write_all(response.as_bytes()).await;
     let _ = conn.shutdown().await;
 }
@@ -124,12 +112,11 @@ async fn handle(
 type Answer = Result<CmdAddReply, (u16, String)>;
 
 async fn respond(
-    method: &str,
-    path: &str,
-    body: &[u8],
+    request: &crate::http::Request,
     controller: &mpsc::Sender<EnrollRequest>,
     selection: &PodSelection,
 ) -> Answer {
+    let (method, path, body) = (&request.method, &request.path, &request.body);
     if path != "/cmdadd" {
         return Err((404, "not found\n".to_owned()));
     }
@@ -173,59 +160,10 @@ async fn respond(
     }
 }
 
-/// Reads one request: method, path and body (by content-length).
-async fn read_request(conn: &mut UnixStream) -> io::Result<(String, String, Vec<u8>)> {
-    let invalid = |msg: &str| io::Error::new(io::ErrorKind::InvalidData, msg.to_owned());
-    let mut buf = Vec::with_capacity(4096);
-    let mut chunk = [0u8; 4096];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        if buf.len() > MAX_REQUEST {
-            return Err(invalid("request head too large"));
-        }
-        let n = conn.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(invalid("incomplete request"));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let mut words = lines.next().unwrap_or_default().split_whitespace();
-    let (method, path) = match (words.next(), words.next()) {
-        (Some(m), Some(p)) => (m.to_owned(), p.split('?').next().unwrap_or(p).to_owned()),
-        _ => return Err(invalid("malformed request line")),
-    };
-    let mut length = 0usize;
-    for line in lines {
-        if let Some((name, value)) = line.split_once(':')
-            && name.trim().eq_ignore_ascii_case("content-length")
-        {
-            length = value
-                .trim()
-                .parse()
-                .map_err(|_| invalid("bad content-length"))?;
-        }
-    }
-    if length > MAX_REQUEST {
-        return Err(invalid("request body too large"));
-    }
-    let mut body = buf.split_off(head_end);
-    while body.len() < length {
-        let n = conn.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(invalid("incomplete body"));
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    body.truncate(length);
-    Ok((method, path, body))
-}
-
 #[cfg(test)]
 mod tests {
+    use tokio::io::AsyncReadExt as _;
+
     use std::fs;
 
     use super::*;
