@@ -320,6 +320,30 @@ impl State {
         self.rv
     }
 
+    /// Stores `object` under `key` with a new resourceVersion and tells the
+    /// watches: MODIFIED when it replaces `old`, ADDED otherwise. Returns
+    /// the stored object.
+    fn store(
+        &mut self,
+        resource: &'static str,
+        key: (String, String),
+        old: Option<Value>,
+        mut object: Value,
+    ) -> Value {
+        self.bump(&mut object);
+        self.objects
+            .entry(resource)
+            .or_default()
+            .insert(key, object.clone());
+        let event = if old.is_some() {
+            EventType::Modified
+        } else {
+            EventType::Added
+        };
+        self.record(resource, event, old, object.clone());
+        object
+    }
+
     fn key(&self, object: &Value) -> (String, String) {
         let namespace = meta_str(object, "namespace").unwrap_or("").to_owned();
         let name = meta_str(object, "name")
@@ -463,19 +487,7 @@ impl ApiServer {
             };
             meta.insert("uid".into(), Value::String(uid));
         }
-        state.bump(&mut object);
-        state
-            .objects
-            .entry(kind.plural)
-            .or_default()
-            .insert(key, object.clone());
-        let event = if old.is_some() {
-            EventType::Modified
-        } else {
-            EventType::Added
-        };
-        state.record(kind.plural, event, old, object.clone());
-        object
+        state.store(kind.plural, key, old, object)
     }
 
     /// Changes an object in place (MODIFIED), e.g. sets
@@ -494,14 +506,7 @@ impl ApiServer {
         let old = state.objects.get(kind.plural)?.get(&key)?.clone();
         let mut object = old.clone();
         change(&mut object);
-        state.bump(&mut object);
-        state
-            .objects
-            .entry(kind.plural)
-            .or_default()
-            .insert(key, object.clone());
-        state.record(kind.plural, EventType::Modified, Some(old), object.clone());
-        Some(object)
+        Some(state.store(kind.plural, key, Some(old), object))
     }
 
     /// Deletes an object (DELETED, carrying a new resourceVersion).
@@ -1186,13 +1191,7 @@ fn patch(
     };
     let mut object = old.clone();
     merge_patch(&mut object, &patch_body);
-    state.bump(&mut object);
-    state
-        .objects
-        .entry(kind.plural)
-        .or_default()
-        .insert(key, object.clone());
-    state.record(kind.plural, EventType::Modified, Some(old), object.clone());
+    let object = state.store(kind.plural, key, Some(old), object);
     state.patches.push(RecordedPatch {
         resource,
         namespace,
