@@ -18,8 +18,8 @@
 //! - [`memory`]: VmRSS and VmHWM from `/proc/<pid>/status`;
 //! - [`ProcessGuard`]: a child process (the real agent binary) with its output
 //!   in a log file, stopped with SIGTERM (then SIGKILL) when dropped;
-//! - [`TempDir`], [`write_json`], [`Report`]: throwaway files and the JSON
-//!   result file.
+//! - [`TempDir`], [`write_json`], [`SuiteRun`], [`Report`]: throwaway files
+//!   and the JSON result file.
 
 use std::{
     fmt, fs,
@@ -612,6 +612,53 @@ pub struct Report<C: Serialize, R: Serialize> {
     /// The suite's parameters.
     pub config: C,
     pub results: R,
+}
+
+/// A suite run: when it started and on what machine, for its [`Report`].
+pub struct SuiteRun {
+    suite: &'static str,
+    started_unix: u64,
+    started: Instant,
+    pub machine: Machine,
+}
+
+impl SuiteRun {
+    /// Starts the clock and describes the machine (printed to stderr).
+    pub fn start(suite: &'static str) -> Self {
+        let machine = Machine::collect();
+        eprintln!("{suite}: {machine}");
+        Self {
+            suite,
+            started_unix: unix_now(),
+            started: Instant::now(),
+            machine,
+        }
+    }
+
+    /// Writes the suite's [`Report`] to `out`, when given.
+    pub fn write_report(
+        self,
+        out: Option<&Path>,
+        config: impl Serialize,
+        results: impl Serialize,
+    ) -> std::io::Result<()> {
+        let Some(out) = out else {
+            return Ok(());
+        };
+        let report = Report {
+            suite: self.suite.to_owned(),
+            started_unix: self.started_unix,
+            duration_s: self.started.elapsed().as_secs_f64(),
+            machine: self.machine,
+            config,
+            results,
+        };
+        write_json(out, &report).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("writing {}: {e}", out.display()))
+        })?;
+        println!("wrote {}", out.display());
+        Ok(())
+    }
 }
 
 /// Seconds since the Unix epoch.

@@ -144,11 +144,8 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
         "--churn and --snapshot: between 1 and {MAX_PODS} pods (the eBPF agent's host address map \
          overflows with more pods on the testbed node)"
     );
-    let started_unix = bench::unix_now();
-    let started = Instant::now();
-    let machine = Machine::collect();
+    let suite = SuiteRun::start("control");
     let agent = std::path::absolute(&args.common.agent)?;
-    eprintln!("control: {machine}");
     let n = args.churn.max(args.snapshot);
     let created = Instant::now();
     let cluster = Cluster::create(n as u8).context("creating the pod namespaces")?;
@@ -232,30 +229,23 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
     let churn_summary = summarize_churn(&churns);
     let snapshot_summary = summarize_snapshots(&snapshots);
     let ratios = print_tables(&churn_summary, &snapshot_summary, &args);
-    if let Some(out) = &args.common.out {
-        let report = Report {
-            suite: "control".to_owned(),
-            started_unix,
-            duration_s: started.elapsed().as_secs_f64(),
-            machine,
-            config: Config {
-                churn: args.churn,
-                snapshot: args.snapshot,
-                runs: args.runs,
-                agent,
-                kube_resync_s: KUBE_RESYNC_S,
-            },
-            results: json!({
-                "churn": churn_summary,
-                "snapshot": snapshot_summary,
-                "ratios_ebpf_over_iptables": ratios,
-                "churn_samples": churns,
-                "snapshot_samples": snapshots,
-            }),
-        };
-        bench::write_json(out, &report).with_context(|| format!("writing {}", out.display()))?;
-        println!("wrote {}", out.display());
-    }
+    suite.write_report(
+        args.common.out.as_deref(),
+        Config {
+            churn: args.churn,
+            snapshot: args.snapshot,
+            runs: args.runs,
+            agent,
+            kube_resync_s: KUBE_RESYNC_S,
+        },
+        json!({
+            "churn": churn_summary,
+            "snapshot": snapshot_summary,
+            "ratios_ebpf_over_iptables": ratios,
+            "churn_samples": churns,
+            "snapshot_samples": snapshots,
+        }),
+    )?;
     Ok(())
 }
 

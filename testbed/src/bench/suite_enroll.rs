@@ -114,11 +114,8 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
         !args.pods.is_empty() && args.pods.iter().all(|&n| (1..=MAX_PODS).contains(&n)),
         "--pods: counts between 1 and {MAX_PODS} (the testbed cluster's limit)"
     );
-    let started_unix = bench::unix_now();
-    let started = Instant::now();
-    let machine = Machine::collect();
+    let suite = SuiteRun::start("enroll");
     let agent = std::path::absolute(&args.common.agent)?;
-    eprintln!("enroll: {machine}");
     eprintln!(
         "enroll: pods {:?}, {} runs of iptables, ebpf each",
         args.pods, args.runs
@@ -162,22 +159,15 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
     }
     let (modes, ratios) = summarize(&samples, &args.pods);
     print_tables(&modes, &ratios, &args);
-    if let Some(out) = &args.common.out {
-        let report = Report {
-            suite: "enroll".to_owned(),
-            started_unix,
-            duration_s: started.elapsed().as_secs_f64(),
-            machine,
-            config: Config {
-                pods: args.pods.clone(),
-                runs: args.runs,
-                agent,
-            },
-            results: serde_json::json!({ "summary": modes, "ratios": ratios, "samples": samples }),
-        };
-        bench::write_json(out, &report).with_context(|| format!("writing {}", out.display()))?;
-        println!("wrote {}", out.display());
-    }
+    suite.write_report(
+        args.common.out.as_deref(),
+        Config {
+            pods: args.pods.clone(),
+            runs: args.runs,
+            agent,
+        },
+        serde_json::json!({ "summary": modes, "ratios": ratios, "samples": samples }),
+    )?;
     Ok(())
 }
 

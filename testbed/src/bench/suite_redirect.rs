@@ -641,11 +641,8 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
         args.duration_secs > 0.0 && args.warmup_secs >= 0.0,
         "--duration-secs must be positive"
     );
-    let started_unix = bench::unix_now();
-    let started = Instant::now();
-    let machine = Machine::collect();
+    let suite = SuiteRun::start("redirect");
     let agent = std::path::absolute(&args.common.agent)?;
-    eprintln!("redirect: {machine}");
     eprintln!(
         "redirect: clients {:?}, {} s (+{} s warm-up) per test, {} runs of direct, iptables, ebpf",
         args.clients, args.duration_secs, args.warmup_secs, args.runs
@@ -671,27 +668,20 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
     let summary = summarize(&runs, &args.clients);
     print_tables(&summary, &runs, &args);
 
-    if let Some(out) = &args.common.out {
-        let report = Report {
-            suite: "redirect".to_owned(),
-            started_unix,
-            duration_s: started.elapsed().as_secs_f64(),
-            machine,
-            config: Config {
-                clients: args.clients.clone(),
-                duration_s: args.duration_secs,
-                warmup_s: args.warmup_secs,
-                runs: args.runs,
-                message_bytes: MESSAGE,
-                conntrack_connections: args.conntrack_connections,
-                loadgen_threads: args.loadgen_threads,
-                agent,
-            },
-            results: serde_json::json!({ "summary": summary, "runs": runs }),
-        };
-        bench::write_json(out, &report).with_context(|| format!("writing {}", out.display()))?;
-        println!("wrote {}", out.display());
-    }
+    suite.write_report(
+        args.common.out.as_deref(),
+        Config {
+            clients: args.clients.clone(),
+            duration_s: args.duration_secs,
+            warmup_s: args.warmup_secs,
+            runs: args.runs,
+            message_bytes: MESSAGE,
+            conntrack_connections: args.conntrack_connections,
+            loadgen_threads: args.loadgen_threads,
+            agent,
+        },
+        serde_json::json!({ "summary": summary, "runs": runs }),
+    )?;
     Ok(())
 }
 

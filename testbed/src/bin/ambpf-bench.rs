@@ -43,7 +43,7 @@ use ambpf_proto::{
 };
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
-    bench::{self, Machine, Memory, ProcessGuard, Report, Stats, Table, TempDir, ms},
+    bench::{self, Memory, ProcessGuard, Stats, SuiteRun, Table, TempDir, ms},
     cluster::Cluster,
     ztunnel::{ZdsEvent, ZtunnelConfig, ZtunnelDouble, ZtunnelState},
 };
@@ -455,11 +455,8 @@ mod zds {
             (1..=200).contains(&args.netns),
             "--netns: between 1 and 200 (the testbed cluster's limit)"
         );
-        let started_unix = bench::unix_now();
-        let started = Instant::now();
-        let machine = Machine::collect();
+        let suite = SuiteRun::start("zds");
         let agent = std::path::absolute(&args.common.agent)?;
-        eprintln!("zds: {machine}");
         eprintln!(
             "zds: pods {:?}, {} runs (+{} warm-up) each, over {} network namespaces",
             args.pods, args.runs, args.warmup, args.netns
@@ -481,26 +478,18 @@ mod zds {
         }
         print_tables(&results, &args);
 
-        if let Some(out) = &args.common.out {
-            let report = Report {
-                suite: "zds".to_owned(),
-                started_unix,
-                duration_s: started.elapsed().as_secs_f64(),
-                machine,
-                config: Config {
-                    pods: args.pods.clone(),
-                    runs: args.runs,
-                    warmup: args.warmup,
-                    netns_pool: args.netns,
-                    floor_thread: args.floor_thread,
-                    agent,
-                },
-                results: &results,
-            };
-            bench::write_json(out, &report)
-                .with_context(|| format!("writing {}", out.display()))?;
-            println!("wrote {}", out.display());
-        }
+        suite.write_report(
+            args.common.out.as_deref(),
+            Config {
+                pods: args.pods.clone(),
+                runs: args.runs,
+                warmup: args.warmup,
+                netns_pool: args.netns,
+                floor_thread: args.floor_thread,
+                agent,
+            },
+            &results,
+        )?;
         Ok(())
     }
 
