@@ -134,15 +134,6 @@ fn candidate_paths() -> impl Iterator<Item = PathBuf> {
     named.chain(processes)
 }
 
-/// Finds a namespace by inode among the named ones (/run/netns) and those of
-/// running processes (/proc/<pid>/ns/net), for state that outlived the path
-/// it was created from.
-pub fn find_by_inode(inode: u64) -> Option<Netns> {
-    candidate_paths()
-        .filter(|path| std::fs::metadata(path).is_ok_and(|m| m.ino() == inode))
-        .find_map(|path| Netns::open(&path.to_string_lossy()).ok())
-}
-
 /// Every network namespace on this host that has a name or a process, once
 /// each (by inode): the named ones first (/run/netns, /var/run/netns), opened
 /// by their name, then those only processes hold (/proc/<pid>/ns/net). It
@@ -150,10 +141,12 @@ pub fn find_by_inode(inode: u64) -> Option<Netns> {
 /// when run as the agent runs (host PID, /run/netns mounted). A namespace
 /// that goes away meanwhile is left out.
 pub fn all() -> Vec<Netns> {
+    // Many processes share a namespace: a stat tells a repeat (by device and
+    // inode) without opening it.
     let mut seen = std::collections::HashSet::new();
     candidate_paths()
+        .filter(|path| std::fs::metadata(path).is_ok_and(|m| seen.insert((m.dev(), m.ino()))))
         .filter_map(|path| Netns::open(&path.to_string_lossy()).ok())
-        .filter(|netns| seen.insert(netns.inode()))
         .collect()
 }
 
@@ -181,13 +174,6 @@ mod tests {
     fn regular_file_is_not_a_namespace() {
         let err = Netns::open("/proc/self/status").unwrap_err();
         assert!(matches!(err, NetnsError::NotANetns { .. }), "{err}");
-    }
-
-    #[test]
-    fn a_namespace_is_found_again_by_its_inode() {
-        let own = std::fs::metadata("/proc/self/ns/net").unwrap().ino();
-        assert_eq!(find_by_inode(own).unwrap().inode(), own);
-        assert!(find_by_inode(1).is_none());
     }
 
     #[test]

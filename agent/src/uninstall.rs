@@ -83,12 +83,16 @@ pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
     } else {
         cni_plugin(&config.cni_conf_dir, &config.cni_bin_dir, &mut report);
     }
+    // The host's namespaces, listed once for both modes: finding each pod
+    // by inode on its own would scan /proc once a pod.
+    let namespaces = std::cell::OnceCell::new();
+    let namespaces = || namespaces.get_or_init(crate::netns::all);
     if config.mode != Some(RedirectMode::Iptables) {
-        ebpf_state(&config.pins, &mut report);
+        ebpf_state(&config.pins, namespaces, &mut report);
     }
     if config.mode != Some(RedirectMode::Ebpf) {
         match Netns::open("/proc/self/ns/net") {
-            Ok(host) => iptables_state(&host, &mut report),
+            Ok(host) => iptables_state(&host, namespaces(), &mut report),
             Err(e) => report.failed(format!("iptables: opening this host's namespace: {e}")),
         }
     }
@@ -132,19 +136,26 @@ fn cni_plugin(conf_dir: &Path, bin_dir: &Path, report: &mut Report) {
 }
 
 /// The enrolled pods' reply routing, then the pins.
-fn ebpf_state(pins: &PinLayout, report: &mut Report) {
+fn ebpf_state<'a>(
+    pins: &PinLayout,
+    namespaces: impl FnOnce() -> &'a Vec<Netns>,
+    report: &mut Report,
+) {
     let mut pods_left = false;
     match inspect::read_pods(pins) {
+        Ok(pods) if pods.is_empty() => {}
         Ok(pods) => {
+            let by_inode: std::collections::HashMap<u64, &Netns> =
+                namespaces().iter().map(|n| (n.inode(), n)).collect();
             for pod in pods {
-                let Some(netns) = crate::netns::find_by_inode(pod.netns_inode) else {
+                let Some(netns) = by_inode.get(&pod.netns_inode) else {
                     report.done(format!(
                         "pod netns {} is gone; nothing to remove in it",
                         pod.netns_inode
                     ));
                     continue;
                 };
-                match routing::remove_reply_routing(&netns) {
+                match routing::remove_reply_routing(netns) {
                     Ok(()) => report.done(format!(
                         "removed the reply routing of {}",
                         netns.path().display()
@@ -201,13 +212,13 @@ fn remove_pins(pins: &PinLayout, report: &mut Report) {
 }
 
 /// Every namespace holding ambpf's in-pod chains, then the host side.
-fn iptables_state(host: &Netns, report: &mut Report) {
+fn iptables_state(host: &Netns, namespaces: &[Netns], report: &mut Report) {
     let mut pods = Vec::new();
-    for netns in crate::netns::all() {
+    for netns in namespaces {
         if netns.inode() == host.inode() {
             continue;
         }
-        match iptables::find_pod_rules(&netns) {
+        match iptables::find_pod_rules(netns) {
             Ok(PodRulesFound::None) => {}
             Ok(PodRulesFound::Ambpf) => pods.push(netns),
             Ok(PodRulesFound::Foreign(what)) => report.done(format!(
@@ -222,7 +233,7 @@ fn iptables_state(host: &Netns, report: &mut Report) {
             )),
         }
     }
-    let done = iptables::uninstall_node(host, &pods);
+    let done = iptables::uninstall_node(host, pods);
     for (path, result) in done.pods {
         match result {
             Ok(()) => report.done(format!(
