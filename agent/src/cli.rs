@@ -102,10 +102,11 @@ impl UninstallArgs {
     /// Where the annotations go: as `run` chooses its kube source by
     /// default, with --kubeconfig or in a cluster.
     fn kube_target(&self) -> Option<crate::uninstall::KubeTarget> {
-        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-        (self.kubeconfig.is_some() || in_cluster).then(|| crate::uninstall::KubeTarget {
-            kubeconfig: self.kubeconfig.clone(),
-            node_name: self.node_name.clone().unwrap_or_default(),
+        sources::kube::configured(self.kubeconfig.as_deref()).then(|| {
+            crate::uninstall::KubeTarget {
+                kubeconfig: self.kubeconfig.clone(),
+                node_name: self.node_name.clone().unwrap_or_default(),
+            }
         })
     }
 }
@@ -149,8 +150,7 @@ impl CniInstallArgs {
     /// Where the shutdown decision asks, or why it cannot: Kubernetes as
     /// `run` finds it (--kubeconfig or in a cluster), and this pod's name.
     fn owner_lookup(&self) -> Result<(Option<PathBuf>, crate::cni::shutdown::SelfPod), String> {
-        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-        if self.kubeconfig.is_none() && !in_cluster {
+        if !sources::kube::configured(self.kubeconfig.as_deref()) {
             return Err(
                 "no Kubernetes configuration (not in a cluster, no --kubeconfig) to find this \
                  pod's DaemonSet"
@@ -268,7 +268,7 @@ pub enum PodSource {
 impl RunArgs {
     /// The pod source to start, checked against the other options.
     fn pod_source(&self) -> Result<Option<PodSource>> {
-        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+        let kube = sources::kube::configured(self.kubeconfig.as_deref());
         let source = match (self.pod_source, &self.pods_file) {
             (Some(PodSource::Local), None) => anyhow::bail!("--pod-source local needs --pods-file"),
             (Some(PodSource::Kube), Some(_)) => {
@@ -276,7 +276,7 @@ impl RunArgs {
             }
             (Some(source), _) => Some(source),
             (None, Some(_)) => Some(PodSource::Local),
-            (None, None) if self.kubeconfig.is_some() || in_cluster => Some(PodSource::Kube),
+            (None, None) if kube => Some(PodSource::Kube),
             (None, None) => None,
         };
         if source == Some(PodSource::Kube) && self.node_name.as_deref().is_none_or(str::is_empty) {

@@ -149,6 +149,13 @@ pub enum KubeSourceError {
     Stopped,
 }
 
+/// Whether Kubernetes is used without being asked for: `kubeconfig` given,
+/// or running in a cluster. (`run` then picks the kube source, `uninstall`
+/// removes the annotations, `cni-install` checks its DaemonSet on shutdown.)
+pub fn configured(kubeconfig: Option<&Path>) -> bool {
+    kubeconfig.is_some() || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+}
+
 /// Whether Kubernetes credentials can be found: `kubeconfig` given, running
 /// in a cluster, `KUBECONFIG` set or `~/.kube/config` present.
 pub fn credentials_available(kubeconfig: Option<&Path>) -> bool {
