@@ -165,42 +165,42 @@ impl ZdsHandle {
 
     /// Adds a pod, or updates it (a new netns makes ztunnel replace its proxy).
     pub fn upsert(&self, workload: Workload) {
-        let changed = self.shared.desired.send_if_modified(|set| {
+        self.change_desired(|set| {
             if set.get(&workload.uid) == Some(&workload) {
                 return false;
             }
             Arc::make_mut(set).insert(workload.uid.clone(), workload);
             true
         });
-        if changed {
-            self.shared.settle_ztunnel_pods();
-        }
     }
 
     pub fn remove(&self, uid: &str) {
-        let changed = self.shared.desired.send_if_modified(|set| {
+        self.change_desired(|set| {
             if !set.contains_key(uid) {
                 return false;
             }
             Arc::make_mut(set).remove(uid);
             true
         });
-        if changed {
-            self.shared.settle_ztunnel_pods();
-        }
     }
 
     /// Replaces the whole set (a source's full resync).
     pub fn replace_all(&self, workloads: impl IntoIterator<Item = Workload>) {
         let next: BTreeMap<_, _> = workloads.into_iter().map(|w| (w.uid.clone(), w)).collect();
-        let changed = self.shared.desired.send_if_modified(|set| {
+        self.change_desired(|set| {
             if **set == next {
                 return false;
             }
             *set = Arc::new(next);
             true
         });
-        if changed {
+    }
+
+    /// Applies `change` to the desired set (it says whether it changed
+    /// anything); on a change, connections are woken and the ztunnel
+    /// statuses follow.
+    fn change_desired(&self, change: impl FnOnce(&mut WorkloadSet) -> bool) {
+        if self.shared.desired.send_if_modified(change) {
             self.shared.settle_ztunnel_pods();
         }
     }
