@@ -301,12 +301,10 @@ pub async fn remove_redirection_annotations(
     node_name: &str,
 ) -> Result<Vec<AnnotationRemoval>, super::KubeSourceError> {
     let params = ListParams::default().fields(&format!("spec.nodeName={node_name}"));
-    let pods = match Api::<Lenient<Pod>>::all(client.clone()).list(&params).await {
-        Ok(pods) => pods,
-        Err(e) => {
-            return Err(super::check("list", "pods", Err(e)).expect_err("a failed list"));
-        }
-    };
+    let pods = Api::<Lenient<Pod>>::all(client.clone())
+        .list(&params)
+        .await
+        .map_err(|e| super::api_error("list", "pods", e))?;
     let mut removals = Vec::new();
     for pod in &pods.items {
         let meta = pod.metadata();
