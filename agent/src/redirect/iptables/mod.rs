@@ -1,0 +1,526 @@
+//! The iptables redirection: Istio's in-pod rule set (Istio 1.21+, ambient
+//! mode), the baseline ambpf is measured against.
+//!
+//! # What is installed where
+//!
+//! **In each enrolled pod's network namespace**, per IP family, written in one
+//! `iptables-restore --noflush` (IPv6: `ip6tables-restore`) transaction run
+//! by a child process that enters the pod's netns itself (`setns` on the
+//! namespace fd we hold, in `pre_exec`; no `/run/netns` name needed). The
+//! text is Istio's, from `cni/pkg/iptables/testdata/*.golden`; IPv6 uses
+//! `::1/128` for `127.0.0.1/32` and `fd16:9254:7127:1337:ffff:ffff:ffff:ffff`
+//! for `169.254.7.127`:
+//!
+//! ```text
+//! mangle PREROUTING -j ISTIO_PRERT
+//!        ISTIO_PRERT   mark 0x539/0xfff                 CONNMARK --set-xmark 0x111/0xfff
+//!        OUTPUT -j ISTIO_OUTPUT
+//!        ISTIO_OUTPUT  connmark 0x111/0xfff             CONNMARK --restore-mark
+//! nat    PREROUTING -j ISTIO_PRERT
+//!        ISTIO_PRERT   tcp from 169.254.7.127           ACCEPT  (kubelet probes)
+//!                      tcp !to 127.0.0.1, dport !15008, mark !0x539
+//!                                                       REDIRECT 15006
+//!        OUTPUT -j ISTIO_OUTPUT
+//!        ISTIO_OUTPUT  tcp to 169.254.7.127             ACCEPT  (probe replies)
+//!        [dns]         udp dport 53, !-o lo, mark !0x539
+//!                                                       REDIRECT 15053
+//!        [dns]         tcp dport 53, !to 127.0.0.1, mark !0x539
+//!                                                       REDIRECT 15053
+//!                      tcp mark 0x111/0xfff             ACCEPT
+//!                      !to 127.0.0.1, -o lo             ACCEPT
+//!                      tcp !to 127.0.0.1, mark !0x539   REDIRECT 15001
+//! raw    [dns] PREROUTING -j ISTIO_PRERT, OUTPUT -j ISTIO_OUTPUT
+//!        ISTIO_OUTPUT  udp dport 53, mark 0x539         CT --zone 1
+//!        ISTIO_PRERT   udp sport 53, mark !0x539        CT --zone 1
+//! policy routing (v4 and v6, over netlink): fwmark 0x111/0xfff lookup 100
+//!        (pref 32764); table 100: local default dev lo
+//! ```
+//!
+//! `[dns]` rules and the raw table only with [`EnrollOptions::dns_capture`].
+//! The connmark is what brings the app's replies back to ztunnel's
+//! transparent socket, so unlike the eBPF mode no `tcp_fwmark_accept`
+//! sysctl is set ([`routing::install_policy_routing`]).
+//!
+//! **In the host namespace** (the agent's own in production), once, by
+//! [`IptablesRedirection::new`]: kubelet probes are told apart from other
+//! node traffic as Istio does, by SNATing TCP from host processes (a local
+//! socket exists) to ambient pods' addresses:
+//!
+//! ```text
+//! ipset istio-inpod-probes-v4  hash:ip family inet  comment   (v6: inet6)
+//!       members: every enrolled pod's address, commented with its netns inode
+//! nat   POSTROUTING (inserted first) -j ISTIO_POSTRT
+//!       ISTIO_POSTRT -m owner --socket-exists -p tcp
+//!                    -m set --match-set istio-inpod-probes-v4 dst
+//!                    -j SNAT --to-source 169.254.7.127
+//!                    (v6: istio-inpod-probes-v6, fd16:9254:7127:1337:ffff:ffff:ffff:ffff)
+//! ```
+//!
+//! A pod's addresses join the ipsets before its in-pod rules are written
+//! (a probe is never captured) and leave them first on unenrolment (a reused
+//! address is not SNATed for long).
+//!
+//! # Writing and removing
+//!
+//! Each write reads the namespace's current rules (`iptables-save`) and
+//! renders one restore input: our chains are declared with `:CHAIN - [0:0]`
+//! (created, or flushed if they exist), jumps from the built-in chains are
+//! added only when missing (and duplicates removed), and our chains that are
+//! no longer wanted are flushed, unlinked and deleted (`-D`, `-X`). So
+//! enrolling again, with the same or other options, rewrites the set
+//! atomically and never duplicates anything.
+//!
+//! Unenrolling removes the pod's addresses from the ipsets and the capture
+//! rules (nat and raw chains, jumps included), so new connections go direct,
+//! and forgets the pod. As in the eBPF mode, the reply path stays while the
+//! namespace lives (the mangle connmark chains and the policy routing): it
+//! acts only on connections ztunnel made (mark 0x539), and without it the
+//! app's replies on connections ztunnel proxies at that moment would be
+//! routed out of the pod. [`remove_pod_rules`] removes everything, and
+//! [`uninstall_node`] does that for a set of pods and then removes the host
+//! rules and ipsets: [`IptablesRedirection::uninstall`] for the pods it
+//! enrolled, `ambpf uninstall` for every namespace [`find_pod_rules`]
+//! recognises as ambpf's (the agent keeps no record of its pods outside its
+//! memory, so this works after it crashed too).
+//!
+//! # Backends
+//!
+//! `nft` (`iptables-nft-restore`, ...) or `legacy` (`iptables-legacy-...`),
+//! chosen explicitly or, with [`IptablesBackend::Auto`], the one the host
+//! namespace already has rules in (nft when neither or both equally).
+
+mod node;
+mod rules;
+#[cfg(test)]
+mod tests;
+mod tools;
+
+use std::{
+    collections::BTreeMap,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::AsRawFd,
+    path::PathBuf,
+};
+
+use log::{info, warn};
+
+pub use self::{
+    node::{
+        NodeUninstall, PodRulesFound, find_pod_rules, probe_set_members, remove_host_rules,
+        remove_pod_rules, saved_rules, uninstall_node,
+    },
+    rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
+};
+use self::{
+    rules::pod_reply_rules,
+    tools::{FALLBACK_DIRS, Tools, detect_backend, ipset_binary, run_in},
+};
+use super::{
+    EnrollError, EnrollOptions, EnrolledPod, PodRedirection, RedirectMode, podnet, routing,
+};
+use crate::netns::{Netns, NetnsError};
+
+/// Where Istio SNATs host-process traffic to ambient pods (IPv4).
+pub const PROBE_SNAT_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 7, 127);
+/// Where Istio SNATs host-process traffic to ambient pods (IPv6; a ULA,
+/// Istio's `HOST_PROBE_V6_SNAT_ADDRESS` default).
+pub const PROBE_SNAT_V6: Ipv6Addr = Ipv6Addr::new(
+    0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
+);
+/// The host ipsets of enrolled pods' addresses.
+pub const PROBE_IPSET_V4: &str = "istio-inpod-probes-v4";
+pub const PROBE_IPSET_V6: &str = "istio-inpod-probes-v6";
+/// Istio's chain names.
+pub const CHAIN_PREROUTING: &str = "ISTIO_PRERT";
+pub const CHAIN_OUTPUT: &str = "ISTIO_OUTPUT";
+pub const CHAIN_POSTROUTING: &str = "ISTIO_POSTRT";
+
+/// Which iptables implementation writes the rules.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IptablesBackend {
+    /// What the host namespace already uses: the backend holding rules
+    /// there, else nft.
+    #[default]
+    Auto,
+    /// `iptables-nft-restore` (nf_tables with the xtables compatibility).
+    Nft,
+    /// `iptables-legacy-restore` (x_tables).
+    Legacy,
+}
+
+impl IptablesBackend {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Nft => "nft",
+            Self::Legacy => "legacy",
+        }
+    }
+
+    /// E.g. `ip6tables-nft-restore`.
+    fn binary(self, family: Family, tool: &str) -> String {
+        format!("{}-{}-{tool}", family.tables_tool(), self.name())
+    }
+}
+
+impl std::fmt::Display for IptablesBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An IP family: `iptables` or `ip6tables`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    fn tables_tool(self) -> &'static str {
+        match self {
+            Self::V4 => "iptables",
+            Self::V6 => "ip6tables",
+        }
+    }
+
+    /// The loopback address as Istio writes it in rules.
+    fn loopback(self) -> &'static str {
+        match self {
+            Self::V4 => "127.0.0.1/32",
+            Self::V6 => "::1/128",
+        }
+    }
+
+    pub fn probe_snat(self) -> IpAddr {
+        match self {
+            Self::V4 => PROBE_SNAT_V4.into(),
+            Self::V6 => PROBE_SNAT_V6.into(),
+        }
+    }
+
+    pub fn probe_ipset(self) -> &'static str {
+        match self {
+            Self::V4 => PROBE_IPSET_V4,
+            Self::V6 => PROBE_IPSET_V6,
+        }
+    }
+
+    fn ipset_family(self) -> &'static str {
+        match self {
+            Self::V4 => "inet",
+            Self::V6 => "inet6",
+        }
+    }
+
+    pub fn of(ip: &IpAddr) -> Self {
+        if ip.is_ipv4() { Self::V4 } else { Self::V6 }
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::V4 => "IPv4",
+            Self::V6 => "IPv6",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IptablesError {
+    #[error(
+        "{binary} not found in $PATH or {}: {needed_for} needs it (Debian package `{package}`)",
+        FALLBACK_DIRS.join(", ")
+    )]
+    MissingBinary {
+        binary: String,
+        needed_for: String,
+        package: &'static str,
+    },
+    #[error(
+        "the kernel lacks netfilter support that `{command}` needs in {} (a kernel module \
+         that is not loaded, or an option built out of this kernel): {stderr}",
+        netns.display()
+    )]
+    MissingKernelSupport {
+        command: String,
+        netns: PathBuf,
+        stderr: String,
+    },
+    #[error("`{command}` failed in {}: {stderr}", netns.display())]
+    Failed {
+        command: String,
+        netns: PathBuf,
+        stderr: String,
+    },
+    #[error("cannot run `{command}` in {}: {source}", netns.display())]
+    Spawn {
+        command: String,
+        netns: PathBuf,
+        source: io::Error,
+    },
+    #[error("keeping a handle on {}: {source}", netns.display())]
+    Keep { netns: PathBuf, source: NetnsError },
+}
+
+/// An enrolled pod.
+#[derive(Debug)]
+struct PodEntry {
+    netns: Netns,
+    addresses: Vec<IpAddr>,
+}
+
+/// Istio's in-pod iptables rules, per pod, plus the host probe SNAT.
+#[derive(Debug)]
+pub struct IptablesRedirection {
+    host: Netns,
+    tools: Tools,
+    ipset: PathBuf,
+    pods: BTreeMap<u64, PodEntry>,
+}
+
+impl IptablesRedirection {
+    /// Finds the tools of `backend` (resolving `Auto` against `host`), then
+    /// installs the host probe rules and ipsets in `host`, idempotently.
+    /// Nothing is removed when this is dropped: pods stay redirected across
+    /// agent restarts (see [`Self::uninstall`]).
+    pub fn new(host: Netns, backend: IptablesBackend) -> Result<Self, IptablesError> {
+        let backend = match backend {
+            IptablesBackend::Auto => detect_backend(&host)?,
+            chosen => chosen,
+        };
+        let tools = Tools::find(backend)?;
+        let ipset = ipset_binary()?;
+        let this = Self {
+            host,
+            tools,
+            ipset,
+            pods: BTreeMap::new(),
+        };
+        for family in this.tools.families.keys().copied() {
+            this.ipset_run(&[
+                "create",
+                "-exist",
+                family.probe_ipset(),
+                "hash:ip",
+                "family",
+                family.ipset_family(),
+                "comment",
+            ])?;
+            let rules = host_rules(family);
+            this.tools.apply(&this.host, &rules, &rules)?;
+        }
+        info!(
+            "iptables redirection ready ({backend} backend, host rules in {})",
+            this.host.path().display()
+        );
+        Ok(this)
+    }
+
+    /// The backend in use (never `Auto`).
+    pub fn backend(&self) -> IptablesBackend {
+        self.tools.backend
+    }
+
+    pub fn host(&self) -> &Netns {
+        &self.host
+    }
+
+    /// The rules of `netns` for `family`, as this backend's `iptables-save`
+    /// prints them.
+    pub fn saved_rules(&self, netns: &Netns, family: Family) -> Result<SavedRules, IptablesError> {
+        self.tools.save(netns, family)
+    }
+
+    /// Removes everything from every enrolled pod, then the host rules and
+    /// ipsets ([`uninstall_node`], as `ambpf uninstall` does for the pods it
+    /// finds).
+    pub fn uninstall(self) -> Result<(), EnrollError> {
+        uninstall_node(&self.host, self.pods.values().map(|e| &e.netns)).into_result()
+    }
+
+    fn ipset_run(&self, args: &[&str]) -> Result<(), IptablesError> {
+        run_in(&self.host, &self.ipset, args, None).map(drop)
+    }
+
+    fn probe_set_add(&self, ip: IpAddr, netns_inode: u64) -> Result<(), IptablesError> {
+        let family = Family::of(&ip);
+        if self.tools.family(family).is_none() {
+            return Ok(());
+        }
+        let (ip, comment) = (ip.to_string(), format!("netns {netns_inode}"));
+        self.ipset_run(&[
+            "add",
+            "-exist",
+            family.probe_ipset(),
+            &ip,
+            "comment",
+            &comment,
+        ])
+    }
+
+    fn probe_set_del(&self, ip: IpAddr) -> Result<(), IptablesError> {
+        let family = Family::of(&ip);
+        if self.tools.family(family).is_none() {
+            return Ok(());
+        }
+        self.ipset_run(&["del", "-exist", family.probe_ipset(), &ip.to_string()])
+    }
+
+    /// Probe ipsets, policy routing, then the in-pod rules of each family.
+    fn apply_pod(
+        &self,
+        netns: &Netns,
+        addresses: &[IpAddr],
+        stale: &[IpAddr],
+        dns_capture: bool,
+    ) -> Result<(), EnrollError> {
+        for ip in addresses {
+            self.probe_set_add(*ip, netns.inode())?;
+        }
+        for ip in stale.iter().filter(|ip| !addresses.contains(ip)) {
+            self.probe_set_del(*ip)?;
+        }
+        routing::install_policy_routing(netns)?;
+        for family in self.tools.families.keys().copied() {
+            let owned = pod_rules(family, true);
+            self.tools
+                .apply(netns, &owned, &pod_rules(family, dns_capture))?;
+        }
+        Ok(())
+    }
+
+    /// Stops capturing: probe ipset entries, then the nat and raw chains.
+    fn release_pod(&self, entry: &PodEntry) -> Result<(), EnrollError> {
+        for ip in &entry.addresses {
+            self.probe_set_del(*ip)?;
+        }
+        for family in self.tools.families.keys().copied() {
+            let owned = pod_rules(family, true);
+            self.tools
+                .apply(&entry.netns, &owned, &pod_reply_rules(family))?;
+        }
+        Ok(())
+    }
+}
+
+/// A handle of our own on `netns` (the caller's may close): reopened by
+/// path when that still names the same namespace, else through our fd.
+fn keep_netns(netns: &Netns) -> Result<Netns, IptablesError> {
+    if let Some(path) = netns.path().to_str()
+        && let Ok(again) = Netns::open(path)
+        && again.inode() == netns.inode()
+    {
+        return Ok(again);
+    }
+    Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd())).map_err(|source| {
+        IptablesError::Keep {
+            netns: netns.path().to_owned(),
+            source,
+        }
+    })
+}
+
+impl PodRedirection for IptablesRedirection {
+    fn mode(&self) -> RedirectMode {
+        RedirectMode::Iptables
+    }
+
+    fn enroll(
+        &mut self,
+        netns: &Netns,
+        options: EnrollOptions,
+    ) -> Result<EnrolledPod, EnrollError> {
+        let net = podnet::inspect(netns)?;
+        let addresses = super::pod_addresses(&net, netns)?;
+        let inode = netns.inode();
+        let previous = self.pods.get(&inode).map(|e| e.addresses.clone());
+        let kept = match previous {
+            Some(_) => None,
+            None => Some(keep_netns(netns)?),
+        };
+        let stale = previous.clone().unwrap_or_default();
+        if let Err(e) = self.apply_pod(netns, &addresses, &stale, options.dns_capture) {
+            if previous.is_none() {
+                // Leave nothing half-done behind for a pod that was not
+                // enrolled.
+                for ip in &addresses {
+                    let _ = self.probe_set_del(*ip);
+                }
+                if let Err(undo) = remove_pod_rules(netns) {
+                    warn!(
+                        "undoing the failed enrolment of {}: {undo}",
+                        netns.path().display()
+                    );
+                }
+            }
+            return Err(e);
+        }
+        match kept {
+            Some(netns) => {
+                self.pods.insert(
+                    inode,
+                    PodEntry {
+                        netns,
+                        addresses: addresses.clone(),
+                    },
+                );
+            }
+            None => {
+                if let Some(entry) = self.pods.get_mut(&inode) {
+                    entry.addresses = addresses.clone();
+                }
+            }
+        }
+        info!(
+            "enrolled pod in {} with iptables ({} backend, {addresses:?}, dns capture {})",
+            netns.path().display(),
+            self.tools.backend,
+            options.dns_capture
+        );
+        Ok(EnrolledPod {
+            netns: netns.path().to_owned(),
+            netns_inode: inode,
+            netns_cookie: net.netns_cookie,
+            addresses,
+            interfaces: net.interfaces.into_iter().map(|i| i.name).collect(),
+            dns_capture: options.dns_capture,
+        })
+    }
+
+    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
+        let Some(entry) = self.pods.get(&netns_inode) else {
+            return Ok(false);
+        };
+        if let Err(e) = self.release_pod(entry) {
+            // A pod whose network is torn down (no interface left) has
+            // nothing worth cleaning: forget it. Otherwise keep it for a retry.
+            let torn_down = podnet::inspect(&entry.netns).is_ok_and(|n| n.interfaces.is_empty());
+            if !torn_down {
+                return Err(e);
+            }
+            warn!(
+                "forgetting pod in {} (its network is gone): {e}",
+                entry.netns.path().display()
+            );
+            for ip in &entry.addresses {
+                let _ = self.probe_set_del(*ip);
+            }
+        }
+        let entry = self.pods.remove(&netns_inode).expect("looked up above");
+        info!(
+            "unenrolled pod in {} (netns inode {netns_inode}) from iptables",
+            entry.netns.path().display()
+        );
+        Ok(true)
+    }
+
+    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
+        Ok(self.pods.keys().copied().collect())
+    }
+}
