@@ -52,6 +52,13 @@ pub enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        /// Check the pinned per-pod state instead: every address entry
+        /// points at the enrolled pod that owns the address and whose
+        /// namespace exists, every enrolled pod has its address entries,
+        /// steering links and reply routing, and no link belongs to no pod.
+        /// Prints each violation; exits non-zero if there is any.
+        #[arg(long)]
+        check: bool,
     },
     /// Remove everything ambpf made on this node: the `ambpf-cni` plugin from
     /// the CNI configuration (so pods start again), the eBPF pods' reply
@@ -188,6 +195,13 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 5.0)]
     pub zds_ack_timeout: f64,
 
+    /// Seconds between full checks of the per-pod state (inside every
+    /// enrolled pod's namespace too); the records alone are checked after
+    /// every reconcile pass. Violations are logged, repaired where possible
+    /// and counted in `ambpf_state_violations_total`.
+    #[arg(long, default_value_t = 60.0)]
+    pub state_check_interval: f64,
+
     /// A JSON file of the pods to enrol, for running without Kubernetes
     /// (re-read when it changes).
     #[arg(long, value_name = "FILE")]
@@ -318,7 +332,8 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Status { json } => {
+        Command::Status { json, check: true } => status_check(&pins, json),
+        Command::Status { json, check: false } => {
             let status = inspect::read_status(&pins)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
@@ -480,6 +495,10 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             .context("--zds-ack-timeout")?,
         ..Default::default()
     };
+    let state_check_interval = std::time::Duration::try_from_secs_f64(args.state_check_interval)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--state-check-interval must be a positive number of seconds")?;
     let cgroup = match args.cgroup {
         Some(path) => path,
         None => default_cgroup()?,
@@ -493,8 +512,12 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let metrics = tokio::net::TcpListener::bind(args.metrics_listen)
             .await
             .with_context(|| format!("binding the metrics endpoint {}", args.metrics_listen))?;
+        let mut _pin_root_lock = None;
         let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
             RedirectMode::Ebpf => {
+                // One agent writes a pin root at a time (see PinRootLock).
+                pins.prepare()?;
+                _pin_root_lock = Some(bpf::pins::PinRootLock::acquire(&pins)?);
                 let mut dataplane = Dataplane::load(pins)?;
                 dataplane.forward_kernel_logs()?;
                 for (netns, iface) in &targets {
@@ -565,10 +588,12 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // Program every current pod before ztunnel can connect, so that its
         // first snapshot is complete (and restarts reconcile pinned state).
         let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
+        controller.set_check_interval(state_check_interval);
         if kube_source.is_some() {
             controller.report_programmed(programmed_tx);
         }
         let first = controller.apply(&pods_rx.borrow().ambient);
+        controller.check_state(crate::redirect::CheckScope::Records);
         let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
         let cni_requests = match &args.cni_socket {
             Some(path) => {
@@ -613,6 +638,30 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         info!("shutting down; pinned attachments stay in place");
         Ok(())
     })
+}
+
+/// `ambpf status --check`: the eBPF mode's pinned state, checked from the
+/// pins and the host's namespaces alone.
+fn status_check(pins: &PinLayout, json: bool) -> Result<()> {
+    let violations =
+        crate::redirect::check::ebpf_state(pins, &[], crate::redirect::CheckScope::Full);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&violations)?);
+    } else if violations.is_empty() {
+        println!("pinned state under {} is consistent", pins.root().display());
+    } else {
+        for violation in &violations {
+            println!("{violation}");
+        }
+    }
+    if !violations.is_empty() {
+        anyhow::bail!(
+            "{} violation(s) in the pinned state under {}",
+            violations.len(),
+            pins.root().display()
+        );
+    }
+    Ok(())
 }
 
 fn pins_root(dataplane: &Dataplane) -> String {

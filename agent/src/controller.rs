@@ -32,7 +32,7 @@ use std::sync::atomic::Ordering;
 use crate::{
     netns::Netns,
     observe::ControllerStats,
-    redirect::{EnrollOptions, PodRedirection},
+    redirect::{CheckScope, EnrollOptions, EnrolledPod, PodKey, PodRedirection, Violation},
     zds::{Workload, ZdsHandle},
 };
 
@@ -68,8 +68,8 @@ pub struct Controller {
     redirection: Box<dyn PodRedirection>,
     zds: ZdsHandle,
     node_dns_capture: bool,
-    /// uid -> (netns inode, options) of pods enrolled by this controller.
-    enrolled: HashMap<String, (u64, EnrollOptions)>,
+    /// Pods enrolled by this controller, by uid.
+    enrolled: HashMap<String, Enrolled>,
     stats: Arc<ControllerStats>,
     /// Where the programmed pods are reported, and whether a pass has been.
     programmed: Option<watch::Sender<Arc<BTreeSet<String>>>>,
@@ -78,6 +78,22 @@ pub struct Controller {
     /// uid: they are desired too until the source reports them, knows them
     /// as not ambient, or their netns is gone.
     explicit: BTreeMap<String, PodSpec>,
+    /// How often the full state check runs ([`Controller::check_state`]).
+    check_interval: Duration,
+}
+
+/// A pod this controller enrolled.
+#[derive(Debug)]
+struct Enrolled {
+    /// A handle on its network namespace, held while it is enrolled: a
+    /// namespace kept open cannot be freed, so its inode number is not
+    /// handed to a new namespace meanwhile, and a namespace opened by path
+    /// with this inode is this one.
+    netns: Netns,
+    key: PodKey,
+    options: EnrollOptions,
+    /// `namespace/name`, for reports.
+    name: String,
 }
 
 /// A pod the CNI plugin asks to enrol now, and where to say whether its
@@ -98,6 +114,9 @@ pub type ProgrammedPods = watch::Receiver<Arc<BTreeSet<String>>>;
 /// How often failed pods are retried without a new event.
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(5);
 
+/// How often the whole state is checked by default.
+pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(60);
+
 impl Controller {
     pub fn new(
         redirection: Box<dyn PodRedirection>,
@@ -113,7 +132,14 @@ impl Controller {
             programmed: None,
             reported: false,
             explicit: BTreeMap::new(),
+            check_interval: DEFAULT_CHECK_INTERVAL,
         }
+    }
+
+    /// How often [`Controller::run`] checks the whole state, inside every
+    /// pod too (the records alone are checked after every pass).
+    pub fn set_check_interval(&mut self, every: Duration) {
+        self.check_interval = every;
     }
 
     /// Reports, after each pass, the UIDs of the pods that are programmed
@@ -138,7 +164,11 @@ impl Controller {
     pub fn apply(&mut self, pods: &[PodSpec]) -> PassReport {
         let mut report = PassReport::default();
         let mut ready = Vec::new();
-        let mut wanted_inodes = HashSet::new();
+        // The pods that stay: by cookie once enrolled; by inode those that
+        // failed this pass (their cookie unread), so that a pinned entry of
+        // theirs from an earlier agent is kept for the retry.
+        let mut wanted_cookies = HashSet::new();
+        let mut failed_inodes = HashSet::new();
         for pod in pods {
             let uid = &pod.workload.uid;
             let options = EnrollOptions {
@@ -151,21 +181,35 @@ impl Controller {
                     continue;
                 }
             };
-            wanted_inodes.insert(netns.inode());
-            if self.enrolled.get(uid) == Some(&(netns.inode(), options)) {
+            if let Some(current) = self.enrolled.get(uid)
+                && current.netns.inode() == netns.inode()
+                && current.options == options
+            {
+                wanted_cookies.insert(current.key.netns_cookie);
                 ready.push(pod.workload.clone());
                 continue;
             }
             // A pod whose netns changed (sandbox recreated) leaves the old one.
-            if let Some((old_inode, _)) = self.enrolled.get(uid).copied()
-                && old_inode != netns.inode()
-                && let Err(e) = self.redirection.unenroll(old_inode)
+            if let Some(old) = self.enrolled.get(uid)
+                && old.netns.inode() != netns.inode()
+                && let Err(e) = self.redirection.unenroll(old.key)
             {
                 warn!("pod {uid}: removing its previous netns: {e}");
             }
             match self.redirection.enroll(&netns, options) {
-                Ok(_) => {
-                    self.enrolled.insert(uid.clone(), (netns.inode(), options));
+                Ok(done) => {
+                    let name = format!("{}/{}", pod.workload.namespace, pod.workload.name);
+                    self.report_conflicts(&name, uid, &done);
+                    wanted_cookies.insert(done.netns_cookie);
+                    self.enrolled.insert(
+                        uid.clone(),
+                        Enrolled {
+                            netns,
+                            key: done.key(),
+                            options,
+                            name,
+                        },
+                    );
                     report.enrolled += 1;
                     ready.push(pod.workload.clone());
                 }
@@ -174,34 +218,40 @@ impl Controller {
                         "pod {}/{} ({uid}) not enrolled: {e}",
                         pod.workload.namespace, pod.workload.name
                     );
+                    failed_inodes.insert(netns.inode());
                     report.failed.insert(uid.clone(), e.to_string());
                 }
             }
         }
 
-        // Gone pods: ours, and any left enrolled by an earlier agent.
+        // Gone pods: ours, and any left enrolled by an earlier agent. Each
+        // removal takes only what its pod still owns, so the order against
+        // the enrolments above does not matter.
         let wanted_uids: HashSet<&str> = pods.iter().map(|p| p.workload.uid.as_str()).collect();
-        let gone: Vec<(String, u64)> = self
+        let gone: Vec<String> = self
             .enrolled
-            .iter()
-            .filter(|(uid, _)| !wanted_uids.contains(uid.as_str()))
-            .map(|(uid, (inode, _))| (uid.clone(), *inode))
+            .keys()
+            .filter(|uid| !wanted_uids.contains(uid.as_str()))
+            .cloned()
             .collect();
-        let mut stale: Vec<u64> = gone.iter().map(|(_, inode)| *inode).collect();
+        let mut stale: Vec<PodKey> = gone.iter().map(|uid| self.enrolled[uid].key).collect();
         match self.redirection.enrolled() {
-            Ok(inodes) => stale.extend(inodes.into_iter().filter(|i| !wanted_inodes.contains(i))),
+            Ok(keys) => stale.extend(keys.into_iter().filter(|key| {
+                !wanted_cookies.contains(&key.netns_cookie)
+                    && !failed_inodes.contains(&key.netns_inode)
+            })),
             Err(e) => warn!("listing enrolled pods: {e}"),
         }
         stale.sort_unstable();
         stale.dedup();
-        for inode in stale {
-            match self.redirection.unenroll(inode) {
+        for key in stale {
+            match self.redirection.unenroll(key) {
                 Ok(true) => report.removed += 1,
                 Ok(false) => {}
-                Err(e) => warn!("removing the pod with netns inode {inode}: {e}"),
+                Err(e) => warn!("removing the pod with {key}: {e}"),
             }
         }
-        for (uid, _) in gone {
+        for uid in gone {
             self.enrolled.remove(&uid);
         }
 
@@ -229,6 +279,69 @@ impl Controller {
             .pods_removed
             .fetch_add(report.removed as u64, Ordering::Relaxed);
         report
+    }
+
+    /// Says which pods share an address with the pod just enrolled, and
+    /// which of them owns it now (the newer, see [`crate::redirect::claims`]).
+    fn report_conflicts(&self, name: &str, uid: &str, done: &EnrolledPod) {
+        for conflict in &done.conflicts {
+            let other = self
+                .enrolled
+                .iter()
+                .find(|(_, e)| e.key.netns_cookie == conflict.other_netns_cookie);
+            let (winner, loser) = match other {
+                Some((other_uid, other)) => {
+                    let this = format!("{name} ({uid})");
+                    let that = format!("{} ({other_uid})", other.name);
+                    if conflict.won { (this, that) } else { (that, this) }
+                }
+                None => {
+                    // A pod no source reports (left pinned by an earlier
+                    // agent, or not removed yet): not a live conflict.
+                    info!(
+                        "address {}: pod {name} ({uid}) takes it over from the pod with netns \
+                         cookie {}, which no source reports",
+                        conflict.address, conflict.other_netns_cookie
+                    );
+                    continue;
+                }
+            };
+            self.stats.address_conflicts.fetch_add(1, Ordering::Relaxed);
+            warn!(
+                "address {} is claimed by two live pods: {winner} owns it (the newer pod), \
+                 {loser} loses it until it is gone",
+                conflict.address
+            );
+        }
+    }
+
+    /// Checks the redirection's state ([`crate::redirect::check`]), counts
+    /// and logs every violation, repairs what can be repaired in place, and
+    /// forgets the pods that must be enrolled again (the next pass does).
+    /// Returns the violations found.
+    pub fn check_state(&mut self, scope: CheckScope) -> Vec<Violation> {
+        let known: Vec<(PodKey, &Netns)> = self
+            .enrolled
+            .values()
+            .map(|e| (e.key, &e.netns))
+            .collect();
+        let violations = self.redirection.check(&known, scope);
+        if violations.is_empty() {
+            return violations;
+        }
+        for violation in &violations {
+            warn!("state check: {violation}");
+            self.stats.state_violations[violation.kind.index()].fetch_add(1, Ordering::Relaxed);
+        }
+        let again = self.redirection.repair(&violations);
+        self.enrolled.retain(|uid, e| {
+            let forget = again.contains(&e.key);
+            if forget {
+                info!("pod {} ({uid}): enrolling it again to repair it", e.name);
+            }
+            !forget
+        });
+        violations
     }
 
     /// Applies every update from `pods`, and retries failed pods every
@@ -326,6 +439,10 @@ impl Controller {
         mut pods: watch::Receiver<Arc<SourcePods>>,
         mut requests: Option<EnrollRequests>,
     ) {
+        let mut full_check = tokio::time::interval(self.check_interval);
+        full_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        full_check.reset();
+        let mut scope = CheckScope::Records;
         loop {
             let source = pods.borrow_and_update().clone();
             let current = self.desired(&source);
@@ -339,10 +456,16 @@ impl Controller {
                     report.failed.len()
                 );
             }
+            // A repair that forgot pods has the next pass enrol them again.
+            let enrolled_before = self.enrolled.len();
+            self.check_state(std::mem::replace(&mut scope, CheckScope::Records));
+            let repass = self.enrolled.len() < enrolled_before;
             let retry = !report.failed.is_empty() || !self.explicit.is_empty();
             loop {
                 tokio::select! {
                     changed = pods.changed() => if changed.is_err() { return },
+                    () = std::future::ready(()), if repass => {}
+                    _ = full_check.tick() => scope = CheckScope::Full,
                     () = tokio::time::sleep(RETRY_INTERVAL), if retry => {}
                     request = async { requests.as_mut()?.recv().await }, if requests.is_some() => {
                         let Some(first) = request else {
@@ -355,6 +478,7 @@ impl Controller {
                         }
                         let source = pods.borrow().clone();
                         self.apply_requests(&source, batch);
+                        self.check_state(CheckScope::Records);
                         continue;
                     }
                 }
@@ -372,17 +496,25 @@ mod tests {
 
     use super::*;
     use crate::{
-        redirect::{EnrollError, EnrolledPod, RedirectMode},
+        redirect::{EnrollError, RedirectMode},
         zds::{NetnsSource, ZdsConfig},
     };
 
     /// Records what the controller asked of the redirection; the decision
-    /// logic is under test here, the real modes in tests/redirect.rs.
+    /// logic is under test here, the real modes in tests/redirect.rs. Pods
+    /// are keyed by netns inode, which stands in for the cookie.
     #[derive(Default)]
     struct Recorder {
         log: Arc<Mutex<Vec<String>>>,
         enrolled: HashSet<u64>,
         refuse: HashSet<u64>,
+    }
+
+    fn key(inode: u64) -> PodKey {
+        PodKey {
+            netns_cookie: inode,
+            netns_inode: inode,
+        }
     }
 
     impl PodRedirection for Recorder {
@@ -409,23 +541,32 @@ mod tests {
             Ok(EnrolledPod {
                 netns: netns.path().to_owned(),
                 netns_inode: netns.inode(),
-                netns_cookie: 0,
+                netns_cookie: netns.inode(),
                 addresses: vec![],
                 interfaces: vec![],
                 dns_capture: options.dns_capture,
+                conflicts: vec![],
             })
         }
 
-        fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
+        fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
             self.log
                 .lock()
                 .unwrap()
-                .push(format!("unenroll {netns_inode}"));
-            Ok(self.enrolled.remove(&netns_inode))
+                .push(format!("unenroll {}", pod.netns_inode));
+            Ok(self.enrolled.remove(&pod.netns_cookie))
         }
 
-        fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
-            Ok(self.enrolled.iter().copied().collect())
+        fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
+            Ok(self.enrolled.iter().copied().map(key).collect())
+        }
+
+        fn check(&mut self, _pods: &[(PodKey, &Netns)], _scope: CheckScope) -> Vec<Violation> {
+            Vec::new()
+        }
+
+        fn repair(&mut self, _violations: &[Violation]) -> Vec<PodKey> {
+            Vec::new()
         }
     }
 

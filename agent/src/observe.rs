@@ -28,6 +28,7 @@ use tokio::{io::AsyncWriteExt, net::TcpListener};
 
 use crate::{
     bpf::{PinLayout, inspect},
+    redirect::ViolationKind,
     cni::CniStats,
     zds::{ZdsHandle, ZdsStats},
 };
@@ -42,6 +43,10 @@ pub struct ControllerStats {
     pub pods_enrolled: AtomicU64,
     pub enroll_failures: AtomicU64,
     pub pods_removed: AtomicU64,
+    /// Addresses claimed by two live pods (the newer took it).
+    pub address_conflicts: AtomicU64,
+    /// Violations the state checks found, by [`ViolationKind::index`].
+    pub state_violations: [AtomicU64; ViolationKind::ALL.len()],
 }
 
 /// Everything `/metrics` reports, gathered at scrape time.
@@ -97,6 +102,24 @@ impl Collector for AgentCollector {
             "Pods removed from the redirection.",
             get(&self.controller.pods_removed),
         )?;
+        counter(
+            &mut encoder,
+            "address_conflicts",
+            "Addresses claimed by two live pods at once (the newer pod owns the address).",
+            get(&self.controller.address_conflicts),
+        )?;
+        {
+            let help = "Inconsistencies the agent's state checks found, by kind (each is \
+                        logged, and repaired where possible).";
+            let metric = ConstCounter::new(0u64);
+            let mut family =
+                encoder.encode_descriptor("state_violations", help, None, metric.metric_type())?;
+            for kind in ViolationKind::ALL {
+                let value = get(&self.controller.state_violations[kind.index()]);
+                ConstCounter::new(value)
+                    .encode(family.encode_family(&[("kind", kind.as_str())])?)?;
+            }
+        }
         gauge(
             &mut encoder,
             "zds_connections_active",

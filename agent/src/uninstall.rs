@@ -30,7 +30,7 @@ use crate::{
     redirect::{
         RedirectMode,
         iptables::{self, PodRulesFound},
-        routing,
+        podnet, routing,
     },
     sources::kube,
 };
@@ -148,7 +148,12 @@ fn ebpf_state<'a>(
             let by_inode: std::collections::HashMap<u64, &Netns> =
                 namespaces().iter().map(|n| (n.inode(), n)).collect();
             for pod in pods {
-                let Some(netns) = by_inode.get(&pod.netns_inode) else {
+                // An inode number is reused once its namespace is freed:
+                // only the namespace with the pod's cookie is the pod's.
+                let Some(netns) = by_inode
+                    .get(&pod.netns_inode)
+                    .filter(|ns| podnet::netns_cookie(ns).ok() == Some(pod.netns_cookie))
+                else {
                     report.done(format!(
                         "pod netns {} is gone; nothing to remove in it",
                         pod.netns_inode

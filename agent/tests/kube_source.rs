@@ -19,7 +19,10 @@ use std::{
 use ambpf::{
     controller::{Controller, EnrollRequest, SourcePods},
     netns::Netns,
-    redirect::{EnrollError, EnrollOptions, EnrolledPod, PodRedirection, RedirectMode},
+    redirect::{
+        CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection,
+        RedirectMode, Violation,
+    },
     sources::kube::{
         KubeSource, KubeSourceConfig, KubeSourceError, KubeSourceHandle, PodQuery,
         rules::{DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION},
@@ -789,7 +792,8 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
 }
 
 /// A redirection that only records, for the end-to-end test with the real
-/// controller (the redirection itself is tested in tests/redirect.rs).
+/// controller (the redirection itself is tested in tests/redirect.rs). The
+/// netns inode stands in for the cookie.
 #[derive(Default)]
 struct Recorder {
     enrolled: Arc<Mutex<BTreeSet<u64>>>,
@@ -809,19 +813,37 @@ impl PodRedirection for Recorder {
         Ok(EnrolledPod {
             netns: netns.path().to_owned(),
             netns_inode: netns.inode(),
-            netns_cookie: 0,
+            netns_cookie: netns.inode(),
             addresses: vec![],
             interfaces: vec![],
             dns_capture: options.dns_capture,
+            conflicts: vec![],
         })
     }
 
-    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
-        Ok(self.enrolled.lock().unwrap().remove(&netns_inode))
+    fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        Ok(self.enrolled.lock().unwrap().remove(&pod.netns_cookie))
     }
 
-    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
-        Ok(self.enrolled.lock().unwrap().iter().copied().collect())
+    fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
+        Ok(self
+            .enrolled
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|inode| PodKey {
+                netns_cookie: *inode,
+                netns_inode: *inode,
+            })
+            .collect())
+    }
+
+    fn check(&mut self, _pods: &[(PodKey, &Netns)], _scope: CheckScope) -> Vec<Violation> {
+        Vec::new()
+    }
+
+    fn repair(&mut self, _violations: &[Violation]) -> Vec<PodKey> {
+        Vec::new()
     }
 }
 

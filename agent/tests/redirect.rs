@@ -490,7 +490,11 @@ in_both_modes!(
         f.wait_proxied(15006, inbound).await;
 
         let netns = f.pod_netns();
-        assert!(f.redirection.unenroll(netns.inode()).unwrap());
+        let [pod] = f.redirection.enrolled().unwrap()[..] else {
+            panic!("one pod is enrolled");
+        };
+        assert_eq!(pod.netns_inode, netns.inode());
+        assert!(f.redirection.unenroll(pod).unwrap());
         assert!(
             f.redirection.enrolled().unwrap().is_empty(),
             "an entry was left behind"

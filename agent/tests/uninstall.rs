@@ -259,11 +259,10 @@ fn iptables_pods_are_found_and_cleaned_without_the_agent() {
         let mut agent =
             IptablesRedirection::new(open(&cluster.node), IptablesBackend::Auto).unwrap();
         let options = EnrollOptions { dns_capture: true };
-        for pod in [named_pod, held_pod, unenrolled_pod] {
-            agent.enroll(&open(pod), options).unwrap();
-        }
+        let keys = [named_pod, held_pod, unenrolled_pod]
+            .map(|pod| agent.enroll(&open(pod), options).unwrap().key());
         // Unenrolled: the reply path (mangle chains, policy routing) stays.
-        assert!(agent.unenroll(open(unenrolled_pod).inode()).unwrap());
+        assert!(agent.unenroll(keys[2]).unwrap());
         // The agent goes without removing anything, as a crashed one does.
         agent.backend()
     };

@@ -44,6 +44,11 @@ pub enum LoadError {
 pub struct Dataplane {
     ebpf: Ebpf,
     pins: PinLayout,
+    /// Every enrolled pod's claim on its addresses, read from the pinned
+    /// pods map when first needed and kept in step by enrolment and removal
+    /// (the agent is the maps' only writer); `None` after anything that may
+    /// have left it behind the map, so it is read again.
+    pub(crate) address_claims: Option<crate::redirect::claims::AddressClaims<ambpf_common::IpKey>>,
 }
 
 impl Dataplane {
@@ -90,7 +95,11 @@ impl Dataplane {
             })?;
             debug!("loaded BPF program {name}");
         }
-        Ok(Self { ebpf, pins })
+        Ok(Self {
+            ebpf,
+            pins,
+            address_claims: None,
+        })
     }
 
     pub fn pins(&self) -> &PinLayout {

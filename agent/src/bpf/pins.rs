@@ -4,7 +4,7 @@
 //! <root>/                       default /sys/fs/bpf/ambpf
 //!   maps/<map name>             every map the programs share with the agent
 //!   links/tc/<netns inode>/<ifindex>-<ingress|egress>    interface counters
-//!   links/pods/<netns inode>/<ifindex>-ingress           a pod's inbound steering
+//!   links/pods/<netns cookie>/<ifindex>-ingress          a pod's inbound steering
 //!   links/cgroup/<cgroup inode>/<program>                socket programs
 //! ```
 //! Links are pinned so attachments survive the agent (restarts, upgrades);
@@ -76,9 +76,16 @@ impl PinLayout {
             .join(tc_link_name(ifindex, direction))
     }
 
-    /// Links of one enrolled pod (its inbound steering), by netns inode.
-    pub fn pod_links_dir(&self, netns_inode: u64) -> PathBuf {
-        self.root.join("links/pods").join(netns_inode.to_string())
+    /// Where every enrolled pod's links are, one directory each.
+    pub fn pod_links_root(&self) -> PathBuf {
+        self.root.join("links/pods")
+    }
+
+    /// Links of one enrolled pod (its inbound steering), by netns cookie:
+    /// unlike an nsfs inode number, a cookie is never reused, so a new pod
+    /// never finds a dead pod's links in its directory.
+    pub fn pod_links_dir(&self, netns_cookie: u64) -> PathBuf {
+        self.pod_links_root().join(netns_cookie.to_string())
     }
 
     /// What ambpf pins directly under the root; all of it is ambpf's.
@@ -99,6 +106,43 @@ impl PinLayout {
             std::fs::create_dir_all(&dir).map_err(|source| PinError::Io { path: dir, source })?;
         }
         Ok(())
+    }
+}
+
+/// An exclusive lock on a pin root, held by the agent for as long as it
+/// runs: the agent is the only writer of the pinned maps and compares
+/// entries before deleting them, which is race-free only while no second
+/// agent writes the same maps. A second agent started on the same pin root
+/// (an overlapping rolling update) waits until the first exits; the lock
+/// goes with the process, however it ends.
+#[derive(Debug)]
+pub struct PinRootLock {
+    _locked: nix::fcntl::Flock<std::fs::File>,
+}
+
+impl PinRootLock {
+    /// Takes the lock on `pins`' root (created by [`PinLayout::prepare`]),
+    /// waiting for another holder, which is named in the log meanwhile.
+    pub fn acquire(pins: &PinLayout) -> Result<Self, PinError> {
+        use nix::fcntl::{Flock, FlockArg};
+        let io_err = |source| PinError::Io {
+            path: pins.root.clone(),
+            source,
+        };
+        let dir = std::fs::File::open(&pins.root).map_err(io_err)?;
+        let dir = match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
+            Ok(locked) => locked,
+            Err((dir, nix::errno::Errno::EWOULDBLOCK)) => {
+                log::warn!(
+                    "another ambpf agent is using {}; waiting for it to exit",
+                    pins.root.display()
+                );
+                Flock::lock(dir, FlockArg::LockExclusive)
+                    .map_err(|(_, errno)| io_err(errno.into()))?
+            }
+            Err((_, errno)) => return Err(io_err(errno.into())),
+        };
+        Ok(Self { _locked: dir })
     }
 }
 

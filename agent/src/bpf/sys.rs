@@ -12,6 +12,7 @@ use std::{
 // enum bpf_cmd
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 
@@ -104,4 +105,21 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     let fd = bpf(BPF_OBJ_GET, &mut attr)?;
     // SAFETY: the kernel returned a new fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// The interface a TCX link is attached to: `Some(ifindex)`, or `None` once
+/// the interface is gone and the link defunct (the kernel reports ifindex
+/// 0, and refuses to update the link's program with `ENOLINK`).
+pub fn tcx_link_ifindex(link: BorrowedFd<'_>) -> io::Result<Option<u32>> {
+    // struct bpf_link_info: type, id, prog_id, then a u64-aligned union
+    // whose tcx member starts with the ifindex (offset 16).
+    let mut info = [0u32; 6];
+    let mut attr = Attr::default();
+    attr.words[0] = link.as_raw_fd() as u32; // bpf_fd
+    attr.words[1] = size_of_val(&info) as u32; // info_len
+    let ptr = info.as_mut_ptr() as u64;
+    attr.words[2] = ptr as u32; // info (u64, little-endian halves)
+    attr.words[3] = (ptr >> 32) as u32;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(Some(info[4]).filter(|ifindex| *ifindex != 0))
 }

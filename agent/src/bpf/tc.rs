@@ -120,6 +120,7 @@ impl Dataplane {
                 pin: pin.clone(),
                 source,
             };
+            forget_defunct_link(&pin, ifindex);
             let classifier = self.classifier(program);
             let replaced = match PinnedLink::from_pin(&pin) {
                 Ok(pinned) => {
@@ -167,6 +168,26 @@ impl Dataplane {
             ifindex,
             links,
         })
+    }
+}
+
+/// Removes the pin at `pin` if its link no longer runs on interface
+/// `ifindex` (the interface was deleted, and the index now names a new
+/// one): such a link cannot be updated, and the new interface needs a link
+/// of its own.
+fn forget_defunct_link(pin: &std::path::Path, ifindex: u32) {
+    use std::os::fd::AsFd;
+    let Ok(link) = super::sys::obj_get(pin) else {
+        return;
+    };
+    if let Ok(attached) = super::sys::tcx_link_ifindex(link.as_fd())
+        && attached != Some(ifindex)
+    {
+        info!(
+            "replacing the defunct link pinned at {} (its interface is gone)",
+            pin.display()
+        );
+        let _ = fs::remove_file(pin);
     }
 }
 

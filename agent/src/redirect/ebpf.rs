@@ -11,6 +11,12 @@
 //! redirected at once) and then its TC links. The reply routing stays while
 //! the pod lives: it matches only connections ztunnel made to the app, so
 //! connections open at removal keep working.
+//!
+//! Everything is owned by the pod's netns cookie, which is never reused: the
+//! pods map is keyed by it, every address entry holds it, and the pod's link
+//! directory is named by it. An address two enrolled pods claim belongs to
+//! the newer ([`super::claims`]); removing a pod deletes only the entries
+//! that still hold its cookie.
 
 use std::{net::IpAddr, path::PathBuf};
 
@@ -21,7 +27,11 @@ use aya::{
 };
 use log::{info, warn};
 
-use super::{podnet, routing};
+use super::{
+    CheckScope, PodKey, Violation,
+    claims::{AddressClaims, Claim, Release},
+    podnet, routing,
+};
 use crate::{
     bpf::{
         Dataplane,
@@ -70,6 +80,27 @@ pub struct EnrolledPod {
     pub addresses: Vec<IpAddr>,
     pub interfaces: Vec<String>,
     pub dns_capture: bool,
+    /// Addresses another enrolled pod claims too ([`super::claims`]).
+    pub conflicts: Vec<AddressConflict>,
+}
+
+impl EnrolledPod {
+    pub fn key(&self) -> PodKey {
+        PodKey {
+            netns_cookie: self.netns_cookie,
+            netns_inode: self.netns_inode,
+        }
+    }
+}
+
+/// An address the enrolled pod shares with another enrolled pod.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct AddressConflict {
+    pub address: IpAddr,
+    /// The other pod.
+    pub other_netns_cookie: u64,
+    /// Whether the enrolled pod owns the address now (it is the newer).
+    pub won: bool,
 }
 
 pub fn ip_key(ip: IpAddr) -> IpKey {
@@ -147,15 +178,18 @@ impl Dataplane {
         Ok(())
     }
 
-    /// Enrols the pod whose network namespace is `netns`. Idempotent.
+    /// Enrols the pod whose network namespace is `netns`. Idempotent: a
+    /// pod enrolled again gets its settings and addresses refreshed, and
+    /// releases the addresses it no longer has.
     pub fn enroll_pod(
         &mut self,
         netns: &Netns,
         dns_capture: bool,
     ) -> Result<EnrolledPod, EnrollError> {
         let net = podnet::inspect(netns)?;
+        let cookie = net.netns_cookie;
         let mut config = PodConfig {
-            netns_cookie: net.netns_cookie,
+            netns_cookie: cookie,
             netns_inode: netns.inode(),
             flags: if dns_capture {
                 pod_flags::DNS_CAPTURE
@@ -170,62 +204,157 @@ impl Dataplane {
         }
 
         routing::install_reply_routing(netns)?;
-        let links_dir = self.pins().pod_links_dir(netns.inode());
+        let links_dir = self.pins().pod_links_dir(cookie);
+        let fresh_dir = !links_dir.exists();
         for iface in &net.interfaces {
             if let Err(e) = self.attach_tc(netns, &iface.name, &POD_HOOKS, &links_dir) {
-                let _ = std::fs::remove_dir_all(&links_dir);
+                // A pod enrolled before keeps the steering it had.
+                if fresh_dir {
+                    let _ = std::fs::remove_dir_all(&links_dir);
+                }
                 return Err(e.into());
             }
         }
+        let ifindexes: Vec<u32> = net.interfaces.iter().map(|i| i.index).collect();
+        prune_pod_links(&links_dir, &ifindexes);
+
         // From here on, new connections of the pod are redirected.
-        let map_err = |map| move |source| EnrollError::Map { map, source };
+        let previous = self.pods_by_netns()?.get(&cookie, 0).ok();
         self.pods_by_netns()?
-            .insert(net.netns_cookie, config, 0)
+            .insert(cookie, config, 0)
             .map_err(map_err(maps::PODS_BY_NETNS))?;
-        let mut by_ip = self.pods_by_ip()?;
-        for ip in &addresses {
-            by_ip
-                .insert(ip_key(*ip), config, 0)
-                .map_err(map_err(maps::PODS_BY_IP))?;
-        }
+        let conflicts = match self.claim_addresses(&config, previous.as_ref()) {
+            Ok(conflicts) => conflicts,
+            Err(e) => {
+                self.address_claims = None;
+                return Err(e);
+            }
+        };
         info!(
-            "enrolled pod in {} (cookie {}, {:?}, dns capture {dns_capture})",
+            "enrolled pod in {} (cookie {cookie}, {addresses:?}, dns capture {dns_capture})",
             netns.path().display(),
-            net.netns_cookie,
-            addresses
         );
         Ok(EnrolledPod {
             netns: netns.path().to_owned(),
             netns_inode: netns.inode(),
-            netns_cookie: net.netns_cookie,
+            netns_cookie: cookie,
             addresses,
             interfaces: net.interfaces.iter().map(|i| i.name.clone()).collect(),
             dns_capture,
+            conflicts,
         })
     }
 
-    /// Removes the pod with netns inode `netns_inode`; works after its
-    /// namespace is gone. Returns whether it was enrolled.
-    pub fn unenroll_pod(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
-        let map_err = |map| move |source| EnrollError::Map { map, source };
-        let found = self
-            .pods_by_netns()?
-            .iter()
-            .filter_map(Result::ok)
-            .find(|(_, pod)| pod.netns_inode == netns_inode);
-        if let Some((cookie, pod)) = found {
-            let mut by_ip = self.pods_by_ip()?;
-            for ip in pod.ips.iter().filter(|ip| **ip != IpKey::default()) {
-                match by_ip.remove(ip) {
-                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                    Err(e) => return Err(map_err(maps::PODS_BY_IP)(e)),
+    /// Writes the address entries `pod` owns ([`claims`]), after releasing
+    /// those of `previous` (its earlier enrolment) it no longer has.
+    fn claim_addresses(
+        &mut self,
+        pod: &PodConfig,
+        previous: Option<&PodConfig>,
+    ) -> Result<Vec<AddressConflict>, EnrollError> {
+        let cookie = pod.netns_cookie;
+        let ips: Vec<IpKey> = claimed(pod).collect();
+        if let Some(previous) = previous {
+            for old in claimed(previous).filter(|ip| !ips.contains(ip)) {
+                let release = self.claims()?.release(old, cookie);
+                self.apply_release(old, cookie, release)?;
+            }
+        }
+        let mut conflicts = Vec::new();
+        for ip in ips {
+            let claim = self.claims()?.claim(ip, cookie);
+            let (other, won) = match claim {
+                Claim::Owner { displaced } => {
+                    self.pods_by_ip()?
+                        .insert(ip, *pod, 0)
+                        .map_err(map_err(maps::PODS_BY_IP))?;
+                    match displaced {
+                        Some(other) => (other, true),
+                        None => continue,
+                    }
+                }
+                Claim::Outranked { owner } => (owner, false),
+            };
+            conflicts.push(AddressConflict {
+                address: ip_addr(ip),
+                other_netns_cookie: other,
+                won,
+            });
+        }
+        Ok(conflicts)
+    }
+
+    /// The address claims, read from the pinned pods map when not known.
+    fn claims(&mut self) -> Result<&mut AddressClaims<IpKey>, EnrollError> {
+        if self.address_claims.is_none() {
+            let pods = self.pinned_pods()?;
+            self.address_claims = Some(AddressClaims::from_pods(
+                pods.iter().map(|pod| (pod.netns_cookie, claimed(pod))),
+            ));
+        }
+        Ok(self.address_claims.get_or_insert_default())
+    }
+
+    /// Carries out what releasing `cookie`'s claim on `ip` left to do.
+    ///
+    /// The kernel has no compare-and-delete for hash maps (and
+    /// `BPF_MAP_LOOKUP_AND_DELETE_ELEM` would leave the owner without its
+    /// entry for a moment), so the entry is compared and then deleted. No
+    /// write can come between the two: the agent is the maps' only writer,
+    /// it writes from one task, one pod at a time, and a second agent on the
+    /// same pin root waits for the first to exit ([`crate::bpf::pins::PinRootLock`]).
+    fn apply_release(&mut self, ip: IpKey, cookie: u64, release: Release) -> Result<(), EnrollError> {
+        match release {
+            Release::NotOwner => Ok(()),
+            Release::Delete => {
+                let mut by_ip = self.pods_by_ip()?;
+                match by_ip.get(&ip, 0) {
+                    Ok(entry) if entry.netns_cookie == cookie => match by_ip.remove(&ip) {
+                        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                        Err(e) => Err(map_err(maps::PODS_BY_IP)(e)),
+                    },
+                    // Another pod's entry, or none: not this pod's to delete.
+                    _ => Ok(()),
                 }
             }
-            self.pods_by_netns()?
-                .remove(&cookie)
-                .map_err(map_err(maps::PODS_BY_NETNS))?;
+            Release::PassTo(next) => {
+                let Ok(owner) = self.pods_by_netns()?.get(&next, 0) else {
+                    // The claims were behind the map: read them again.
+                    self.address_claims = None;
+                    return Ok(());
+                };
+                self.pods_by_ip()?
+                    .insert(ip, owner, 0)
+                    .map_err(map_err(maps::PODS_BY_IP))?;
+                info!(
+                    "address {} passes back to the pod with netns cookie {next}, which still \
+                     claims it",
+                    ip_addr(ip)
+                );
+                Ok(())
+            }
         }
-        let links_dir = self.pins().pod_links_dir(netns_inode);
+    }
+
+    /// Removes the pod `pod`; works after its namespace is gone. Deletes
+    /// only what the pod still owns. Returns whether it was enrolled.
+    pub fn unenroll_pod(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        let cookie = pod.netns_cookie;
+        let found = self.pods_by_netns()?.get(&cookie, 0).ok();
+        if let Some(config) = found {
+            for ip in claimed(&config) {
+                let release = self.claims()?.release(ip, cookie);
+                if let Err(e) = self.apply_release(ip, cookie, release) {
+                    self.address_claims = None;
+                    return Err(e);
+                }
+            }
+            match self.pods_by_netns()?.remove(&cookie) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) => return Err(map_err(maps::PODS_BY_NETNS)(e)),
+            }
+        }
+        let links_dir = self.pins().pod_links_dir(cookie);
         let had_links = links_dir.exists();
         match std::fs::remove_dir_all(&links_dir) {
             Ok(()) => {}
@@ -238,19 +367,76 @@ impl Dataplane {
             }
         }
         if found.is_some() {
-            info!("removed pod with netns inode {netns_inode}");
+            info!("removed pod with {pod}");
         }
         Ok(found.is_some() || had_links)
     }
 
-    /// Every enrolled pod, by netns cookie.
-    pub fn enrolled_pods(&mut self) -> Result<Vec<PodConfig>, EnrollError> {
+    /// Every enrolled pod, as pinned.
+    pub fn pinned_pods(&mut self) -> Result<Vec<PodConfig>, EnrollError> {
         Ok(self
             .pods_by_netns()?
             .iter()
             .filter_map(Result::ok)
             .map(|(_, pod)| pod)
             .collect())
+    }
+
+    /// Writes the entry of every address in `addresses` as its owner's, or
+    /// deletes it when no pod claims it (repairs of [`super::check`]).
+    pub fn rewrite_address_entries(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
+        // Re-read the claims: whatever made the entries wrong may have left
+        // them behind too.
+        self.address_claims = None;
+        let pods: std::collections::HashMap<u64, PodConfig> = self
+            .pinned_pods()?
+            .into_iter()
+            .map(|pod| (pod.netns_cookie, pod))
+            .collect();
+        for ip in addresses.iter().map(|ip| ip_key(*ip)) {
+            let owner = self.claims()?.owner(&ip).and_then(|c| pods.get(&c).copied());
+            let mut by_ip = self.pods_by_ip()?;
+            let result = match owner {
+                Some(owner) => by_ip.insert(ip, owner, 0),
+                None => match by_ip.remove(&ip) {
+                    Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                    other => other,
+                },
+            };
+            result.map_err(map_err(maps::PODS_BY_IP))?;
+        }
+        Ok(())
+    }
+}
+
+/// The addresses a pod's entry claims (its non-empty slots).
+pub fn claimed(pod: &PodConfig) -> impl Iterator<Item = IpKey> + '_ {
+    pod.ips.iter().copied().filter(|ip| *ip != IpKey::default())
+}
+
+/// An address key back as an address.
+pub fn ip_addr(key: IpKey) -> IpAddr {
+    let v6 = std::net::Ipv6Addr::from(key.addr);
+    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
+}
+
+fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> EnrollError {
+    move |source| EnrollError::Map { map, source }
+}
+
+/// Removes the steering pins in a pod's link directory whose interface the
+/// pod no longer has (its link is defunct and holds only memory).
+fn prune_pod_links(links_dir: &std::path::Path, ifindexes: &[u32]) {
+    let Ok(entries) = std::fs::read_dir(links_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let keep = crate::bpf::pins::parse_tc_link_name(&name.to_string_lossy())
+            .is_some_and(|(ifindex, _)| ifindexes.contains(&ifindex));
+        if !keep {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -267,15 +453,26 @@ impl super::PodRedirection for Dataplane {
         self.enroll_pod(netns, options.dns_capture)
     }
 
-    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
-        self.unenroll_pod(netns_inode)
+    fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        self.unenroll_pod(pod)
     }
 
-    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
+    fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
         Ok(self
-            .enrolled_pods()?
+            .pinned_pods()?
             .iter()
-            .map(|pod| pod.netns_inode)
+            .map(|pod| PodKey {
+                netns_cookie: pod.netns_cookie,
+                netns_inode: pod.netns_inode,
+            })
             .collect())
+    }
+
+    fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
+        super::check::ebpf_state(self.pins(), pods, scope)
+    }
+
+    fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
+        super::check::repair_ebpf_state(self, violations)
     }
 }

@@ -8,6 +8,8 @@
 //!
 //! [`podnet`] and [`routing`] are the netlink plumbing both use.
 
+pub mod check;
+pub mod claims;
 pub mod ebpf;
 pub mod iptables;
 pub mod podnet;
@@ -15,7 +17,8 @@ pub mod routing;
 
 use std::path::PathBuf;
 
-pub use ebpf::{EnrollError, EnrolledPod};
+pub use check::{CheckScope, Violation, ViolationKind};
+pub use ebpf::{AddressConflict, EnrollError, EnrolledPod};
 
 use crate::netns::Netns;
 
@@ -33,21 +36,57 @@ pub struct EnrollOptions {
     pub dns_capture: bool,
 }
 
+/// An enrolled pod's identity in the redirection.
+///
+/// Every per-pod record is owned by the netns cookie: the kernel hands out
+/// cookies from one counter that only grows within a boot, so a cookie never
+/// names two namespaces. nsfs inode numbers are recycled as soon as a
+/// namespace is freed; the inode is kept only to find a namespace again
+/// (and is checked against the cookie before anything is done in it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct PodKey {
+    pub netns_cookie: u64,
+    pub netns_inode: u64,
+}
+
+impl std::fmt::Display for PodKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "netns cookie {} (inode {})",
+            self.netns_cookie, self.netns_inode
+        )
+    }
+}
+
 /// What every redirection mode does for a pod.
 pub trait PodRedirection: Send {
     fn mode(&self) -> RedirectMode;
 
     /// Starts redirecting new connections of the pod in `netns`. Idempotent.
+    /// An address another enrolled pod claims goes to the newer of the two
+    /// ([`claims`]); [`EnrolledPod::conflicts`] says which.
     fn enroll(&mut self, netns: &Netns, options: EnrollOptions)
     -> Result<EnrolledPod, EnrollError>;
 
-    /// Stops redirecting new connections of the pod whose netns has inode
-    /// `netns_inode` (works when the namespace is already gone); open
-    /// connections keep working. Returns whether the pod was enrolled.
-    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError>;
+    /// Stops redirecting new connections of the pod `pod` (works when its
+    /// namespace is already gone); open connections keep working. Removes
+    /// only what the pod still owns: an address a newer pod has taken over
+    /// keeps that pod's records. Returns whether the pod was enrolled.
+    fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError>;
 
-    /// Netns inodes of the pods currently enrolled.
-    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError>;
+    /// The pods currently enrolled.
+    fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError>;
+
+    /// Checks the mode's state against the enrolled pods ([`check`]):
+    /// `pods` are the enrolled pods the caller knows alive, with a handle on
+    /// each namespace, for the checks made inside them.
+    fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation>;
+
+    /// Repairs what can be repaired in place (records that belong to no
+    /// pod, or to the wrong one) and returns the pods that must be enrolled
+    /// again to repair the rest (missing steering or routing).
+    fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey>;
 }
 
 /// Where the node's settings for a redirection mode come from.

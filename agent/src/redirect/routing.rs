@@ -121,8 +121,14 @@ pub struct FamilyStatus {
 impl ReplyRoutingStatus {
     /// Everything [`install_reply_routing`] sets up is there.
     pub fn is_installed(&self) -> bool {
+        self.policy_routing_installed() && self.tcp_fwmark_accept
+    }
+
+    /// What [`install_policy_routing`] sets up is there (the iptables
+    /// mode's part: no sysctl).
+    pub fn policy_routing_installed(&self) -> bool {
         let complete = |f: FamilyStatus| f.rule && f.route;
-        complete(self.ipv4) && self.ipv6.is_none_or(complete) && self.tcp_fwmark_accept
+        complete(self.ipv4) && self.ipv6.is_none_or(complete)
     }
 }
 

@@ -90,6 +90,7 @@
 //! namespace already has rules in (nft when neither or both equally).
 
 mod node;
+mod probes;
 mod rules;
 #[cfg(test)]
 mod tests;
@@ -110,6 +111,7 @@ pub use self::{
         NodeUninstall, PodRulesFound, find_pod_rules, probe_set_members, remove_host_rules,
         remove_pod_rules, saved_rules, uninstall_node,
     },
+    probes::{ProbeMember, probe_set_entries},
     rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
 };
 use self::{
@@ -117,7 +119,9 @@ use self::{
     tools::{FALLBACK_DIRS, Tools, detect_backend, ipset_binary, run_in},
 };
 use super::{
-    EnrollError, EnrollOptions, EnrolledPod, PodRedirection, RedirectMode, podnet, routing,
+    AddressConflict, CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey,
+    PodRedirection, RedirectMode, Violation, ViolationKind, claims::AddressClaims, podnet,
+    routing,
 };
 use crate::netns::{Netns, NetnsError};
 
@@ -271,8 +275,11 @@ pub enum IptablesError {
 /// An enrolled pod.
 #[derive(Debug)]
 struct PodEntry {
+    /// Held while the pod is enrolled (so its inode is not reused).
     netns: Netns,
+    key: PodKey,
     addresses: Vec<IpAddr>,
+    dns_capture: bool,
 }
 
 /// Istio's in-pod iptables rules, per pod, plus the host probe SNAT.
@@ -281,7 +288,10 @@ pub struct IptablesRedirection {
     host: Netns,
     tools: Tools,
     ipset: PathBuf,
+    /// By netns cookie.
     pods: BTreeMap<u64, PodEntry>,
+    /// Which enrolled pod owns each address's probe ipset member.
+    claims: AddressClaims<IpAddr>,
 }
 
 impl IptablesRedirection {
@@ -301,6 +311,7 @@ impl IptablesRedirection {
             tools,
             ipset,
             pods: BTreeMap::new(),
+            claims: AddressClaims::default(),
         };
         for family in this.tools.families.keys().copied() {
             this.ipset_run(&[
@@ -348,58 +359,34 @@ impl IptablesRedirection {
         run_in(&self.host, &self.ipset, args, None).map(drop)
     }
 
-    fn probe_set_add(&self, ip: IpAddr, netns_inode: u64) -> Result<(), IptablesError> {
-        let family = Family::of(&ip);
-        if self.tools.family(family).is_none() {
-            return Ok(());
-        }
-        let (ip, comment) = (ip.to_string(), format!("netns {netns_inode}"));
-        self.ipset_run(&[
-            "add",
-            "-exist",
-            family.probe_ipset(),
-            &ip,
-            "comment",
-            &comment,
-        ])
-    }
-
-    fn probe_set_del(&self, ip: IpAddr) -> Result<(), IptablesError> {
-        let family = Family::of(&ip);
-        if self.tools.family(family).is_none() {
-            return Ok(());
-        }
-        self.ipset_run(&["del", "-exist", family.probe_ipset(), &ip.to_string()])
-    }
-
     /// Probe ipsets, policy routing, then the in-pod rules of each family.
     fn apply_pod(
-        &self,
+        &mut self,
         netns: &Netns,
+        key: PodKey,
         addresses: &[IpAddr],
-        stale: &[IpAddr],
+        previous: &[IpAddr],
         dns_capture: bool,
-    ) -> Result<(), EnrollError> {
-        for ip in addresses {
-            self.probe_set_add(*ip, netns.inode())?;
-        }
-        for ip in stale.iter().filter(|ip| !addresses.contains(ip)) {
-            self.probe_set_del(*ip)?;
-        }
+    ) -> Result<Vec<AddressConflict>, EnrollError> {
+        let conflicts = self.claim_probe_addresses(key.netns_cookie, addresses, previous)?;
         routing::install_policy_routing(netns)?;
         for family in self.tools.families.keys().copied() {
             let owned = pod_rules(family, true);
             self.tools
                 .apply(netns, &owned, &pod_rules(family, dns_capture))?;
         }
-        Ok(())
+        Ok(conflicts)
     }
 
-    /// Stops capturing: probe ipset entries, then the nat and raw chains.
-    fn release_pod(&self, entry: &PodEntry) -> Result<(), EnrollError> {
-        for ip in &entry.addresses {
-            self.probe_set_del(*ip)?;
-        }
+    /// Stops capturing: the probe ipset entries the pod owns, then the nat
+    /// and raw chains.
+    fn release_pod(&mut self, cookie: u64) -> Result<(), EnrollError> {
+        let Some(entry) = self.pods.get(&cookie) else {
+            return Ok(());
+        };
+        let addresses = entry.addresses.clone();
+        self.release_probe_addresses(cookie, &addresses)?;
+        let entry = &self.pods[&cookie];
         for family in self.tools.families.keys().copied() {
             let owned = pod_rules(family, true);
             self.tools
@@ -438,42 +425,53 @@ impl PodRedirection for IptablesRedirection {
     ) -> Result<EnrolledPod, EnrollError> {
         let net = podnet::inspect(netns)?;
         let addresses = super::pod_addresses(&net, netns)?;
-        let inode = netns.inode();
-        let previous = self.pods.get(&inode).map(|e| e.addresses.clone());
+        let key = PodKey {
+            netns_cookie: net.netns_cookie,
+            netns_inode: netns.inode(),
+        };
+        let previous = self
+            .pods
+            .get(&key.netns_cookie)
+            .map(|e| e.addresses.clone());
         let kept = match previous {
             Some(_) => None,
             None => Some(keep_netns(netns)?),
         };
         let stale = previous.clone().unwrap_or_default();
-        if let Err(e) = self.apply_pod(netns, &addresses, &stale, options.dns_capture) {
-            if previous.is_none() {
-                // Leave nothing half-done behind for a pod that was not
-                // enrolled.
-                for ip in &addresses {
-                    let _ = self.probe_set_del(*ip);
+        let conflicts =
+            match self.apply_pod(netns, key, &addresses, &stale, options.dns_capture) {
+                Ok(conflicts) => conflicts,
+                Err(e) => {
+                    if previous.is_none() {
+                        // Leave nothing half-done behind for a pod that was
+                        // not enrolled.
+                        let _ = self.release_probe_addresses(key.netns_cookie, &addresses);
+                        if let Err(undo) = remove_pod_rules(netns) {
+                            warn!(
+                                "undoing the failed enrolment of {}: {undo}",
+                                netns.path().display()
+                            );
+                        }
+                    }
+                    return Err(e);
                 }
-                if let Err(undo) = remove_pod_rules(netns) {
-                    warn!(
-                        "undoing the failed enrolment of {}: {undo}",
-                        netns.path().display()
-                    );
-                }
-            }
-            return Err(e);
-        }
+            };
         match kept {
             Some(netns) => {
                 self.pods.insert(
-                    inode,
+                    key.netns_cookie,
                     PodEntry {
                         netns,
+                        key,
                         addresses: addresses.clone(),
+                        dns_capture: options.dns_capture,
                     },
                 );
             }
             None => {
-                if let Some(entry) = self.pods.get_mut(&inode) {
+                if let Some(entry) = self.pods.get_mut(&key.netns_cookie) {
                     entry.addresses = addresses.clone();
+                    entry.dns_capture = options.dns_capture;
                 }
             }
         }
@@ -485,42 +483,72 @@ impl PodRedirection for IptablesRedirection {
         );
         Ok(EnrolledPod {
             netns: netns.path().to_owned(),
-            netns_inode: inode,
-            netns_cookie: net.netns_cookie,
+            netns_inode: key.netns_inode,
+            netns_cookie: key.netns_cookie,
             addresses,
             interfaces: net.interfaces.into_iter().map(|i| i.name).collect(),
             dns_capture: options.dns_capture,
+            conflicts,
         })
     }
 
-    fn unenroll(&mut self, netns_inode: u64) -> Result<bool, EnrollError> {
-        let Some(entry) = self.pods.get(&netns_inode) else {
+    fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        let cookie = pod.netns_cookie;
+        let Some(entry) = self.pods.get(&cookie) else {
             return Ok(false);
         };
-        if let Err(e) = self.release_pod(entry) {
+        let netns_path = entry.netns.path().to_owned();
+        if let Err(e) = self.release_pod(cookie) {
             // A pod whose network is torn down (no interface left) has
             // nothing worth cleaning: forget it. Otherwise keep it for a retry.
+            let entry = &self.pods[&cookie];
             let torn_down = podnet::inspect(&entry.netns).is_ok_and(|n| n.interfaces.is_empty());
             if !torn_down {
                 return Err(e);
             }
             warn!(
                 "forgetting pod in {} (its network is gone): {e}",
-                entry.netns.path().display()
+                netns_path.display()
             );
-            for ip in &entry.addresses {
-                let _ = self.probe_set_del(*ip);
-            }
         }
-        let entry = self.pods.remove(&netns_inode).expect("looked up above");
+        self.pods.remove(&cookie);
         info!(
-            "unenrolled pod in {} (netns inode {netns_inode}) from iptables",
-            entry.netns.path().display()
+            "unenrolled pod in {} ({pod}) from iptables",
+            netns_path.display()
         );
         Ok(true)
     }
 
-    fn enrolled(&mut self) -> Result<Vec<u64>, EnrollError> {
-        Ok(self.pods.keys().copied().collect())
+    fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
+        Ok(self.pods.values().map(|e| e.key).collect())
+    }
+
+    fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
+        let mut out = self.check_probe_sets();
+        if scope == CheckScope::Full {
+            for (key, netns) in pods {
+                out.extend(self.check_pod(*key, netns));
+            }
+        }
+        out
+    }
+
+    fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
+        self.repair_probe_sets(violations);
+        let mut again: Vec<PodKey> = violations
+            .iter()
+            .filter(|v| {
+                matches!(
+                    v.kind,
+                    ViolationKind::RulesMissing
+                        | ViolationKind::RoutingMissing
+                        | ViolationKind::PodAddressesChanged
+                )
+            })
+            .filter_map(|v| v.pod)
+            .collect();
+        again.sort_unstable();
+        again.dedup();
+        again
     }
 }

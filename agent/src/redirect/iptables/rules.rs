@@ -253,6 +253,23 @@ impl SavedRules {
         })
     }
 
+    /// Whether the capture of [`pod_rules`] is in place: nat PREROUTING and
+    /// OUTPUT jump to ambpf's chains, which redirect to ztunnel's inbound
+    /// and outbound ports.
+    pub fn captures(&self) -> bool {
+        let jumps = |from, to| self.jumps("nat", &Jump::append(from, to)) > 0;
+        let redirects = |chain: &str, port: u16| {
+            let target = format!("-j REDIRECT --to-ports {port}");
+            self.chain_rules("nat", chain)
+                .iter()
+                .any(|rule| rule.ends_with(&target))
+        };
+        jumps("PREROUTING", CHAIN_PREROUTING)
+            && jumps("OUTPUT", CHAIN_OUTPUT)
+            && redirects(CHAIN_PREROUTING, INBOUND_PORT)
+            && redirects(CHAIN_OUTPUT, OUTBOUND_PORT)
+    }
+
     /// The `-A` lines of `chain` in `table`.
     pub fn chain_rules(&self, table: &str, chain: &str) -> Vec<String> {
         let prefix = format!("-A {chain} ");

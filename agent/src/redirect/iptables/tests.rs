@@ -75,10 +75,20 @@ fn enrol_reenrol_unenrol_and_remove_with_each_backend() {
             ]
         );
         assert_eq!(enrolled.interfaces, ["eth0"]);
-        assert_eq!(redirection.enrolled().unwrap(), [pod.inode()]);
+        assert_eq!(redirection.enrolled().unwrap(), [enrolled.key()]);
         assert_eq!(
             probe_set_members(&node, Family::V4).unwrap(),
             [IpAddr::V4(PodAndNode::POD.v4)]
+        );
+        // Each member names the pod that owns it.
+        assert_eq!(
+            probe_set_entries(&node, Family::V4).unwrap()[0].netns_cookie,
+            Some(enrolled.netns_cookie)
+        );
+        assert!(
+            redirection
+                .check(&[(enrolled.key(), &pod)], CheckScope::Full)
+                .is_empty()
         );
         assert_eq!(
             probe_set_members(&node, Family::V6).unwrap(),
@@ -117,8 +127,8 @@ fn enrol_reenrol_unenrol_and_remove_with_each_backend() {
         assert_eq!(everything(&pod), first, "{backend}: DNS capture back on");
 
         // Unenrol: capture and probe entries gone, the reply path stays.
-        assert!(redirection.unenroll(pod.inode()).unwrap());
-        assert!(!redirection.unenroll(pod.inode()).unwrap());
+        assert!(redirection.unenroll(enrolled.key()).unwrap());
+        assert!(!redirection.unenroll(enrolled.key()).unwrap());
         assert!(redirection.enrolled().unwrap().is_empty());
         for family in Family::ALL {
             assert!(probe_set_members(&node, family).unwrap().is_empty());
