@@ -22,12 +22,13 @@ use ambpf::{
     bpf::{Dataplane, PinLayout},
     netns::Netns,
     redirect::{
-        EnrollOptions, PodRedirection, RedirectMode,
+        CheckScope, EnrollOptions, PodRedirection, RedirectMode, ViolationKind,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
     },
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
-use ambpf_common::NodeConfig;
+use ambpf_common::{IpKey, NodeConfig, PodConfig, maps};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
@@ -149,7 +150,7 @@ struct Fixture {
     _zds_dir: TempDir,
     cluster: Cluster,
     /// eBPF mode: where the programs are pinned.
-    _bpffs: Option<BpffsMount>,
+    bpffs: Option<BpffsMount>,
 }
 
 struct TempDir(std::path::PathBuf);
@@ -289,7 +290,7 @@ async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
         _zds: server,
         _zds_dir: TempDir(dir),
         cluster,
-        _bpffs: bpffs,
+        bpffs,
     }
 }
 
@@ -613,6 +614,61 @@ in_both_modes!(
             "{:#?}",
             f.proxied()
         );
+    }
+);
+
+in_both_modes!(
+    a_lost_address_record_is_found_by_the_state_check_and_repaired,
+    |f| {
+        let netns = f.pod_netns();
+        let [pod] = f.redirection.enrolled().unwrap()[..] else {
+            panic!("one pod is enrolled");
+        };
+        let known = [(pod, &netns)];
+        assert_eq!(f.redirection.check(&known, CheckScope::Full), []);
+
+        // Lose the pod's IPv4 record, as removing a stale pod with the same
+        // address used to: in eBPF mode inbound connections then bypass
+        // ztunnel, in iptables mode kubelet probes are captured.
+        let v4 = f.pod_ip(false);
+        let expected = match f.mode {
+            RedirectMode::Ebpf => {
+                let pins = PinLayout::new(f.bpffs.as_ref().unwrap().path().join("ambpf"));
+                let data = MapData::from_pin(pins.map(maps::PODS_BY_IP)).unwrap();
+                let mut by_ip: BpfHashMap<_, IpKey, PodConfig> =
+                    BpfHashMap::try_from(Map::HashMap(data)).unwrap();
+                by_ip.remove(&ambpf::redirect::ebpf::ip_key(v4)).unwrap();
+                ViolationKind::AddressMissing
+            }
+            RedirectMode::Iptables => {
+                let node = f.cluster.node.name();
+                let deleted = std::process::Command::new("ip")
+                    .args(["netns", "exec", node, "ipset", "del", iptables::PROBE_IPSET_V4])
+                    .arg(v4.to_string())
+                    .status()
+                    .unwrap();
+                assert!(deleted.success());
+                ViolationKind::ProbeSetMissing
+            }
+        };
+        let found = f.redirection.check(&known, CheckScope::Records);
+        assert_eq!(found.len(), 1, "{found:#?}");
+        assert_eq!((found[0].kind, found[0].address, found[0].pod), (expected, Some(v4), Some(pod)));
+
+        assert_eq!(f.redirection.repair(&found), []);
+        assert_eq!(f.redirection.check(&known, CheckScope::Full), []);
+        // Captured again: inbound through ztunnel, probes straight through.
+        let before = f.proxied().len();
+        let dst = SocketAddr::new(v4, APP_PORT);
+        echo_once(&f.cluster.remote.ns, dst, None, None);
+        f.wait_proxied(15006, dst).await;
+        if f.mode == RedirectMode::Iptables {
+            let probed = f.proxied().len();
+            echo_once(&f.cluster.node, dst, None, None);
+            assert_eq!(f.app.last_peer().unwrap().ip(), IpAddr::from(iptables::PROBE_SNAT_V4));
+            assert_eq!(f.proxied().len(), probed, "a probe went through ztunnel");
+        }
+        assert!(f.proxied().len() > before);
     }
 );
 

@@ -212,12 +212,12 @@ fn ebpf_pods_lose_their_routes_links_and_pins() {
     let cluster = Cluster::create(1).unwrap();
     let pod = &cluster.pods[0].ns;
     let netns = open(pod);
-    {
+    let cookie = {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
-        dataplane.enroll_pod(&netns, true).unwrap();
-    }
+        dataplane.enroll_pod(&netns, true).unwrap().netns_cookie
+    };
     assert!(routing::reply_routing_installed(&netns).unwrap());
-    assert!(pins.pod_links_dir(netns.inode()).exists());
+    assert!(pins.pod_links_dir(cookie).exists());
 
     let out = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
     assert!(out.status.success());
