@@ -7,7 +7,9 @@
 //! connections stay redirected while no agent runs (the pinned state does the
 //! work), the new agent adopts the pinned maps and links (same link ids, new
 //! programs), ztunnel gets a full snapshot again, and removing the pod
-//! afterwards leaves no map entry behind.
+//! afterwards leaves no map entry behind. `ambpf status --check` finds the
+//! pinned state consistent throughout, names a link directory that belongs
+//! to no pod, and the agent's own check removes it.
 
 use std::{
     io::{Read, Write},
@@ -240,6 +242,9 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
         .await
         .unwrap();
     let after = status(&pins);
+    let (consistent, said) = check(&pins);
+    assert!(consistent, "{said}");
+    assert!(said.contains("consistent"), "{said}");
     tokio::task::block_in_place(|| {
         echo(&mut outbound, b"agent back");
         echo(&mut inbound, b"agent back");
@@ -295,7 +300,34 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
             .any(|l| l["pin"].as_str().unwrap().contains("links/pods")),
         "the pod's TC link is still pinned: {last}"
     );
+
+    // A link directory of no pod is a violation `status --check` names; the
+    // agent's check after its next pass removes it.
+    let orphan = pins.join("links/pods/4026530000");
+    std::fs::create_dir_all(&orphan).unwrap();
+    let (consistent, said) = check(&pins);
+    assert!(!consistent, "{said}");
+    assert!(said.contains("steering_orphan") && said.contains("4026530000"), "{said}");
+    std::fs::write(&pods_file, r#"{"pods": [], "note": "a pass"}"#).unwrap();
+    wait_for(|| !orphan.exists(), "the agent to repair the orphan").await;
+    assert!(check(&pins).0);
     ztunnel.shutdown().await;
+}
+
+/// `ambpf status --check`: whether it passed, and what it printed.
+fn check(pins: &Path) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
+        .arg("--pin-root")
+        .arg(pins)
+        .args(["status", "--check"])
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
 }
 
 struct TempDir(PathBuf);

@@ -226,6 +226,29 @@ mod tests {
     }
 
     #[test]
+    fn a_second_holder_of_the_pin_root_waits_for_the_first() {
+        let bpffs = ambpf_testbed::BpffsMount::create().unwrap();
+        let pins = PinLayout::new(bpffs.path().join("ambpf"));
+        pins.prepare().unwrap();
+        let first = PinRootLock::acquire(&pins).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let second = {
+            let pins = pins.clone();
+            std::thread::spawn(move || {
+                let lock = PinRootLock::acquire(&pins).unwrap();
+                tx.send(()).unwrap();
+                lock
+            })
+        };
+        let wait = std::time::Duration::from_millis(300);
+        assert!(rx.recv_timeout(wait).is_err(), "the second took a held lock");
+        drop(first);
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the second gets the lock once the first is gone");
+        drop(second.join().unwrap());
+    }
+
+    #[test]
     fn layout_names_every_pin_under_the_root() {
         let pins = PinLayout::new("/sys/fs/bpf/ambpf");
         assert_eq!(
