@@ -14,6 +14,7 @@ pub mod ebpf;
 pub mod iptables;
 pub mod podnet;
 pub mod routing;
+pub mod rtnl;
 
 use std::path::PathBuf;
 
