@@ -28,7 +28,7 @@ use crate::{
     cni,
     netns::Netns,
     redirect::{
-        RedirectMode,
+        RedirectMode, check, ebpf,
         iptables::{self, PodRulesFound},
         podnet, routing,
     },
@@ -135,7 +135,8 @@ fn cni_plugin(conf_dir: &Path, bin_dir: &Path, report: &mut Report) {
     }
 }
 
-/// The enrolled pods' reply routing, then the pins.
+/// The enrolled pods' steering filters and reply routing, any other
+/// steering filter running the agent's program, then the pins.
 fn ebpf_state<'a>(
     pins: &PinLayout,
     namespaces: impl FnOnce() -> &'a Vec<Netns>,
@@ -160,17 +161,21 @@ fn ebpf_state<'a>(
                     ));
                     continue;
                 };
-                match routing::remove_reply_routing(netns) {
+                let removed = ebpf::detach_steering(netns, pod.steering_qdisc_created)
+                    .map_err(|e| crate::error_chain(&e))
+                    .and_then(|()| {
+                        routing::remove_reply_routing(netns).map_err(|e| crate::error_chain(&e))
+                    });
+                match removed {
                     Ok(()) => report.done(format!(
-                        "removed the reply routing of {}",
+                        "removed the steering and reply routing of {}",
                         netns.path().display()
                     )),
                     Err(e) => {
                         pods_left = true;
                         report.failed(format!(
-                            "removing the reply routing of {}: {}",
-                            netns.path().display(),
-                            crate::error_chain(&e)
+                            "removing the steering and reply routing of {}: {e}",
+                            netns.path().display()
                         ));
                     }
                 }
@@ -183,6 +188,23 @@ fn ebpf_state<'a>(
             pins.root().display(),
             crate::error_chain(&e)
         )),
+    }
+    // Filters of pods no longer enrolled (their removal failed, or an agent
+    // died mid-way): found by the program they run.
+    if let Some(program) = crate::bpf::pinned_steering_program(pins) {
+        for stray in check::scan_orphan_steering(program, &Default::default()) {
+            let Some(path) = &stray.netns else { continue };
+            let removed = Netns::open(&path.to_string_lossy())
+                .map_err(|e| e.to_string())
+                .and_then(|ns| ebpf::detach_steering(&ns, false).map_err(|e| e.to_string()));
+            match removed {
+                Ok(()) => report.done(format!("removed the steering in {}", path.display())),
+                Err(e) => {
+                    pods_left = true;
+                    report.failed(format!("removing the steering in {}: {e}", path.display()));
+                }
+            }
+        }
     }
     let root = pins.root();
     if pods_left {

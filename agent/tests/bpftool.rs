@@ -58,7 +58,7 @@ fn bpftool_prints_pinned_map_entries_with_named_fields() {
     assert_eq!(value["netns_inode"], netns.inode(), "{dump}");
     assert_eq!(
         value["flags"],
-        ambpf_common::pod_flags::DNS_CAPTURE,
+        ambpf_common::pod_flags::DNS_CAPTURE | ambpf_common::pod_flags::STEERING_QDISC_CREATED,
         "{dump}"
     );
     let first_ip: Vec<u64> = value["ips"][0]["addr"]

@@ -26,7 +26,9 @@ use ambpf::{
     },
     sources::kube::rules::REDIRECTION_ANNOTATION,
 };
+use ambpf_common::{PodConfig, maps};
 use ambpf_testbed::{BpffsMount, NetnsGuard, apiserver::ApiServer, cluster::Cluster};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use serde_json::{Value, json};
 
 /// The host-side rules and ipsets are per node namespace and each test has
@@ -205,40 +207,66 @@ fn restore(ns: &NetnsGuard, backend: IptablesBackend, rules: &str) {
 }
 
 #[test]
-fn ebpf_pods_lose_their_routes_links_and_pins() {
+fn ebpf_pods_lose_their_steering_routes_and_pins() {
     let _serial = serial();
     let bpffs = BpffsMount::create().unwrap();
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
-    let cluster = Cluster::create(1).unwrap();
-    let pod = &cluster.pods[0].ns;
+    let cluster = Cluster::create(2).unwrap();
+    let (pod, half_removed) = (&cluster.pods[0].ns, &cluster.pods[1].ns);
     let netns = open(pod);
-    let cookie = {
+    {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
-        dataplane.enroll_pod(&netns, true).unwrap().netns_cookie
-    };
+        dataplane.enroll_pod(&netns, true).unwrap();
+        // An agent that died while removing this pod: its map entry is
+        // gone, its steering filter is not.
+        let half = dataplane.enroll_pod(&open(half_removed), true).unwrap();
+        let data = MapData::from_pin(pins.map(maps::PODS_BY_NETNS)).unwrap();
+        let mut pods: BpfHashMap<_, u64, PodConfig> =
+            BpfHashMap::try_from(Map::HashMap(data)).unwrap();
+        pods.remove(&half.netns_cookie).unwrap();
+    }
     assert!(routing::reply_routing_installed(&netns).unwrap());
-    assert!(pins.pod_links_dir(cookie).exists());
+    for ns in [pod, half_removed] {
+        assert!(tc_filters(ns).contains("ambpf_pod_in"), "steering in {}", ns.name());
+    }
 
-    let out = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
-    assert!(out.status.success());
+    let out = uninstall_on(&cluster.node, &[pod, half_removed], &[], pins.root(), &[]);
+    assert!(out.status.success(), "{}", stdout(&out));
     let text = stdout(&out);
-    assert!(
-        text.contains(&format!(
-            "removed the reply routing of {}",
-            pod.path().display()
-        )),
-        "{text}"
-    );
-    assert!(
-        text.contains(&format!("removed {}", pins.root().display())),
-        "{text}"
-    );
+    for said in [
+        format!("removed the steering and reply routing of {}", pod.path().display()),
+        format!("removed the steering in {}", half_removed.path().display()),
+        format!("removed {}", pins.root().display()),
+    ] {
+        assert!(text.contains(&said), "{said}: {text}");
+    }
     assert!(!routing::reply_routing_installed(&netns).unwrap());
+    for ns in [pod, half_removed] {
+        let filters = tc_filters(ns);
+        assert!(!filters.contains("ambpf_pod_in"), "{}: {filters}", ns.name());
+    }
+    // The qdisc ambpf made for the enrolled pod goes too (for the other,
+    // whose record is gone, nothing says whose it is: it stays).
+    let qdiscs = ns_output(pod, &["tc", "qdisc", "show", "dev", "eth0"]);
+    assert!(!qdiscs.contains("clsact"), "the clsact ambpf made stays: {qdiscs}");
     assert!(!pins.root().exists());
 
     let again = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
     assert!(again.status.success());
     assert!(stdout(&again).contains("nothing pinned under"));
+}
+
+fn ns_output(ns: &NetnsGuard, command: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns.name()])
+        .args(command)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn tc_filters(ns: &NetnsGuard) -> String {
+    ns_output(ns, &["tc", "filter", "show", "dev", "eth0", "ingress"])
 }
 
 /// Pods enrolled in iptables mode by an agent that is gone (its memory of

@@ -178,6 +178,9 @@ pub struct PodConfig {
 pub mod pod_flags {
     /// Redirect the pod's DNS (port 53) to ztunnel's DNS proxy.
     pub const DNS_CAPTURE: u32 = 1 << 0;
+    /// The agent created the `clsact` qdisc its steering filter sits on (it
+    /// removes it with the filter when nothing else uses it).
+    pub const STEERING_QDISC_CREATED: u32 = 1 << 1;
 }
 
 /// Node-wide settings.

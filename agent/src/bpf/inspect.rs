@@ -36,6 +36,9 @@ pub struct EnrolledPodEntry {
     pub netns_inode: u64,
     pub addresses: Vec<std::net::IpAddr>,
     pub dns_capture: bool,
+    /// ambpf created the `clsact` qdisc its steering filter sits on.
+    #[serde(skip)]
+    pub steering_qdisc_created: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -172,6 +175,8 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             netns_inode: pod.netns_inode,
             addresses,
             dns_capture: pod.flags & ambpf_common::pod_flags::DNS_CAPTURE != 0,
+            steering_qdisc_created: pod.flags & ambpf_common::pod_flags::STEERING_QDISC_CREATED
+                != 0,
         });
     }
     pods.sort_by_key(|p| p.netns_inode);

@@ -49,6 +49,37 @@ pub struct Dataplane {
     /// (the agent is the maps' only writer); `None` after anything that may
     /// have left it behind the map, so it is read again.
     pub(crate) address_claims: Option<crate::redirect::claims::AddressClaims<ambpf_common::IpKey>>,
+    /// The namespaces of the pods this process enrolled, by netns cookie.
+    pub(crate) held: std::collections::HashMap<u64, crate::netns::Netns>,
+}
+
+/// Pins the steering program (replacing an earlier agent's pin), so that
+/// `status` and the state check can tell which tc filters run this agent's
+/// program.
+fn pin_steering_program(ebpf: &mut Ebpf, pins: &PinLayout) -> Result<(), LoadError> {
+    let name = ambpf_common::programs::POD_INGRESS;
+    let path = pins.program(name);
+    let pin_err = |reason: String| LoadError::Program {
+        name: name.to_owned(),
+        reason: format!("pinning at {}: {reason}", path.display()),
+    };
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(pin_err(e.to_string())),
+    }
+    let program: &mut SchedClassifier = ebpf
+        .program_mut(name)
+        .and_then(|p| p.try_into().ok())
+        .ok_or_else(|| pin_err("not a classifier".into()))?;
+    program.pin(&path).map_err(|e| pin_err(e.to_string()))
+}
+
+/// The id of the steering program pinned under `pins`, if any.
+pub fn pinned_steering_program(pins: &PinLayout) -> Option<u32> {
+    use std::os::fd::AsFd as _;
+    let fd = sys::obj_get(&pins.program(ambpf_common::programs::POD_INGRESS)).ok()?;
+    sys::prog_id(fd.as_fd()).ok()
 }
 
 impl Dataplane {
@@ -95,10 +126,12 @@ impl Dataplane {
             })?;
             debug!("loaded BPF program {name}");
         }
+        pin_steering_program(&mut ebpf, &pins)?;
         Ok(Self {
             ebpf,
             pins,
             address_claims: None,
+            held: std::collections::HashMap::new(),
         })
     }
 

@@ -4,8 +4,8 @@
 //! <root>/                       default /sys/fs/bpf/ambpf
 //!   maps/<map name>             every map the programs share with the agent
 //!   links/tc/<netns inode>/<ifindex>-<ingress|egress>    interface counters
-//!   links/pods/<netns cookie>/<ifindex>-ingress          a pod's inbound steering
 //!   links/cgroup/<cgroup inode>/<program>                socket programs
+//!   progs/ambpf_pod_in                                   the steering program pods' tc filters run
 //! ```
 //! Links are pinned so attachments survive the agent (restarts, upgrades);
 //! removing a link's pin while no process holds it detaches the program.
@@ -63,6 +63,12 @@ impl PinLayout {
         self.maps_dir().join(name)
     }
 
+    /// Programs pinned so that other processes can tell the agent's own:
+    /// the steering program, which runs in pods' tc filters.
+    pub fn program(&self, name: &str) -> PathBuf {
+        self.root.join("progs").join(name)
+    }
+
     pub fn tc_links_dir(&self) -> PathBuf {
         self.root.join("links/tc")
     }
@@ -89,8 +95,8 @@ impl PinLayout {
     }
 
     /// What ambpf pins directly under the root; all of it is ambpf's.
-    pub fn top_level_dirs(&self) -> [PathBuf; 2] {
-        [self.maps_dir(), self.root.join("links")]
+    pub fn top_level_dirs(&self) -> [PathBuf; 3] {
+        [self.maps_dir(), self.root.join("links"), self.root.join("progs")]
     }
 
     /// Checks that the root lies on bpffs, below its mount point (the root
@@ -102,7 +108,7 @@ impl PinLayout {
                 path: self.root.clone(),
             });
         }
-        for dir in [self.maps_dir(), self.tc_links_dir()] {
+        for dir in [self.maps_dir(), self.tc_links_dir(), self.root.join("progs")] {
             std::fs::create_dir_all(&dir).map_err(|source| PinError::Io { path: dir, source })?;
         }
         Ok(())

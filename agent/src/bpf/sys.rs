@@ -13,6 +13,10 @@ use std::{
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_PROG_LOAD: libc::c_long = 5;
+
+/// enum bpf_prog_type: a TC classifier.
+pub const PROG_TYPE_SCHED_CLS: u32 = 3;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 
@@ -122,4 +126,47 @@ pub fn tcx_link_ifindex(link: BorrowedFd<'_>) -> io::Result<Option<u32>> {
     attr.words[3] = (ptr >> 32) as u32;
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
     Ok(Some(info[4]).filter(|ifindex| *ifindex != 0))
+}
+
+/// Loads a two-instruction program of `prog_type` that returns `verdict`
+/// (`r0 = verdict; exit`): a stand-in whose behaviour does not matter, for
+/// probing what the kernel accepts and for tests of attachment plumbing.
+pub fn load_minimal_program(prog_type: u32, verdict: i32) -> io::Result<OwnedFd> {
+    // struct bpf_insn: code, dst_reg:4 | src_reg:4, off (i16), imm (i32).
+    let insn = |code: u8, imm: i32| {
+        let mut raw = [0u8; 8];
+        raw[0] = code;
+        raw[4..].copy_from_slice(&imm.to_ne_bytes());
+        raw
+    };
+    const MOV64_IMM_R0: u8 = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K
+    const EXIT: u8 = 0x95; // BPF_JMP | BPF_EXIT
+    let program = [insn(MOV64_IMM_R0, verdict), insn(EXIT, 0)];
+    let license = c"GPL";
+    let mut attr = Attr::default();
+    attr.words[0] = prog_type;
+    attr.words[1] = program.len() as u32; // insn_cnt
+    let insns = program.as_ptr() as u64;
+    attr.words[2] = insns as u32;
+    attr.words[3] = (insns >> 32) as u32;
+    let license = license.as_ptr() as u64;
+    attr.words[4] = license as u32;
+    attr.words[5] = (license >> 32) as u32;
+    let fd = bpf(BPF_PROG_LOAD, &mut attr)?;
+    // SAFETY: the kernel returned a new program fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// The id of the program `program` (BPF_OBJ_GET_INFO_BY_FD: `struct
+/// bpf_prog_info` starts with its type, then its id).
+pub fn prog_id(program: BorrowedFd<'_>) -> io::Result<u32> {
+    let mut info = [0u32; 2];
+    let mut attr = Attr::default();
+    attr.words[0] = program.as_raw_fd() as u32; // bpf_fd
+    attr.words[1] = size_of_val(&info) as u32; // info_len
+    let ptr = info.as_mut_ptr() as u64;
+    attr.words[2] = ptr as u32;
+    attr.words[3] = (ptr >> 32) as u32;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(info[1])
 }

@@ -20,32 +20,21 @@
 
 use std::{net::IpAddr, path::PathBuf};
 
-use ambpf_common::{Direction, IpKey, NodeConfig, PodConfig, maps, pod_flags, programs};
-use aya::{
-    maps::{Array, HashMap, MapData},
-    programs::TcAttachType,
-};
+use ambpf_common::{IpKey, NodeConfig, PodConfig, maps, pod_flags, programs};
+use aya::maps::{Array, HashMap, MapData};
 use log::{info, warn};
 
 use super::{
     CheckScope, PodKey, Violation,
     claims::{AddressClaims, Claim, Release},
     podnet, routing,
+    rtnl::{NetlinkError, Rtnl},
+    steering,
 };
 use crate::{
-    bpf::{
-        Dataplane,
-        tc::{AttachError, TcHook},
-    },
-    netns::Netns,
+    bpf::{Dataplane, tc::AttachError},
+    netns::{Netns, NetnsError},
 };
-
-/// Inbound steering runs on ingress only.
-const POD_HOOKS: [TcHook; 1] = [(
-    Direction::Ingress,
-    TcAttachType::Ingress,
-    programs::POD_INGRESS,
-)];
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnrollError {
@@ -69,6 +58,16 @@ pub enum EnrollError {
         dir: PathBuf,
         source: std::io::Error,
     },
+    #[error("inbound steering on {iface} in {netns}: {source}")]
+    Steering {
+        iface: String,
+        netns: PathBuf,
+        source: NetlinkError,
+    },
+    #[error("the steering program: {0}")]
+    SteeringProgram(String),
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
 }
 
 /// What enrolment found and programmed for one pod.
@@ -204,22 +203,15 @@ impl Dataplane {
         }
 
         routing::install_reply_routing(netns)?;
-        let links_dir = self.pins().pod_links_dir(cookie);
-        let fresh_dir = !links_dir.exists();
-        for iface in &net.interfaces {
-            if let Err(e) = self.attach_tc(netns, &iface.name, &POD_HOOKS, &links_dir) {
-                // A pod enrolled before keeps the steering it had.
-                if fresh_dir {
-                    let _ = std::fs::remove_dir_all(&links_dir);
-                }
-                return Err(e.into());
-            }
+        let previous = self.pods_by_netns()?.get(&cookie, 0).ok();
+        if self.attach_steering(netns, &net.interfaces)?
+            || previous.is_some_and(|p| p.flags & pod_flags::STEERING_QDISC_CREATED != 0)
+        {
+            config.flags |= pod_flags::STEERING_QDISC_CREATED;
         }
-        let ifindexes: Vec<u32> = net.interfaces.iter().map(|i| i.index).collect();
-        prune_pod_links(&links_dir, &ifindexes);
+        self.held.insert(cookie, keep(netns)?);
 
         // From here on, new connections of the pod are redirected.
-        let previous = self.pods_by_netns()?.get(&cookie, 0).ok();
         self.pods_by_netns()?
             .insert(cookie, config, 0)
             .map_err(map_err(maps::PODS_BY_NETNS))?;
@@ -354,22 +346,68 @@ impl Dataplane {
                 Err(e) => return Err(map_err(maps::PODS_BY_NETNS)(e)),
             }
         }
-        let links_dir = self.pins().pod_links_dir(cookie);
-        let had_links = links_dir.exists();
-        match std::fs::remove_dir_all(&links_dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(EnrollError::Unlink {
-                    dir: links_dir,
-                    source,
-                });
-            }
+        // New connections go direct from here; the steering filter goes
+        // with the namespace if that is gone already.
+        let netns = match self.held.remove(&cookie) {
+            Some(netns) => Some(netns),
+            None => found.and_then(|config| {
+                super::check::locate_pods(&[config], &[]).remove(&cookie).flatten()
+            }),
+        };
+        if let Some(netns) = netns {
+            let qdisc_created =
+                found.is_some_and(|c| c.flags & pod_flags::STEERING_QDISC_CREATED != 0);
+            detach_steering(&netns, qdisc_created)?;
         }
         if found.is_some() {
             info!("removed pod with {pod}");
         }
-        Ok(found.is_some() || had_links)
+        Ok(found.is_some())
+    }
+
+    /// Attaches the steering program to every interface of the pod in
+    /// `netns` (or replaces its program where it is attached): all of them,
+    /// or, on an error, none that this call attached. Returns whether a
+    /// `clsact` qdisc had to be created.
+    fn attach_steering(
+        &mut self,
+        netns: &Netns,
+        interfaces: &[podnet::Interface],
+    ) -> Result<bool, EnrollError> {
+        use std::os::fd::AsFd as _;
+        let program = self
+            .classifier(programs::POD_INGRESS)
+            .fd()
+            .map_err(|e| EnrollError::SteeringProgram(e.to_string()))?;
+        let program = program.as_fd();
+        let path = netns.path();
+        netns.run(|| {
+            let netlink_err = |iface: &podnet::Interface| {
+                let iface = iface.name.clone();
+                move |source| EnrollError::Steering {
+                    iface,
+                    netns: path.to_owned(),
+                    source,
+                }
+            };
+            let Some(first) = interfaces.first() else {
+                return Ok(false);
+            };
+            let mut rtnl = Rtnl::open().map_err(netlink_err(first))?;
+            let mut done: Vec<(u32, steering::Attached)> = Vec::new();
+            for iface in interfaces {
+                match steering::attach(&mut rtnl, iface.index, program, programs::POD_INGRESS) {
+                    Ok(attached) => done.push((iface.index, attached)),
+                    Err(e) => {
+                        for (ifindex, attached) in done.iter().filter(|(_, a)| !a.replaced) {
+                            let _ = steering::detach(&mut rtnl, *ifindex, attached.qdisc_created);
+                        }
+                        return Err(netlink_err(iface)(e));
+                    }
+                }
+            }
+            Ok(done.iter().any(|(_, a)| a.qdisc_created))
+        })?
     }
 
     /// Every enrolled pod, as pinned.
@@ -414,6 +452,35 @@ pub fn claimed(pod: &PodConfig) -> impl Iterator<Item = IpKey> + '_ {
     pod.ips.iter().copied().filter(|ip| *ip != IpKey::default())
 }
 
+/// Removes ambpf's steering filter from every interface in `netns`.
+pub fn detach_steering(netns: &Netns, qdisc_created: bool) -> Result<(), EnrollError> {
+    let path = netns.path();
+    netns.run(|| {
+        let steering_err = |iface: String| {
+            move |source| EnrollError::Steering {
+                iface,
+                netns: path.to_owned(),
+                source,
+            }
+        };
+        let mut rtnl = Rtnl::open().map_err(steering_err("-".into()))?;
+        let interfaces = podnet::interfaces(&mut rtnl).map_err(steering_err("-".into()))?;
+        for iface in interfaces {
+            steering::detach(&mut rtnl, iface.index, qdisc_created)
+                .map_err(steering_err(iface.name))?;
+        }
+        Ok(())
+    })?
+}
+
+/// A handle of our own on `netns` (the caller's may close), held while its
+/// pod is enrolled: its steering is removed through it, and a namespace kept
+/// open is never freed, so its inode is not reused meanwhile.
+fn keep(netns: &Netns) -> Result<Netns, NetnsError> {
+    use std::os::fd::AsRawFd as _;
+    Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd()))
+}
+
 /// An address key back as an address.
 pub fn ip_addr(key: IpKey) -> IpAddr {
     let v6 = std::net::Ipv6Addr::from(key.addr);
@@ -422,22 +489,6 @@ pub fn ip_addr(key: IpKey) -> IpAddr {
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> EnrollError {
     move |source| EnrollError::Map { map, source }
-}
-
-/// Removes the steering pins in a pod's link directory whose interface the
-/// pod no longer has (its link is defunct and holds only memory).
-fn prune_pod_links(links_dir: &std::path::Path, ifindexes: &[u32]) {
-    let Ok(entries) = std::fs::read_dir(links_dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let keep = crate::bpf::pins::parse_tc_link_name(&name.to_string_lossy())
-            .is_some_and(|(ifindex, _)| ifindexes.contains(&ifindex));
-        if !keep {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
 }
 
 impl super::PodRedirection for Dataplane {

@@ -15,6 +15,7 @@ pub mod iptables;
 pub mod podnet;
 pub mod routing;
 pub mod rtnl;
+pub mod steering;
 
 use std::path::PathBuf;
 

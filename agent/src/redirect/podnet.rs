@@ -170,29 +170,7 @@ fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
     let mut rtnl = Rtnl::open().map_err(netlink_err("opening a netlink route socket"))?;
     // The netlink socket was created on this thread, so it is in the namespace.
     let netns_cookie = cookie_of(rtnl.as_fd(), netns)?;
-    let links = rtnl
-        .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
-        .map_err(netlink_err("listing interfaces"))?;
-    let mut interfaces: Vec<Interface> = links
-        .into_iter()
-        .filter_map(|msg| match msg {
-            RouteNetlinkMessage::NewLink(link) => Some(link),
-            _ => None,
-        })
-        .filter(|link| !link.header.flags.contains(LinkFlags::Loopback))
-        .map(|link| Interface {
-            index: link.header.index,
-            name: link
-                .attributes
-                .iter()
-                .find_map(|attr| match attr {
-                    LinkAttribute::IfName(name) => Some(name.clone()),
-                    _ => None,
-                })
-                .unwrap_or_default(),
-        })
-        .collect();
-    interfaces.sort_by_key(|iface| iface.index);
+    let interfaces = interfaces(&mut rtnl).map_err(netlink_err("listing interfaces"))?;
 
     let addrs = dump_addresses(&mut rtnl).map_err(netlink_err("listing addresses"))?;
     let mut addresses = Vec::new();
@@ -215,6 +193,33 @@ fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
         interfaces,
         addresses,
     })
+}
+
+/// The interfaces other than loopback of the namespace `rtnl` is in, by
+/// ascending index.
+pub fn interfaces(rtnl: &mut Rtnl) -> Result<Vec<Interface>, NetlinkError> {
+    let links = rtnl.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))?;
+    let mut interfaces: Vec<Interface> = links
+        .into_iter()
+        .filter_map(|msg| match msg {
+            RouteNetlinkMessage::NewLink(link) => Some(link),
+            _ => None,
+        })
+        .filter(|link| !link.header.flags.contains(LinkFlags::Loopback))
+        .map(|link| Interface {
+            index: link.header.index,
+            name: link
+                .attributes
+                .iter()
+                .find_map(|attr| match attr {
+                    LinkAttribute::IfName(name) => Some(name.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default(),
+        })
+        .collect();
+    interfaces.sort_by_key(|iface| iface.index);
+    Ok(interfaces)
 }
 
 fn cookie_here(netns: &Path) -> Result<u64, PodNetError> {

@@ -1,0 +1,206 @@
+//! Is the per-pod state consistent? `ambpf status --check`, and the check
+//! the agent runs after every reconcile pass and periodically.
+//!
+//! A wrong record fails silently: an address entry that no longer points at
+//! its pod lets inbound connections reach the app directly, bypassing
+//! ztunnel, with nothing else saying so. The check compares every record
+//! with the pods it belongs to and names each [`Violation`]; the agent
+//! repairs what it can, logs it, and counts every violation by kind
+//! (`ambpf_state_violations_total`), so a bypass becomes an alert.
+//!
+//! Two scopes: [`CheckScope::Records`] reads only the pinned maps and pins
+//! (cheap, after every pass); [`CheckScope::Full`] also looks inside each
+//! enrolled pod's namespace (that it still exists, its addresses, steering
+//! filters and reply routing) and through the node's other namespaces for
+//! steering filters that belong to no pod. The eBPF mode's checks are in
+//! [`ebpf`]; the iptables mode's in `iptables/probes.rs`.
+
+mod ebpf;
+
+use std::{
+    fmt,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
+
+use ambpf_common::PodConfig;
+use serde::Serialize;
+
+pub use self::ebpf::{
+    PinnedPods, check_pod_netns, check_records, ebpf_state, locate_pods, read_pinned_pods,
+    repair_ebpf_state, scan_orphan_steering,
+};
+use super::PodKey;
+
+/// How far a check looks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckScope {
+    /// The records only: maps and pins.
+    Records,
+    /// The records, and inside every enrolled pod's namespace.
+    Full,
+}
+
+/// What is wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ViolationKind {
+    /// An address entry that no enrolled pod claims.
+    AddressOrphan,
+    /// An address entry that holds a pod other than the address's owner,
+    /// or stale settings of its owner.
+    AddressWrongOwner,
+    /// An address an enrolled pod owns without its entry: inbound
+    /// connections to it bypass ztunnel.
+    AddressMissing,
+    /// An enrolled pod whose namespace has other addresses than it was
+    /// enrolled with.
+    PodAddressesChanged,
+    /// An enrolled pod whose network namespace no longer exists.
+    PodNetnsGone,
+    /// An enrolled pod's interface without ambpf's steering filter, or with
+    /// one that runs another program than the agent's.
+    SteeringMissing,
+    /// ambpf's steering filter in a namespace that is no enrolled pod's, or
+    /// a pinned steering link left by an older agent.
+    SteeringOrphan,
+    /// An enrolled pod without its reply routing (rule, route or sysctl).
+    RoutingMissing,
+    /// An enrolled pod without its in-pod rules (iptables mode).
+    RulesMissing,
+    /// A probe ipset member that no enrolled pod owns, or that names
+    /// another pod than the owner (iptables mode).
+    ProbeSetOrphan,
+    /// An address an enrolled pod owns missing from the probe ipset: its
+    /// kubelet probes are captured (iptables mode).
+    ProbeSetMissing,
+    /// State that could not be read.
+    Unreadable,
+}
+
+impl ViolationKind {
+    pub const ALL: [ViolationKind; 12] = [
+        ViolationKind::AddressOrphan,
+        ViolationKind::AddressWrongOwner,
+        ViolationKind::AddressMissing,
+        ViolationKind::PodAddressesChanged,
+        ViolationKind::PodNetnsGone,
+        ViolationKind::SteeringMissing,
+        ViolationKind::SteeringOrphan,
+        ViolationKind::RoutingMissing,
+        ViolationKind::RulesMissing,
+        ViolationKind::ProbeSetOrphan,
+        ViolationKind::ProbeSetMissing,
+        ViolationKind::Unreadable,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ViolationKind::AddressOrphan => "address_orphan",
+            ViolationKind::AddressWrongOwner => "address_wrong_owner",
+            ViolationKind::AddressMissing => "address_missing",
+            ViolationKind::PodAddressesChanged => "pod_addresses_changed",
+            ViolationKind::PodNetnsGone => "pod_netns_gone",
+            ViolationKind::SteeringMissing => "steering_missing",
+            ViolationKind::SteeringOrphan => "steering_orphan",
+            ViolationKind::RoutingMissing => "routing_missing",
+            ViolationKind::RulesMissing => "rules_missing",
+            ViolationKind::ProbeSetOrphan => "probe_set_orphan",
+            ViolationKind::ProbeSetMissing => "probe_set_missing",
+            ViolationKind::Unreadable => "unreadable",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        Self::ALL
+            .iter()
+            .position(|k| *k == self)
+            .expect("every kind is in ALL")
+    }
+}
+
+/// One inconsistency, with what it concerns.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Violation {
+    pub kind: ViolationKind,
+    /// The enrolled pod concerned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<PodKey>,
+    /// The address concerned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub address: Option<IpAddr>,
+    /// The pin concerned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pin: Option<PathBuf>,
+    /// The network namespace concerned, when it is no enrolled pod's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub netns: Option<PathBuf>,
+    pub detail: String,
+}
+
+impl Violation {
+    pub(crate) fn new(kind: ViolationKind, detail: String) -> Self {
+        Self {
+            kind,
+            pod: None,
+            address: None,
+            pin: None,
+            netns: None,
+            detail,
+        }
+    }
+
+    pub(crate) fn pod(self, pod: &PodConfig) -> Self {
+        self.for_pod(key_of(pod))
+    }
+
+    pub(crate) fn for_pod(mut self, pod: PodKey) -> Self {
+        self.pod = Some(pod);
+        self
+    }
+
+    pub(crate) fn address(mut self, address: IpAddr) -> Self {
+        self.address = Some(address);
+        self
+    }
+
+    pub(crate) fn pin(mut self, pin: &Path) -> Self {
+        self.pin = Some(pin.to_owned());
+        self
+    }
+
+    pub(crate) fn in_netns(mut self, netns: &Path) -> Self {
+        self.netns = Some(netns.to_owned());
+        self
+    }
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.as_str(), self.detail)
+    }
+}
+
+pub(crate) fn key_of(pod: &PodConfig) -> PodKey {
+    PodKey {
+        netns_cookie: pod.netns_cookie,
+        netns_inode: pod.netns_inode,
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn every_kind_has_a_distinct_metric_label() {
+        let labels: HashSet<&str> = ViolationKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(labels.len(), ViolationKind::ALL.len());
+        for (i, kind) in ViolationKind::ALL.iter().enumerate() {
+            assert_eq!(kind.index(), i);
+        }
+    }
+}
