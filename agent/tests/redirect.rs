@@ -672,6 +672,78 @@ in_both_modes!(
     }
 );
 
+/// A new agent replacing the steering program while inbound connections
+/// keep coming: every one of them reaches ztunnel, none the app directly,
+/// none is refused or dropped (the filter's program is swapped in place).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn upgrading_the_steering_program_under_inbound_load_loses_no_connection() {
+    with_fixture!(RedirectMode::Ebpf, |f| {
+        let pins = PinLayout::new(f.bpffs.as_ref().unwrap().path().join("ambpf"));
+        let netns = f.pod_netns();
+        let app = SocketAddr::new(f.pod_ip(false), APP_PORT);
+        let before = f.proxied().iter().filter(|c| c.listener_port == 15006).count();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let client = {
+            let (stop, remote) = (stop.clone(), f.cluster.remote.ns.path());
+            std::thread::spawn(move || {
+                let remote = Netns::open(&remote.to_string_lossy()).unwrap();
+                remote
+                    .run(|| {
+                        let (mut made, mut failed) = (0usize, Vec::new());
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            made += 1;
+                            let echoed = TcpStream::connect_timeout(&app, Duration::from_secs(2))
+                                .and_then(|mut conn| {
+                                    conn.set_read_timeout(Some(Duration::from_secs(2)))?;
+                                    conn.write_all(b"ambpf")?;
+                                    let mut reply = [0u8; 5];
+                                    conn.read_exact(&mut reply)
+                                });
+                            if let Err(e) = echoed {
+                                failed.push(e.to_string());
+                            }
+                        }
+                        (made, failed)
+                    })
+                    .unwrap()
+            })
+        };
+        let mut programs = Vec::new();
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            // What a restarted or upgraded agent does: load, then enrol the
+            // pod again, which replaces the program of its filter.
+            let mut upgraded = Dataplane::load(pins.clone()).unwrap();
+            let enrolled = upgraded.enroll_pod(&netns, true).unwrap();
+            assert_eq!(enrolled.netns_inode, netns.inode());
+            programs.push(ambpf::bpf::pinned_steering_program(&pins).unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (made, failed) = tokio::task::block_in_place(|| client.join().unwrap());
+        assert!(failed.is_empty(), "{} of {made} connections failed: {failed:?}", failed.len());
+        assert!(made > 20, "only {made} connections were made");
+        programs.dedup();
+        assert_eq!(programs.len(), 5, "each upgrade pins a new program");
+        // Every connection went through ztunnel's inbound listener.
+        f.ztunnel
+            .wait_until(
+                |s| s.proxied.iter().filter(|c| c.listener_port == 15006).count() >= before + made,
+                PATIENCE,
+            )
+            .await
+            .unwrap_or_else(|_| panic!("not all {made} connections reached ztunnel"));
+        // And none reached the app any other way.
+        let inbound = f.proxied().iter().filter(|c| c.listener_port == 15006).count();
+        assert_eq!(f.app.seen.lock().unwrap().len(), inbound);
+        // The pod's filter runs the last agent's program.
+        let [pod] = f.redirection.enrolled().unwrap()[..] else {
+            panic!("one pod is enrolled");
+        };
+        assert_eq!(f.redirection.check(&[(pod, &netns)], CheckScope::Full), []);
+    })
+}
+
 fn unmap(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),

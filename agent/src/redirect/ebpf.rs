@@ -18,7 +18,7 @@
 //! the newer ([`super::claims`]); removing a pod deletes only the entries
 //! that still hold its cookie.
 
-use std::{net::IpAddr, path::PathBuf};
+use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf};
 
 use ambpf_common::{IpKey, NodeConfig, PodConfig, maps, pod_flags, programs};
 use aya::maps::{Array, HashMap, MapData};
@@ -185,7 +185,18 @@ impl Dataplane {
         netns: &Netns,
         dns_capture: bool,
     ) -> Result<EnrolledPod, EnrollError> {
-        let net = podnet::inspect(netns)?;
+        // One visit to the pod's namespace: what it holds, its reply
+        // routing and its steering filters.
+        let program = self.steering_program()?;
+        let path = netns.path();
+        let (net, qdisc_created) = netns.run(|| -> Result<_, EnrollError> {
+            let net = podnet::inspect_here(path)?;
+            // Addresses first: a pod without any gets nothing installed.
+            super::pod_addresses(&net, netns)?;
+            routing::install_reply_routing_here(path)?;
+            let qdisc_created = attach_steering_here(path, &net.interfaces, program.as_fd())?;
+            Ok((net, qdisc_created))
+        })??;
         let cookie = net.netns_cookie;
         let mut config = PodConfig {
             netns_cookie: cookie,
@@ -202,9 +213,8 @@ impl Dataplane {
             *slot = ip_key(*ip);
         }
 
-        routing::install_reply_routing(netns)?;
         let previous = self.pods_by_netns()?.get(&cookie, 0).ok();
-        if self.attach_steering(netns, &net.interfaces)?
+        if qdisc_created
             || previous.is_some_and(|p| p.flags & pod_flags::STEERING_QDISC_CREATED != 0)
         {
             config.flags |= pod_flags::STEERING_QDISC_CREATED;
@@ -365,49 +375,16 @@ impl Dataplane {
         Ok(found.is_some())
     }
 
-    /// Attaches the steering program to every interface of the pod in
-    /// `netns` (or replaces its program where it is attached): all of them,
-    /// or, on an error, none that this call attached. Returns whether a
-    /// `clsact` qdisc had to be created.
-    fn attach_steering(
-        &mut self,
-        netns: &Netns,
-        interfaces: &[podnet::Interface],
-    ) -> Result<bool, EnrollError> {
+    /// The steering program's fd (a copy the enrolment can carry into the
+    /// pod's namespace).
+    fn steering_program(&mut self) -> Result<std::os::fd::OwnedFd, EnrollError> {
         use std::os::fd::AsFd as _;
-        let program = self
+        let program_err = |e: &dyn std::fmt::Display| EnrollError::SteeringProgram(e.to_string());
+        let fd = self
             .classifier(programs::POD_INGRESS)
             .fd()
-            .map_err(|e| EnrollError::SteeringProgram(e.to_string()))?;
-        let program = program.as_fd();
-        let path = netns.path();
-        netns.run(|| {
-            let netlink_err = |iface: &podnet::Interface| {
-                let iface = iface.name.clone();
-                move |source| EnrollError::Steering {
-                    iface,
-                    netns: path.to_owned(),
-                    source,
-                }
-            };
-            let Some(first) = interfaces.first() else {
-                return Ok(false);
-            };
-            let mut rtnl = Rtnl::open().map_err(netlink_err(first))?;
-            let mut done: Vec<(u32, steering::Attached)> = Vec::new();
-            for iface in interfaces {
-                match steering::attach(&mut rtnl, iface.index, program, programs::POD_INGRESS) {
-                    Ok(attached) => done.push((iface.index, attached)),
-                    Err(e) => {
-                        for (ifindex, attached) in done.iter().filter(|(_, a)| !a.replaced) {
-                            let _ = steering::detach(&mut rtnl, *ifindex, attached.qdisc_created);
-                        }
-                        return Err(netlink_err(iface)(e));
-                    }
-                }
-            }
-            Ok(done.iter().any(|(_, a)| a.qdisc_created))
-        })?
+            .map_err(|e| program_err(&e))?;
+        fd.as_fd().try_clone_to_owned().map_err(|e| program_err(&e))
     }
 
     /// Every enrolled pod, as pinned.
@@ -450,6 +427,43 @@ impl Dataplane {
 /// The addresses a pod's entry claims (its non-empty slots).
 pub fn claimed(pod: &PodConfig) -> impl Iterator<Item = IpKey> + '_ {
     pod.ips.iter().copied().filter(|ip| *ip != IpKey::default())
+}
+
+/// Attaches `program` as the steering filter of every interface in
+/// `interfaces` (or replaces its program where it is attached), from a
+/// thread in their namespace (`netns` in errors): all of them, or, on an
+/// error, none that this call attached. Returns whether a `clsact` qdisc
+/// had to be created.
+fn attach_steering_here(
+    netns: &std::path::Path,
+    interfaces: &[podnet::Interface],
+    program: std::os::fd::BorrowedFd<'_>,
+) -> Result<bool, EnrollError> {
+    let netlink_err = |iface: &podnet::Interface| {
+        let iface = iface.name.clone();
+        move |source| EnrollError::Steering {
+            iface,
+            netns: netns.to_owned(),
+            source,
+        }
+    };
+    let Some(first) = interfaces.first() else {
+        return Ok(false);
+    };
+    let mut rtnl = Rtnl::open().map_err(netlink_err(first))?;
+    let mut done: Vec<(u32, steering::Attached)> = Vec::new();
+    for iface in interfaces {
+        match steering::attach(&mut rtnl, iface.index, program, programs::POD_INGRESS) {
+            Ok(attached) => done.push((iface.index, attached)),
+            Err(e) => {
+                for (ifindex, attached) in done.iter().filter(|(_, a)| !a.replaced) {
+                    let _ = steering::detach(&mut rtnl, *ifindex, attached.qdisc_created);
+                }
+                return Err(netlink_err(iface)(e));
+            }
+        }
+    }
+    Ok(done.iter().any(|(_, a)| a.qdisc_created))
 }
 
 /// Removes ambpf's steering filter from every interface in `netns`.

@@ -158,7 +158,9 @@ pub fn host_addresses() -> Result<Vec<IpAddr>, PodNetError> {
     Ok(out)
 }
 
-fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
+/// [`inspect`] from a thread already in the namespace (named `netns` in
+/// errors).
+pub fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
     let netlink_err = |what| {
         let netns = netns.to_owned();
         move |source| PodNetError::Netlink {

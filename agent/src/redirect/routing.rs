@@ -144,22 +144,26 @@ impl ReplyRoutingStatus {
 /// [`remove_reply_routing`], finishes or undoes it.
 pub fn install_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     let path = netns.path();
-    netns.run(|| {
-        let mut here = Here::open(path)?;
-        here.add_policy_routing()?;
-        // Why the sysctl: ztunnel's connection to an app (from the client's
-        // address) is answered by the app's accepted socket, and eBPF has no
-        // connmark to restore a mark onto those replies as Istio's iptables
-        // do. With tcp_fwmark_accept = 1, a socket accepted from a SYN
-        // carrying a mark inherits it (the SYN-ACK is already sent with it),
-        // unless its listener has an SO_MARK of its own. So once the SYN
-        // reaching the app carries 0x111 (ztunnel's sockets mark 0x539; the
-        // redirection programs must set 0x111 on that SYN), the SYN-ACK and
-        // every later reply of the connection carry 0x111, and the rule above
-        // delivers them to ztunnel's transparent socket instead of routing
-        // them out towards the client's address.
-        here.write_sysctl(TCP_FWMARK_ACCEPT, "net.ipv4.tcp_fwmark_accept", 1)
-    })?
+    netns.run(|| install_reply_routing_here(path))?
+}
+
+/// [`install_reply_routing`] from a thread already in the namespace (named
+/// `netns` in errors).
+pub fn install_reply_routing_here(netns: &Path) -> Result<(), RoutingError> {
+    let mut here = Here::open(netns)?;
+    here.add_policy_routing()?;
+    // Why the sysctl: ztunnel's connection to an app (from the client's
+    // address) is answered by the app's accepted socket, and eBPF has no
+    // connmark to restore a mark onto those replies as Istio's iptables
+    // do. With tcp_fwmark_accept = 1, a socket accepted from a SYN
+    // carrying a mark inherits it (the SYN-ACK is already sent with it),
+    // unless its listener has an SO_MARK of its own. So once the SYN
+    // reaching the app carries 0x111 (ztunnel's sockets mark 0x539; the
+    // redirection programs must set 0x111 on that SYN), the SYN-ACK and
+    // every later reply of the connection carry 0x111, and the rule above
+    // delivers them to ztunnel's transparent socket instead of routing
+    // them out towards the client's address.
+    here.write_sysctl(TCP_FWMARK_ACCEPT, "net.ipv4.tcp_fwmark_accept", 1)
 }
 
 /// Installs only the policy routing of [`install_reply_routing`], for IPv4
