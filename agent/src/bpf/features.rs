@@ -1,75 +1,169 @@
-//! Kernel features ambpf needs, checked before anything is loaded so that a
-//! kernel lacking one is refused up front instead of half-configured.
+//! Kernel features ambpf needs, probed before anything is loaded so that a
+//! kernel lacking one is refused up front, with the feature named, instead
+//! of half-configured.
+//!
+//! Each feature is found by asking the kernel for it (a helper call the
+//! verifier accepts, a map or program type it creates, a socket option it
+//! answers), never by reading the version: distributions backport features
+//! and configure others out. The version given is the first upstream kernel
+//! with the feature (from the kernel's documentation of each helper and
+//! attach type), for the error message and the README's table.
+//!
+//! TCX is not needed: pods' inbound steering is a cls_bpf filter. Only the
+//! optional interface counters (`--attach`) use TCX links, and ask for them
+//! when they attach ([`tcx_supported`]).
 
-use aya::util::KernelVersion;
+use std::os::fd::AsFd as _;
+
+use aya::{
+    maps::MapType,
+    programs::ProgramType,
+    sys::{BpfHelper, is_helper_supported, is_map_supported},
+};
+
+use super::sys;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FeatureError {
-    #[error("cannot read the kernel version: {0}")]
-    Version(String),
-    #[error("kernel {found} lacks {feature} (needs Linux {needed} or later)")]
+    #[error("this kernel lacks {feature} (upstream since Linux {since})")]
     Missing {
         feature: &'static str,
-        found: String,
-        needed: String,
+        since: &'static str,
+    },
+    #[error("probing the kernel for {feature}: {reason}")]
+    Probe {
+        feature: &'static str,
+        reason: String,
     },
 }
 
-/// A feature the dataplane depends on and the first kernel that has it.
-struct Requirement {
-    feature: &'static str,
-    since: (u8, u8, u16),
+/// A kernel feature and how to ask for it.
+pub struct Feature {
+    pub name: &'static str,
+    /// First upstream kernel that has it.
+    pub since: &'static str,
+    probe: fn() -> Result<bool, String>,
 }
 
-/// In kernel order. The version check runs first so that an old kernel is
-/// refused with the feature it lacks named; a kernel that has the version but
-/// not the feature (a distribution that disabled it) is caught when the
-/// program using it fails to load, with the verifier's reason.
-const REQUIREMENTS: &[Requirement] = &[
-    Requirement {
-        feature: "bpf_sk_assign in TC programs (inbound capture)",
-        since: (5, 7, 0),
+fn helper(program: ProgramType, helper: BpfHelper) -> Result<bool, String> {
+    is_helper_supported(program, helper).map_err(|e| e.to_string())
+}
+
+/// `enum bpf_attach_type` values probed here.
+const BPF_CGROUP_INET4_GETPEERNAME: u32 = 29;
+const BPF_TCX_INGRESS: u32 = 46;
+/// `enum bpf_prog_type`.
+const PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+
+/// What the dataplane needs, in the order the kernel gained it.
+pub const REQUIRED: &[Feature] = &[
+    Feature {
+        name: "bpf_skc_lookup_tcp in TC programs (finding ztunnel's inbound listener)",
+        since: "5.2",
+        probe: || helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_skc_lookup_tcp),
     },
-    Requirement {
-        feature: "BPF ring buffers (kernel log records)",
-        since: (5, 8, 0),
+    Feature {
+        name: "bpf_sk_assign in TC programs (inbound capture)",
+        since: "5.7",
+        probe: || helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_sk_assign),
     },
-    Requirement {
-        feature: "cgroup getpeername hooks (apps see their original peer)",
-        since: (5, 8, 0),
+    Feature {
+        name: "bpf_get_netns_cookie in cgroup socket-address programs (outbound capture)",
+        since: "5.7",
+        probe: || helper(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_get_netns_cookie),
     },
-    Requirement {
-        feature: "SO_NETNS_COOKIE (identifying pods' namespaces)",
-        since: (5, 14, 0),
+    Feature {
+        name: "BPF ring buffers (kernel log records)",
+        since: "5.8",
+        probe: || is_map_supported(MapType::RingBuf).map_err(|e| e.to_string()),
     },
-    Requirement {
-        feature: "bpf_get_netns_cookie in sock_ops and sockopt programs",
-        since: (5, 15, 0),
+    Feature {
+        name: "cgroup getpeername hooks (apps see their original peer)",
+        since: "5.8",
+        probe: || {
+            let program = sys::load_minimal_program_for(
+                PROG_TYPE_CGROUP_SOCK_ADDR,
+                BPF_CGROUP_INET4_GETPEERNAME,
+                1,
+            );
+            refused_as_unknown(program.map(drop))
+        },
     },
-    Requirement {
-        feature: "TCX links (tc attachment with bpf_link)",
-        since: (6, 6, 0),
+    Feature {
+        name: "SO_NETNS_COOKIE (identifying pods' namespaces)",
+        since: "5.14",
+        probe: || {
+            let socket = std::net::UdpSocket::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+            match crate::redirect::podnet::socket_netns_cookie(socket.as_fd()) {
+                Ok(_) => Ok(true),
+                Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => Ok(false),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    },
+    Feature {
+        name: "bpf_get_netns_cookie in sock_ops programs (original destinations, reply marks)",
+        since: "5.15",
+        probe: || helper(ProgramType::SockOps, BpfHelper::BPF_FUNC_get_netns_cookie),
+    },
+    Feature {
+        name: "bpf_get_netns_cookie in cgroup sockopt programs (SO_ORIGINAL_DST)",
+        since: "5.15",
+        probe: || helper(ProgramType::CgroupSockopt, BpfHelper::BPF_FUNC_get_netns_cookie),
     },
 ];
 
-/// Checks the running kernel against every requirement.
-pub fn check_kernel() -> Result<(), FeatureError> {
-    let current = KernelVersion::current().map_err(|e| FeatureError::Version(e.to_string()))?;
-    check_version(current)
+/// TCX links, for the interface counters only.
+pub const TCX: Feature = Feature {
+    name: "TCX links (tc attachment with bpf_link, for the interface counters)",
+    since: "6.6",
+    probe: tcx_probe,
+};
+
+/// An attach type or program the kernel does not know is refused with
+/// `EINVAL`; anything else it answers means it knows it.
+fn refused_as_unknown(result: std::io::Result<()>) -> Result<bool, String> {
+    match result {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
-fn check_version(current: KernelVersion) -> Result<(), FeatureError> {
-    for req in REQUIREMENTS {
-        let (major, minor, patch) = req.since;
-        if current < KernelVersion::new(major, minor, patch) {
-            return Err(FeatureError::Missing {
-                feature: req.feature,
-                found: current.to_string(),
-                needed: format!("{major}.{minor}"),
-            });
-        }
+fn tcx_probe() -> Result<bool, String> {
+    // A TCX link on interface 0: a kernel with TCX looks for the device
+    // (ENODEV); one without refuses the attach type (EINVAL).
+    let program = sys::load_minimal_program(sys::PROG_TYPE_SCHED_CLS, -1).map_err(|e| e.to_string())?;
+    match sys::link_create(program.as_fd(), 0, BPF_TCX_INGRESS) {
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e.to_string()),
+        Ok(_) => Err("the kernel attached to interface 0".into()),
     }
-    Ok(())
+}
+
+fn check(feature: &Feature) -> Result<(), FeatureError> {
+    match (feature.probe)() {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(FeatureError::Missing {
+            feature: feature.name,
+            since: feature.since,
+        }),
+        Err(reason) => Err(FeatureError::Probe {
+            feature: feature.name,
+            reason,
+        }),
+    }
+}
+
+/// Probes the running kernel for every required feature.
+pub fn check_kernel() -> Result<(), FeatureError> {
+    REQUIRED.iter().try_for_each(check)
+}
+
+/// Whether the interface counters can attach (TCX), or why not.
+pub fn tcx_supported() -> Result<(), FeatureError> {
+    check(&TCX)
 }
 
 #[cfg(test)]
@@ -77,28 +171,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_requirement_names_its_feature() {
-        let err = check_version(KernelVersion::new(5, 10, 0)).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "kernel 5.10.0 lacks SO_NETNS_COOKIE (identifying pods' namespaces) (needs Linux 5.14 or later)"
-        );
-        let err = check_version(KernelVersion::new(4, 19, 0)).unwrap_err();
-        assert!(err.to_string().contains("bpf_sk_assign"), "{err}");
+    fn this_kernel_has_every_feature_and_tcx() {
+        for feature in REQUIRED {
+            assert_eq!((feature.probe)(), Ok(true), "{}", feature.name);
+        }
+        tcx_supported().unwrap();
     }
 
     #[test]
-    fn old_kernel_is_refused_naming_the_feature() {
-        let err = check_version(KernelVersion::new(6, 1, 0)).unwrap_err();
+    fn a_missing_feature_is_named_with_its_first_kernel() {
+        let absent = Feature {
+            name: "a feature",
+            since: "9.9",
+            probe: || Ok(false),
+        };
         assert_eq!(
-            err.to_string(),
-            "kernel 6.1.0 lacks TCX links (tc attachment with bpf_link) (needs Linux 6.6 or later)"
+            check(&absent).unwrap_err().to_string(),
+            "this kernel lacks a feature (upstream since Linux 9.9)"
         );
+        let broken = Feature {
+            name: "a feature",
+            since: "9.9",
+            probe: || Err("EPERM".into()),
+        };
+        assert!(check(&broken).unwrap_err().to_string().contains("probing the kernel for a feature: EPERM"));
     }
 
     #[test]
-    fn recent_kernel_passes() {
-        check_version(KernelVersion::new(6, 6, 0)).unwrap();
-        check_version(KernelVersion::new(6, 18, 44)).unwrap();
+    fn an_unknown_attach_type_reads_as_missing() {
+        // What a kernel before 5.8 answers for the getpeername hook.
+        let program = sys::load_minimal_program_for(PROG_TYPE_CGROUP_SOCK_ADDR, 9999, 1);
+        assert_eq!(refused_as_unknown(program.map(drop)), Ok(false));
     }
 }

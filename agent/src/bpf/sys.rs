@@ -41,7 +41,7 @@ pub enum CgroupHook {
 #[repr(C)]
 #[derive(Default)]
 struct Attr {
-    words: [u32; 16],
+    words: [u32; 32],
 }
 
 fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<libc::c_long> {
@@ -73,6 +73,18 @@ pub fn cgroup_link_create(
     attr.words[0] = program.as_raw_fd() as u32; // prog_fd
     attr.words[1] = cgroup.as_raw_fd() as u32; // target_fd
     attr.words[2] = hook as u32; // attach_type
+    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new link fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_LINK_CREATE of `program` on `target` (an fd or an ifindex, as the
+/// attach type wants) with `attach_type`.
+pub fn link_create(program: BorrowedFd<'_>, target: u32, attach_type: u32) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    attr.words[0] = program.as_raw_fd() as u32; // prog_fd
+    attr.words[1] = target; // target_fd / target_ifindex
+    attr.words[2] = attach_type;
     let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
     // SAFETY: the kernel returned a new link fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
@@ -132,6 +144,16 @@ pub fn tcx_link_ifindex(link: BorrowedFd<'_>) -> io::Result<Option<u32>> {
 /// (`r0 = verdict; exit`): a stand-in whose behaviour does not matter, for
 /// probing what the kernel accepts and for tests of attachment plumbing.
 pub fn load_minimal_program(prog_type: u32, verdict: i32) -> io::Result<OwnedFd> {
+    load_minimal_program_for(prog_type, 0, verdict)
+}
+
+/// [`load_minimal_program`] for an `expected_attach_type` (the hooks of
+/// cgroup socket-address programs are told apart by it at load).
+pub fn load_minimal_program_for(
+    prog_type: u32,
+    expected_attach_type: u32,
+    verdict: i32,
+) -> io::Result<OwnedFd> {
     // struct bpf_insn: code, dst_reg:4 | src_reg:4, off (i16), imm (i32).
     let insn = |code: u8, imm: i32| {
         let mut raw = [0u8; 8];
@@ -152,6 +174,7 @@ pub fn load_minimal_program(prog_type: u32, verdict: i32) -> io::Result<OwnedFd>
     let license = license.as_ptr() as u64;
     attr.words[4] = license as u32;
     attr.words[5] = (license >> 32) as u32;
+    attr.words[17] = expected_attach_type; // after prog_name[16], prog_ifindex
     let fd = bpf(BPF_PROG_LOAD, &mut attr)?;
     // SAFETY: the kernel returned a new program fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })

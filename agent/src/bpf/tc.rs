@@ -17,6 +17,8 @@ use crate::netns::{Netns, NetnsError};
 pub enum AttachError {
     #[error(transparent)]
     Netns(#[from] NetnsError),
+    #[error(transparent)]
+    Kernel(#[from] super::features::FeatureError),
     #[error("interface {iface} not found in network namespace {netns}")]
     NoSuchInterface { iface: String, netns: PathBuf },
     #[error("attaching {program} to {iface} ({direction}) in {netns}: {source}")]
@@ -88,6 +90,7 @@ impl Dataplane {
         netns: &Netns,
         iface: &str,
     ) -> Result<TcAttachment, AttachError> {
+        super::features::tcx_supported()?;
         let links_dir = self.pins.tc_netns_dir(netns.inode());
         self.attach_tc(netns, iface, &COUNTER_HOOKS, &links_dir)
     }
