@@ -39,6 +39,18 @@ pub struct EnrolledPodEntry {
     /// ambpf created the `clsact` qdisc its steering filter sits on.
     #[serde(skip)]
     pub steering_qdisc_created: bool,
+    /// ambpf's steering filter on each interface of the pod, read inside
+    /// its namespace (`None`: the namespace is gone or was not looked at).
+    pub steering: Option<Vec<SteeringFilterEntry>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct SteeringFilterEntry {
+    pub iface: String,
+    pub ifindex: u32,
+    /// The program the filter runs (`None`: no ambpf filter there).
+    pub program_id: Option<u32>,
+    pub program_name: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -122,7 +134,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         maps: maps_out,
         tc_links: read_tc_links(pins)?,
         iface_stats: read_iface_stats(pins)?,
-        pods: read_pods(pins)?,
+        pods: with_steering(read_pods(pins)?),
         links: read_other_links(pins)?,
         counters: read_counters(pins)?,
     })
@@ -177,10 +189,51 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             dns_capture: pod.flags & ambpf_common::pod_flags::DNS_CAPTURE != 0,
             steering_qdisc_created: pod.flags & ambpf_common::pod_flags::STEERING_QDISC_CREATED
                 != 0,
+            steering: None,
         });
     }
     pods.sort_by_key(|p| p.netns_inode);
     Ok(pods)
+}
+
+/// Reads each pod's steering filters inside its namespace (found by inode,
+/// confirmed by cookie).
+fn with_steering(mut pods: Vec<EnrolledPodEntry>) -> Vec<EnrolledPodEntry> {
+    use crate::redirect::{podnet, rtnl::Rtnl, steering};
+    let configs: Vec<PodConfig> = pods
+        .iter()
+        .map(|p| PodConfig {
+            netns_cookie: p.netns_cookie,
+            netns_inode: p.netns_inode,
+            ..Default::default()
+        })
+        .collect();
+    let mut located = crate::redirect::check::locate_pods(&configs, &[]);
+    for pod in &mut pods {
+        let Some(netns) = located.remove(&pod.netns_cookie).flatten() else {
+            continue;
+        };
+        pod.steering = netns
+            .run(|| -> Option<Vec<SteeringFilterEntry>> {
+                let mut rtnl = Rtnl::open().ok()?;
+                let interfaces = podnet::interfaces(&mut rtnl).ok()?;
+                interfaces
+                    .into_iter()
+                    .map(|iface| {
+                        let filter = steering::find(&mut rtnl, iface.index).ok()?;
+                        Some(SteeringFilterEntry {
+                            iface: iface.name,
+                            ifindex: iface.index,
+                            program_id: filter.as_ref().and_then(|f| f.prog_id),
+                            program_name: filter.map(|f| f.name),
+                        })
+                    })
+                    .collect()
+            })
+            .ok()
+            .flatten();
+    }
+    pods
 }
 
 /// The kernel's redirection counters, summed over CPUs.
@@ -384,6 +437,27 @@ impl fmt::Display for Status {
                 p.dns_capture,
                 addrs.join(" ")
             )?;
+            match &p.steering {
+                None => writeln!(f, "    steering: (namespace not found)")?,
+                Some(filters) => {
+                    for s in filters {
+                        match s.program_id {
+                            Some(id) => writeln!(
+                                f,
+                                "    steering: {} (ifindex {}) tc ingress filter, prog {id} {}",
+                                s.iface,
+                                s.ifindex,
+                                s.program_name.as_deref().unwrap_or("?")
+                            )?,
+                            None => writeln!(
+                                f,
+                                "    steering: {} (ifindex {}) NONE",
+                                s.iface, s.ifindex
+                            )?,
+                        }
+                    }
+                }
+            }
         }
         writeln!(f, "links:")?;
         for l in &self.links {
