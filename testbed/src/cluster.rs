@@ -8,10 +8,19 @@
 //! ```
 //! Every namespace routes through the node, so a pod reaches the remote
 //! client and other pods via the node, as on a real node.
+//!
+//! A node's IPAM hands a deleted pod's addresses to the next pod. The
+//! `recycle_pod*` methods do that to pod i: a new network namespace gets the
+//! same addresses, the same node-side `vpod<i+1>` and routes, and an `eth0`
+//! at the same interface index (a CNI plugin creates it inside the fresh
+//! namespace, so every pod's `eth0` has the same index), while the old
+//! namespace is deleted, kept without network, or deleted so that the new
+//! one gets its nsfs inode number.
 
 use std::{
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    time::{Duration, Instant},
 };
 
 use crate::{Addrs, Link, NetnsGuard};
@@ -37,14 +46,15 @@ pub struct Cluster {
     _links: Vec<Link>,
 }
 
-fn pod_addrs(i: u8) -> (Addrs, Addrs) {
+/// Pod `n`'s (1-based) addresses and its gateway's (the node side).
+fn pod_addrs(n: u8) -> (Addrs, Addrs) {
     let pod = Addrs {
-        v4: Ipv4Addr::new(10, 244, i, 2),
-        v6: Ipv6Addr::new(0xfd00, 0xa, u16::from(i), 0, 0, 0, 0, 2),
+        v4: Ipv4Addr::new(10, 244, n, 2),
+        v6: Ipv6Addr::new(0xfd00, 0xa, u16::from(n), 0, 0, 0, 0, 2),
     };
     let gw = Addrs {
-        v4: Ipv4Addr::new(10, 244, i, 1),
-        v6: Ipv6Addr::new(0xfd00, 0xa, u16::from(i), 0, 0, 0, 0, 1),
+        v4: Ipv4Addr::new(10, 244, n, 1),
+        v6: Ipv6Addr::new(0xfd00, 0xa, u16::from(n), 0, 0, 0, 0, 1),
     };
     (pod, gw)
 }
@@ -76,41 +86,279 @@ impl Cluster {
             addrs: REMOTE,
         };
 
-        let mut all = Vec::new();
-        for i in 0..pods {
-            let (addrs, gw) = pod_addrs(i + 1);
-            let ns = NetnsGuard::create("pod")?;
-            links.push(Link::veth(
-                &ns,
-                "eth0",
-                addrs,
-                &node,
-                &format!("vpod{}", i + 1),
-                gw,
-            )?);
-            route_via(&ns, gw)?;
-            all.push(Pod { ns, addrs });
-        }
-        Ok(Self {
-            pods: all,
+        let mut cluster = Self {
+            pods: Vec::new(),
             remote,
             node,
             _links: links,
-        })
+        };
+        for n in 1..=pods {
+            let ns = NetnsGuard::create("pod")?;
+            cluster.connect_pod(n, &ns, None)?;
+            let (addrs, _) = pod_addrs(n);
+            cluster.pods.push(Pod { ns, addrs });
+        }
+        Ok(cluster)
+    }
+
+    /// Joins `ns` to the node as pod `n` (1-based): `eth0` (at `ifindex` if
+    /// given) with the pod's addresses, `vpod<n>` on the node, default routes
+    /// through it.
+    fn connect_pod(&mut self, n: u8, ns: &NetnsGuard, ifindex: Option<u32>) -> io::Result<()> {
+        let (addrs, gw) = pod_addrs(n);
+        let host_iface = format!("vpod{n}");
+        self._links.push(match ifindex {
+            Some(index) => {
+                Link::veth_at_index(ns, "eth0", index, addrs, &self.node, &host_iface, gw)?
+            }
+            None => Link::veth(ns, "eth0", addrs, &self.node, &host_iface, gw)?,
+        });
+        route_via(ns, gw)
+    }
+
+    /// Pod `i` (0-based) as `connect_pod` numbers it, and its `eth0` index.
+    fn pod_number_and_ifindex(&self, i: usize) -> io::Result<(u8, u32)> {
+        let pod = self
+            .pods
+            .get(i)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no pod {i}")))?;
+        let n = u8::try_from(i + 1).expect("at most 200 pods");
+        Ok((n, pod.ns.ifindex("eth0")?))
+    }
+
+    /// Removes pod `i`'s network, as a runtime tearing down its sandbox
+    /// does: deleting `vpod<i+1>` deletes its peer `eth0` and the routes
+    /// with them, and frees the addresses (one address cannot be routed to
+    /// two veths). Returns what `connect_pod` needs to rebuild it.
+    fn tear_down_network(&self, i: usize) -> io::Result<(u8, u32)> {
+        let (n, ifindex) = self.pod_number_and_ifindex(i)?;
+        self.node.ip(&["link", "del", &format!("vpod{n}")])?;
+        Ok((n, ifindex))
+    }
+
+    /// Gives pod `i`'s addresses to a new pod, as a node's IPAM does once
+    /// the old pod is deleted: the old namespace is deleted and `pods[i]` is
+    /// a new namespace with the same addresses, `eth0` index, node-side veth
+    /// and routes.
+    pub fn recycle_pod(&mut self, i: usize) -> io::Result<()> {
+        drop(self.recycle_pod_keeping_old(i)?);
+        Ok(())
+    }
+
+    /// [`Cluster::recycle_pod`], but the old namespace lives on without
+    /// network (only `lo`): the pod's sandbox network was torn down and the
+    /// new pod got its addresses, but nobody has deleted the old pod yet.
+    /// Returns the old namespace; dropping it deletes it.
+    pub fn recycle_pod_keeping_old(&mut self, i: usize) -> io::Result<NetnsGuard> {
+        let (n, ifindex) = self.tear_down_network(i)?;
+        let ns = NetnsGuard::create("pod")?;
+        self.connect_pod(n, &ns, Some(ifindex))?;
+        Ok(std::mem::replace(&mut self.pods[i].ns, ns))
+    }
+
+    /// [`Cluster::recycle_pod`] where the new namespace gets the old one's
+    /// nsfs inode number, as the kernel hands it out again once the old
+    /// namespace is freed.
+    ///
+    /// The kernel frees a network namespace's number asynchronously, in its
+    /// cleanup work, once nothing holds the namespace (no fd, socket or
+    /// process in it: the caller must have closed theirs). Numbers come from
+    /// one allocator, lowest free first, shared by every kind of namespace
+    /// and by /proc entries: a network namespace takes one for itself, then
+    /// dozens for its /proc/net entries. So this waits until the old number
+    /// is the lowest free one, occupying lower free numbers with UTS
+    /// namespaces (one number each) meanwhile, and only then creates the
+    /// network namespace, retrying if the number went elsewhere, for at most
+    /// `within`. When the number did not come back in time (still held, or
+    /// taken by a namespace or /proc entry made elsewhere), `pods[i]` is
+    /// recycled into a namespace with another number and this returns an
+    /// error saying so.
+    pub fn recycle_pod_reusing_inode(&mut self, i: usize, within: Duration) -> io::Result<()> {
+        let (n, ifindex) = self.tear_down_network(i)?;
+        let old = self.pods[i].ns.inode()?;
+        // Until the new namespace is in place, pods[i] holds one made while
+        // the old still lives, which therefore has another number.
+        let placeholder = NetnsGuard::create_bare("pod")?;
+        drop(std::mem::replace(&mut self.pods[i].ns, placeholder));
+
+        let deadline = Instant::now() + within;
+        let mut fillers = Vec::new();
+        let mut reused = None;
+        while reused.is_none() && Instant::now() < deadline {
+            let probe = UtsNamespace::create()?;
+            match probe.inode.cmp(&old) {
+                std::cmp::Ordering::Less => fillers.push(probe),
+                std::cmp::Ordering::Greater => {
+                    // The old namespace is not freed yet.
+                    drop(probe);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                std::cmp::Ordering::Equal => {
+                    drop(probe);
+                    let ns = NetnsGuard::create_bare("pod")?;
+                    if ns.inode()? == old {
+                        reused = Some(ns);
+                    }
+                }
+            }
+        }
+        drop(fillers);
+        let reused_inode = reused.is_some();
+        let ns = match reused {
+            Some(ns) => ns,
+            None => NetnsGuard::create_bare("pod")?,
+        };
+        ns.ip(&["link", "set", "lo", "up"])?;
+        self.connect_pod(n, &ns, Some(ifindex))?;
+        drop(std::mem::replace(&mut self.pods[i].ns, ns));
+        if !reused_inode {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "netns inode {old} of pod {i} was not handed out again within \
+                     {within:?} (pod {i} is now in a namespace with inode {}): is \
+                     the old namespace still held open?",
+                    self.pods[i].ns.inode()?
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The node's own addresses (what a node agent sees in the host netns).
     pub fn node_addresses(&self) -> Vec<IpAddr> {
         let mut out: Vec<IpAddr> = vec![IpAddr::V4(REMOTE_GW.v4), IpAddr::V6(REMOTE_GW.v6)];
-        for i in 0..self.pods.len() as u8 {
-            let (_, gw) = pod_addrs(i + 1);
+        for n in 1..=self.pods.len() as u8 {
+            let (_, gw) = pod_addrs(n);
             out.extend([IpAddr::V4(gw.v4), IpAddr::V6(gw.v6)]);
         }
         out
     }
 }
 
+/// A UTS namespace held open: the cheapest way to take one nsfs inode
+/// number. Dropping it frees the number.
+struct UtsNamespace {
+    _fd: std::fs::File,
+    inode: u64,
+}
+
+impl UtsNamespace {
+    fn create() -> io::Result<Self> {
+        use std::os::unix::fs::MetadataExt as _;
+        // Made by a thread of its own, which leaves it behind when it ends.
+        let fd = std::thread::spawn(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUTS)?;
+            std::fs::File::open("/proc/thread-self/ns/uts")
+        })
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
+        let inode = fd.metadata()?.ino();
+        Ok(Self { _fd: fd, inode })
+    }
+}
+
 fn route_via(ns: &NetnsGuard, gw: Addrs) -> io::Result<()> {
     ns.ip(&["route", "add", "default", "via", &gw.v4.to_string()])?;
     ns.ip(&["-6", "route", "add", "default", "via", &gw.v6.to_string()])
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+
+    use super::*;
+
+    const PATIENCE: Duration = Duration::from_secs(10);
+
+    /// The remote client reaches pod `i` at each of its addresses, through
+    /// the node, and the pod's replies find their way back.
+    fn assert_reachable(cluster: &Cluster, i: usize) {
+        let pod = &cluster.pods[i];
+        let listener = pod
+            .ns
+            .run(|| TcpListener::bind("[::]:7000"))
+            .unwrap()
+            .unwrap();
+        for (ip, from) in pod.ips().into_iter().zip(cluster.remote.ips()) {
+            let to = SocketAddr::new(ip, 7000);
+            cluster
+                .remote
+                .ns
+                .run(|| TcpStream::connect_timeout(&to, PATIENCE))
+                .unwrap()
+                .unwrap_or_else(|e| panic!("connecting to pod {i} at {to}: {e}"));
+            let (_, peer) = listener.accept().unwrap();
+            let peer = match peer.ip() {
+                IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer.ip(), IpAddr::V4),
+                v4 => v4,
+            };
+            assert_eq!(peer, from);
+        }
+    }
+
+    #[test]
+    fn a_recycled_pod_has_the_old_addresses_eth0_and_routes_in_a_new_namespace() {
+        let mut cluster = Cluster::create(2).unwrap();
+        let old = cluster.pods[0].ns.path();
+        let ifindex = cluster.pods[0].ns.ifindex("eth0").unwrap();
+        cluster.recycle_pod(0).unwrap();
+        assert!(!old.exists(), "{} left behind", old.display());
+        let new = &cluster.pods[0];
+        assert_ne!(new.ns.path(), old);
+        assert_eq!(new.ns.ifindex("eth0").unwrap(), ifindex);
+        assert_reachable(&cluster, 0);
+        // The neighbour is untouched.
+        assert_reachable(&cluster, 1);
+    }
+
+    #[test]
+    fn the_old_namespace_can_live_on_without_network() {
+        let mut cluster = Cluster::create(1).unwrap();
+        let old = cluster.recycle_pod_keeping_old(0).unwrap();
+        assert!(old.path().exists());
+        assert!(old.ifindex("eth0").is_err(), "the old pod kept its eth0");
+        assert_ne!(old.inode().unwrap(), cluster.pods[0].ns.inode().unwrap());
+        assert_reachable(&cluster, 0);
+        // The new pod can be recycled in turn.
+        let older = cluster.recycle_pod_keeping_old(0).unwrap();
+        assert_reachable(&cluster, 0);
+        let paths = [old.path(), older.path()];
+        drop((old, older));
+        for path in paths {
+            assert!(!path.exists(), "{} left behind", path.display());
+        }
+    }
+
+    #[test]
+    fn the_new_namespace_can_get_the_old_ones_inode_number() {
+        let mut cluster = Cluster::create(1).unwrap();
+        let old = cluster.pods[0].ns.inode().unwrap();
+        let old_path = cluster.pods[0].ns.path();
+        cluster.recycle_pod_reusing_inode(0, PATIENCE).unwrap();
+        assert_eq!(cluster.pods[0].ns.inode().unwrap(), old);
+        assert_ne!(cluster.pods[0].ns.path(), old_path);
+        assert_reachable(&cluster, 0);
+    }
+
+    #[test]
+    fn an_inode_number_still_held_is_not_reused_and_the_error_says_so() {
+        let mut cluster = Cluster::create(1).unwrap();
+        let old = cluster.pods[0].ns.inode().unwrap();
+        let held = std::fs::File::open(cluster.pods[0].ns.path()).unwrap();
+        let error = cluster
+            .recycle_pod_reusing_inode(0, Duration::from_millis(300))
+            .unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        assert!(
+            error.to_string().contains(&format!(
+                "netns inode {old} of pod 0 was not handed out again"
+            )),
+            "{error}"
+        );
+        // The pod was recycled all the same, into another number.
+        assert_ne!(cluster.pods[0].ns.inode().unwrap(), old);
+        assert_reachable(&cluster, 0);
+        drop(held);
+    }
 }

@@ -79,13 +79,20 @@ pub struct NetnsGuard {
 }
 
 impl NetnsGuard {
-    /// Creates `ambpf-<unique>` with its loopback up.
+    /// Creates `ambpf-<role>-<unique>` with its loopback up.
     pub fn create(role: &str) -> io::Result<Self> {
+        let ns = Self::create_bare(role)?;
+        ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// Creates the namespace and nothing else. Unlike `ip -n`, which enters
+    /// a new mount namespace for each command, this allocates no namespace
+    /// besides the one it returns (see `cluster::Cluster::recycle_pod_reusing_inode`).
+    pub(crate) fn create_bare(role: &str) -> io::Result<Self> {
         let name = format!("ambpf-{role}-{}", unique_name(""));
         ip(&["netns", "add", &name])?;
-        let ns = Self { name };
-        ip(&["-n", &ns.name, "link", "set", "lo", "up"])?;
-        Ok(ns)
+        Ok(Self { name })
     }
 
     pub fn name(&self) -> &str {
@@ -94,6 +101,19 @@ impl NetnsGuard {
 
     pub fn path(&self) -> PathBuf {
         Path::new(NETNS_DIR).join(&self.name)
+    }
+
+    /// The namespace's nsfs inode number. The kernel hands a freed number
+    /// out again, so it names this namespace only while it lives.
+    pub fn inode(&self) -> io::Result<u64> {
+        use std::os::unix::fs::MetadataExt as _;
+        Ok(fs::metadata(self.path())?.ino())
+    }
+
+    /// The index of interface `iface` in this namespace.
+    pub fn ifindex(&self, iface: &str) -> io::Result<u32> {
+        self.run(|| nix::net::if_::if_nametoindex(iface))?
+            .map_err(|e| io::Error::other(format!("interface {iface} in {}: {e}", self.name)))
     }
 
     /// Runs `f` on a thread inside this namespace; sockets it creates stay in
@@ -166,13 +186,46 @@ impl Link {
         b_iface: &str,
         b_addrs: Addrs,
     ) -> io::Result<Self> {
+        Self::create(a, a_iface, None, a_addrs, b, b_iface, b_addrs)
+    }
+
+    /// [`Link::veth`] with `a_iface` at interface index `a_index`, which
+    /// must be free in the root namespace (where the pair is made) and in
+    /// `a`. A CNI plugin makes the pair inside the pod's fresh namespace, so
+    /// every pod's `eth0` has the same index; this gives a new pod the index
+    /// an old one had.
+    pub fn veth_at_index(
+        a: &NetnsGuard,
+        a_iface: &str,
+        a_index: u32,
+        a_addrs: Addrs,
+        b: &NetnsGuard,
+        b_iface: &str,
+        b_addrs: Addrs,
+    ) -> io::Result<Self> {
+        Self::create(a, a_iface, Some(a_index), a_addrs, b, b_iface, b_addrs)
+    }
+
+    fn create(
+        a: &NetnsGuard,
+        a_iface: &str,
+        a_index: Option<u32>,
+        a_addrs: Addrs,
+        b: &NetnsGuard,
+        b_iface: &str,
+        b_addrs: Addrs,
+    ) -> io::Result<Self> {
         // Create with temporary unique names in the root namespace's view,
         // then move and rename, so concurrent tests never collide.
         let tmp_a = unique_name("va");
         let tmp_b = unique_name("vb");
-        ip(&[
-            "link", "add", &tmp_a, "type", "veth", "peer", "name", &tmp_b,
-        ])?;
+        let index = a_index.map(|i| i.to_string());
+        let mut add = vec!["link", "add", &tmp_a];
+        if let Some(index) = &index {
+            add.extend(["index", index]);
+        }
+        add.extend(["type", "veth", "peer", "name", &tmp_b]);
+        ip(&add)?;
         let setup = || -> io::Result<()> {
             ip(&["link", "set", &tmp_a, "netns", a.name()])?;
             ip(&["link", "set", &tmp_b, "netns", b.name()])?;
@@ -189,6 +242,10 @@ impl Link {
                     iface,
                     "nodad",
                 ])?;
+                // Nor for the link-local address made at link up: while it is
+                // tentative (about 2 s) neighbour discovery for the traffic
+                // this interface forwards is held up.
+                ns.sysctl(&format!("net.ipv6.conf.{iface}.accept_dad=0"))?;
                 ns.ip(&["link", "set", iface, "up"])?;
             }
             Ok(())

@@ -1,0 +1,613 @@
+//! Privileged: a pod's addresses recycled to a new pod, as a node's IPAM
+//! does, in both redirection modes (`<scenario>::ebpf` and
+//! `<scenario>::iptables`, set up as in tests/redirect.rs), with real
+//! namespaces (testbed `Cluster`), a real ZDS server and the ztunnel double.
+//!
+//! Addresses and nsfs inode numbers are reused; netns cookies are not, so
+//! every per-pod record belongs to its pod's cookie (eBPF: the `ambpf_pods`
+//! and `ambpf_pod_ips` entries and the pod's link directory; iptables: the
+//! probe ipset members). In each scenario pod X is enrolled, then its
+//! addresses go to a new pod Y (`Cluster::recycle_pod*`):
+//!
+//! - `stale_pod_at_agent_start`: the agent (and ztunnel) go away without
+//!   uninstalling, so X's pins, rules and ipset members stay; X is deleted
+//!   and Y created; a new agent whose source reports only Y runs its first
+//!   pass, which enrols Y and removes X.
+//! - `netns_inode_reused_at_agent_start`: the same, and Y's namespace gets
+//!   X's inode number: Y enrols on the first pass without a failure.
+//! - `cni_add_before_the_old_pods_delete`: X's network is torn down (its
+//!   namespace lives on) and Y's CNI add arrives while the source still
+//!   reports X; then the source drops X. While both claim the addresses the
+//!   newer pod, Y, owns them, and the conflict is counted.
+//! - `cni_add_after_the_old_pods_delete`: the source drops X before Y's CNI
+//!   add.
+//! - `kube_new_pod_before_old_pods_delete`,
+//!   `kube_old_pods_delete_before_new_pod`: the Kubernetes source against
+//!   the test API server, with a running controller; Y (same pod IPs) is
+//!   created before X is deleted (a conflict, counted) or after.
+//!
+//! Then Y is checked end to end, in IPv4 and IPv6: a connection from the
+//! remote client to Y's app goes through ztunnel's inbound listener (15006)
+//! with the right original destination and reaches the app; one from Y to
+//! the remote goes through the outbound listener (15001); in iptables mode a
+//! probe from the node reaches the app as 169.254.7.127 (or its IPv6
+//! equivalent), not through ztunnel. Nothing of X is left: no `ambpf_pods`
+//! entry of X's cookie, every `ambpf_pod_ips` entry of the addresses holds
+//! Y's, no pod link directory but Y's; the probe ipset member of each
+//! address names Y's cookie. And the agent's state checks never found
+//! anything to repair.
+
+use std::{
+    collections::HashMap,
+    io::{Read, Write},
+    net::{IpAddr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    path::PathBuf,
+    sync::{Arc, Mutex, atomic::Ordering},
+    time::Duration,
+};
+
+use ambpf::{
+    bpf::{Dataplane, PinLayout, inspect},
+    controller::{Controller, EnrollRequest, PodSpec, ProgrammedPods, SourcePods},
+    netns::Netns,
+    observe::ControllerStats,
+    redirect::{
+        CheckScope, PodRedirection, RedirectMode,
+        ebpf::ip_key,
+        iptables::{self, Family, IptablesBackend, IptablesRedirection},
+        podnet::netns_cookie,
+    },
+    sources::kube::{KubeSource, KubeSourceConfig, PodQuery, rules::DATAPLANE_MODE_LABEL},
+    zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
+};
+use ambpf_common::{IpKey, NodeConfig, PodConfig, maps};
+use ambpf_testbed::{
+    BpffsMount, CgroupGuard, NetnsGuard,
+    apiserver::ApiServer,
+    cluster::Cluster,
+    ztunnel::{ConnectionOutcome, ZtunnelConfig, ZtunnelDouble},
+};
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
+use serde_json::json;
+use tokio::{
+    sync::{mpsc, oneshot, watch},
+    task::JoinHandle,
+};
+
+/// Tests move this process between cgroups (eBPF mode): one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+const PATIENCE: Duration = Duration::from_secs(10);
+const APP_PORT: u16 = 8080;
+const PEER_PORT: u16 = 9000;
+const X: &str = "uid-app-x";
+const Y: &str = "uid-app-y";
+
+/// A task that stops when this is dropped.
+struct Task(JoinHandle<()>);
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An echo server in a namespace that records its peers.
+struct EchoServer {
+    seen: Arc<Mutex<Vec<SocketAddr>>>,
+    _task: Task,
+}
+
+impl EchoServer {
+    fn start(ns: &NetnsGuard, addr: SocketAddr) -> Self {
+        let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        let seen = Arc::<Mutex<Vec<SocketAddr>>>::default();
+        let record = seen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut conn, peer)) = listener.accept().await {
+                record.lock().unwrap().push(peer);
+                tokio::spawn(async move {
+                    let (mut r, mut w) = conn.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        Self {
+            seen,
+            _task: Task(task),
+        }
+    }
+
+    /// The last peer's address (IPv4 unmapped from a dual-stack listener).
+    fn last_peer(&self) -> IpAddr {
+        let peer = self.seen.lock().unwrap().last().expect("a connection").ip();
+        match peer {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(peer, IpAddr::V4),
+            v4 => v4,
+        }
+    }
+}
+
+/// One request/response through a new connection made inside `ns`.
+fn echo_once(ns: &NetnsGuard, to: SocketAddr) {
+    tokio::task::block_in_place(|| {
+        ns.run(|| {
+            let mut stream = TcpStream::connect_timeout(&to, PATIENCE)
+                .unwrap_or_else(|e| panic!("connect {to}: {e}"));
+            stream.set_read_timeout(Some(PATIENCE)).unwrap();
+            stream.write_all(b"ambpf").unwrap();
+            let mut reply = [0u8; 5];
+            stream
+                .read_exact(&mut reply)
+                .unwrap_or_else(|e| panic!("echo from {to}: {e}"));
+            assert_eq!(&reply, b"ambpf");
+            stream.shutdown(Shutdown::Both).unwrap();
+        })
+        .unwrap()
+    })
+}
+
+/// A node (`Cluster` pod 0 is X, then Y) and where its agents keep state;
+/// the remote runs echo servers.
+struct Node {
+    mode: RedirectMode,
+    /// eBPF mode: the cgroup this process is in, for the socket programs.
+    cgroup: Option<PathBuf>,
+    remote_servers: Vec<EchoServer>,
+    cluster: Cluster,
+    /// eBPF mode: the pins, shared by the node's successive agents.
+    bpffs: Option<BpffsMount>,
+    /// ZDS sockets, one per agent.
+    dir: PathBuf,
+    agents: u32,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What an agent serves ztunnel with, and the ztunnel double it serves.
+struct Agent {
+    zds: ZdsHandle,
+    ztunnel: ZtunnelDouble,
+    server: Task,
+}
+
+impl Agent {
+    /// The agent goes away, and ztunnel with it (closing X's namespace).
+    async fn stop(self) {
+        drop(self.server);
+        self.ztunnel.shutdown().await;
+    }
+}
+
+impl Node {
+    fn create(mode: RedirectMode, cgroup: Option<PathBuf>) -> Self {
+        let cluster = Cluster::create(1).unwrap();
+        let remote = &cluster.remote;
+        let remote_servers = remote
+            .ips()
+            .iter()
+            .map(|ip| EchoServer::start(&remote.ns, SocketAddr::new(*ip, PEER_PORT)))
+            .collect();
+        let bpffs = (mode == RedirectMode::Ebpf).then(|| BpffsMount::create().unwrap());
+        let dir =
+            std::env::temp_dir().join(format!("ambpf-reuse-{}", ambpf_testbed::unique_name("")));
+        std::fs::create_dir(&dir).unwrap();
+        Self {
+            mode,
+            cgroup,
+            remote_servers,
+            cluster,
+            bpffs,
+            dir,
+            agents: 0,
+        }
+    }
+
+    fn pod(&self) -> &NetnsGuard {
+        &self.cluster.pods[0].ns
+    }
+
+    fn pins(&self) -> PinLayout {
+        PinLayout::new(self.bpffs.as_ref().expect("eBPF mode").path().join("ambpf"))
+    }
+
+    fn host(&self) -> Netns {
+        Netns::open(self.cluster.node.name()).unwrap()
+    }
+
+    /// The current pod 0 as a source reports it.
+    fn spec(&self, uid: &str) -> PodSpec {
+        PodSpec {
+            workload: Workload {
+                uid: uid.into(),
+                name: uid.trim_start_matches("uid-").into(),
+                namespace: "shop".into(),
+                service_account: "app".into(),
+                netns: NetnsSource::Path(self.pod().path()),
+            },
+            dns_capture: None,
+        }
+    }
+
+    fn cookie(&self) -> u64 {
+        netns_cookie(&Netns::open(self.pod().name()).unwrap()).unwrap()
+    }
+
+    /// A new agent's redirection, on the state earlier agents left.
+    fn redirection(&self) -> Box<dyn PodRedirection> {
+        match self.mode {
+            RedirectMode::Ebpf => {
+                let mut dataplane = Dataplane::load(self.pins()).unwrap();
+                dataplane
+                    .attach_cgroup(self.cgroup.as_ref().unwrap())
+                    .unwrap();
+                dataplane
+                    .set_node_config(NodeConfig {
+                        dns_capture: 1,
+                        _pad: 0,
+                    })
+                    .unwrap();
+                dataplane
+                    .set_host_addresses(&self.cluster.node_addresses())
+                    .unwrap();
+                Box::new(dataplane)
+            }
+            RedirectMode::Iptables => {
+                Box::new(IptablesRedirection::new(self.host(), IptablesBackend::Auto).unwrap())
+            }
+        }
+    }
+
+    /// A new agent's ZDS server, with a new ztunnel double connected.
+    async fn agent(&mut self) -> Agent {
+        self.agents += 1;
+        let socket = self.dir.join(format!("ztunnel-{}.sock", self.agents));
+        let zds = ZdsHandle::new(ZdsConfig {
+            socket: socket.clone(),
+            ..Default::default()
+        });
+        let listener = ambpf::zds::listener::bind(&socket).unwrap();
+        let server = Task(tokio::spawn(zds.clone().serve_on(listener)));
+        let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+        ztunnel.wait_until(|s| s.ready, PATIENCE).await.unwrap();
+        Agent {
+            zds,
+            ztunnel,
+            server,
+        }
+    }
+
+    /// A controller of a new agent, enrolling into `redirection()`.
+    fn controller(&self, agent: &Agent) -> Controller {
+        Controller::new(self.redirection(), agent.zds.clone(), true)
+    }
+
+    /// Runs a controller on `pods` (and CNI requests, if given), as `ambpf
+    /// run` does; returns the programmed pods it reports, its stats and its
+    /// task.
+    fn run(
+        &self,
+        agent: &Agent,
+        pods: watch::Receiver<Arc<SourcePods>>,
+        requests: Option<mpsc::Receiver<EnrollRequest>>,
+    ) -> (ProgrammedPods, Arc<ControllerStats>, Task) {
+        let mut controller = self.controller(agent);
+        let (tx, programmed) = watch::channel(Arc::default());
+        controller.report_programmed(tx);
+        let stats = controller.stats();
+        let task = Task(tokio::spawn(controller.run_with_requests(pods, requests)));
+        (programmed, stats, task)
+    }
+
+    /// Y, the current pod 0, is captured both ways in both families, and
+    /// nothing of the pod with netns cookie `x` is left.
+    async fn assert_only_y(&self, agent: &Agent, x: u64) {
+        let y = self.cookie();
+        assert_ne!(x, y);
+        let inode = self.pod().inode().unwrap();
+        agent
+            .ztunnel
+            .wait_until(
+                |s| {
+                    !s.workloads.contains_key(X)
+                        && s.workloads
+                            .get(Y)
+                            .is_some_and(|w| w.proxies_running && w.netns_inode == inode)
+                },
+                PATIENCE,
+            )
+            .await
+            .unwrap();
+        let ips = self.cluster.pods[0].ips();
+        let app = EchoServer::start(
+            self.pod(),
+            SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
+        );
+        let remote = &self.cluster.remote;
+        for ((ip, remote_ip), remote_server) in
+            ips.into_iter().zip(remote.ips()).zip(&self.remote_servers)
+        {
+            let inbound = SocketAddr::new(ip, APP_PORT);
+            echo_once(&remote.ns, inbound);
+            wait_proxied(agent, 15006, inbound).await;
+            assert_eq!(app.last_peer(), remote_ip, "inbound to {inbound}");
+
+            let outbound = SocketAddr::new(remote_ip, PEER_PORT);
+            echo_once(self.pod(), outbound);
+            wait_proxied(agent, 15001, outbound).await;
+            assert_eq!(remote_server.last_peer(), ip, "outbound to {outbound}");
+
+            if self.mode == RedirectMode::Iptables {
+                // A kubelet probe: SNATed on the node, straight to the app.
+                let before = agent.ztunnel.proxied().len();
+                echo_once(&self.cluster.node, inbound);
+                let captured = &agent.ztunnel.proxied()[before..];
+                assert!(captured.is_empty(), "a probe was captured: {captured:?}");
+                let snat = if ip.is_ipv4() { Family::V4 } else { Family::V6 }.probe_snat();
+                assert_eq!(app.last_peer(), snat, "probe to {inbound}");
+            }
+        }
+
+        match self.mode {
+            RedirectMode::Ebpf => {
+                let pins = self.pins();
+                let pods: Vec<u64> = inspect::read_pods(&pins)
+                    .unwrap()
+                    .iter()
+                    .map(|p| p.netns_cookie)
+                    .collect();
+                assert_eq!(pods, [y], "ambpf_pods (X is {x})");
+                let data = MapData::from_pin(pins.map(maps::PODS_BY_IP)).unwrap();
+                let by_ip: BpfHashMap<_, IpKey, PodConfig> =
+                    BpfHashMap::try_from(Map::HashMap(data)).unwrap();
+                for ip in ips {
+                    let entry = by_ip.get(&ip_key(ip), 0);
+                    let owner = entry.map(|pod| pod.netns_cookie);
+                    assert_eq!(
+                        owner.ok(),
+                        Some(y),
+                        "ambpf_pod_ips entry of {ip} (X is {x})"
+                    );
+                }
+                // Pinned per-pod links, if any, are Y's.
+                let dirs: Vec<String> = std::fs::read_dir(pins.pod_links_root())
+                    .into_iter()
+                    .flatten()
+                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect();
+                assert!(
+                    dirs.iter().all(|d| *d == y.to_string()),
+                    "pod link directories {dirs:?}: Y is {y}, X is {x}"
+                );
+            }
+            RedirectMode::Iptables => {
+                let host = self.host();
+                for ip in ips {
+                    let family = if ip.is_ipv4() { Family::V4 } else { Family::V6 };
+                    let members = iptables::probe_set_entries(&host, family).unwrap();
+                    let owners: Vec<_> = members
+                        .iter()
+                        .filter(|m| m.address == ip)
+                        .map(|m| m.netns_cookie)
+                        .collect();
+                    assert_eq!(owners, [Some(y)], "probe ipset member {ip} (X is {x})");
+                }
+            }
+        }
+    }
+}
+
+/// Waits until ztunnel proxied Y's connection to `original_dst` on `port`.
+async fn wait_proxied(agent: &Agent, port: u16, original_dst: SocketAddr) {
+    let found = |c: &ambpf_testbed::ztunnel::ProxiedConnection| {
+        c.listener_port == port && c.original_dst == original_dst && c.uid == Y
+    };
+    agent
+        .ztunnel
+        .wait_until(|s| s.proxied.iter().any(found), PATIENCE)
+        .await
+        .unwrap_or_else(|e| panic!("nothing proxied on {port} to {original_dst}: {e:?}"));
+    let conn = agent.ztunnel.proxied().into_iter().find(found).unwrap();
+    assert_eq!(conn.outcome, ConnectionOutcome::Proxied, "{conn:?}");
+}
+
+/// The controller counted `conflicts` address conflicts and no state
+/// violation: its state checks found nothing to repair.
+fn assert_stats(stats: &ControllerStats, conflicts: u64) {
+    assert_eq!(
+        stats.address_conflicts.load(Ordering::Relaxed),
+        conflicts,
+        "address conflicts (one per recycled address while both pods live)"
+    );
+    let violations: Vec<u64> = stats
+        .state_violations
+        .iter()
+        .map(|v| v.load(Ordering::Relaxed))
+        .collect();
+    assert!(
+        violations.iter().all(|v| *v == 0),
+        "state violations: {violations:?}"
+    );
+}
+
+/// Waits until the controller reports exactly `uids` programmed.
+async fn wait_programmed(programmed: &mut ProgrammedPods, uids: &[&str]) {
+    let reached = tokio::time::timeout(
+        PATIENCE,
+        programmed.wait_for(|p| p.iter().map(String::as_str).eq(uids.iter().copied())),
+    )
+    .await
+    .is_ok_and(|r| r.is_ok());
+    assert!(
+        reached,
+        "programmed {:?}, not {uids:?}",
+        programmed.borrow()
+    );
+}
+
+/// The ambient pods of a source.
+fn source(pods: Vec<PodSpec>) -> Arc<SourcePods> {
+    Arc::new(SourcePods {
+        ambient: pods,
+        ..Default::default()
+    })
+}
+
+async fn cni_add(requests: &mpsc::Sender<EnrollRequest>, pod: PodSpec) {
+    let (reply, answer) = oneshot::channel();
+    requests.send(EnrollRequest { pod, reply }).await.unwrap();
+    assert_eq!(answer.await.unwrap(), Ok(()), "CNI add");
+}
+
+/// `stale_pod_at_agent_start` and `netns_inode_reused_at_agent_start`.
+async fn agent_restart(mut node: Node, reuse_inode: bool) {
+    let agent = node.agent().await;
+    let mut controller = node.controller(&agent);
+    assert_eq!(controller.apply(&[node.spec(X)]).enrolled, 1);
+    let (x, x_inode) = (node.cookie(), node.pod().inode().unwrap());
+    drop(controller);
+    agent.stop().await;
+
+    if reuse_inode {
+        node.cluster.recycle_pod_reusing_inode(0, PATIENCE).unwrap();
+        assert_eq!(node.pod().inode().unwrap(), x_inode);
+    } else {
+        node.cluster.recycle_pod(0).unwrap();
+    }
+
+    let agent = node.agent().await;
+    let mut controller = node.controller(&agent);
+    let report = controller.apply(&[node.spec(Y)]);
+    assert_eq!((report.enrolled, &report.failed), (1, &Default::default()));
+    node.assert_only_y(&agent, x).await;
+    assert_eq!(controller.check_state(CheckScope::Full), []);
+    assert_stats(&controller.stats(), 0);
+}
+
+/// `cni_add_before_the_old_pods_delete` and `cni_add_after_the_old_pods_delete`.
+async fn cni_pod(mut node: Node, add_first: bool) {
+    let agent = node.agent().await;
+    let (pods_tx, pods) = watch::channel(source(vec![node.spec(X)]));
+    let (requests, requests_rx) = mpsc::channel(1);
+    let (mut programmed, stats, _controller) = node.run(&agent, pods, Some(requests_rx));
+    wait_programmed(&mut programmed, &[X]).await;
+    let x = node.cookie();
+
+    let old = node.cluster.recycle_pod_keeping_old(0).unwrap();
+    if add_first {
+        cni_add(&requests, node.spec(Y)).await;
+        wait_programmed(&mut programmed, &[X, Y]).await;
+        pods_tx.send_replace(source(vec![]));
+    } else {
+        pods_tx.send_replace(source(vec![]));
+        wait_programmed(&mut programmed, &[]).await;
+        cni_add(&requests, node.spec(Y)).await;
+    }
+    wait_programmed(&mut programmed, &[Y]).await;
+    drop(old);
+    node.assert_only_y(&agent, x).await;
+    assert_stats(&stats, if add_first { 2 } else { 0 });
+}
+
+/// `kube_new_pod_before_old_pods_delete` and `kube_old_pods_delete_before_new_pod`.
+async fn kube_pods(mut node: Node, new_first: bool) {
+    let server = ApiServer::start().await.unwrap();
+    server.apply(
+        "namespaces",
+        json!({ "apiVersion": "v1", "kind": "Namespace",
+                "metadata": { "name": "shop", "labels": { DATAPLANE_MODE_LABEL: "ambient" } } }),
+    );
+    let ips = node.cluster.pods[0].ips();
+    let pod = |uid: &str| {
+        json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": { "name": uid.trim_start_matches("uid-"), "namespace": "shop", "uid": uid },
+            "spec": { "nodeName": "node-1", "serviceAccountName": "app", "containers": [{ "name": "app" }] },
+            "status": { "phase": "Running", "podIP": ips[0].to_string(),
+                        "podIPs": [{ "ip": ips[0].to_string() }, { "ip": ips[1].to_string() }] }
+        })
+    };
+    // Netns discovery is not under test: each pod's namespace by its UID.
+    let netns: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
+    netns.lock().unwrap().insert(X.into(), node.pod().path());
+    let resolve = netns.clone();
+    let resolver = move |pod: &PodQuery| {
+        let known = resolve.lock().unwrap().get(&pod.uid).cloned();
+        known
+            .map(NetnsSource::Path)
+            .ok_or_else(|| format!("no netns for {}", pod.uid))
+    };
+    server.apply("pods", pod(X));
+
+    let agent = node.agent().await;
+    let client = kube::Client::try_from(kube::Config::new(server.url().parse().unwrap())).unwrap();
+    let mut config = KubeSourceConfig::new("node-1");
+    config.resync = Duration::from_millis(200);
+    config.max_backoff = Duration::from_millis(300);
+    let (pods_tx, pods) = watch::channel(Arc::default());
+    let _source = tokio::time::timeout(
+        PATIENCE,
+        KubeSource::new(client, config)
+            .with_resolver(resolver)
+            .start(pods_tx),
+    )
+    .await
+    .expect("the source synced in time")
+    .unwrap();
+    let (mut programmed, stats, _controller) = node.run(&agent, pods, None);
+    wait_programmed(&mut programmed, &[X]).await;
+    let x = node.cookie();
+
+    let old = node.cluster.recycle_pod_keeping_old(0).unwrap();
+    netns.lock().unwrap().insert(Y.into(), node.pod().path());
+    if new_first {
+        server.apply("pods", pod(Y));
+        wait_programmed(&mut programmed, &[X, Y]).await;
+        server.delete("pods", "shop", "app-x");
+    } else {
+        server.delete("pods", "shop", "app-x");
+        wait_programmed(&mut programmed, &[]).await;
+        server.apply("pods", pod(Y));
+    }
+    wait_programmed(&mut programmed, &[Y]).await;
+    drop(old);
+    node.assert_only_y(&agent, x).await;
+    assert_stats(&stats, if new_first { 2 } else { 0 });
+}
+
+/// Runs `scenario` on a fresh node in each mode: `<name>::ebpf` (this
+/// process inside a test cgroup meanwhile) and `<name>::iptables`.
+macro_rules! in_both_modes {
+    ($name:ident, $scenario:ident, $arg:expr) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn ebpf() {
+                let _serial = SERIAL.lock().await;
+                let cgroup = CgroupGuard::create().unwrap();
+                let _inside = cgroup.enter_process().unwrap();
+                let node = Node::create(RedirectMode::Ebpf, Some(cgroup.path().to_owned()));
+                $scenario(node, $arg).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn iptables() {
+                let _serial = SERIAL.lock().await;
+                $scenario(Node::create(RedirectMode::Iptables, None), $arg).await;
+            }
+        }
+    };
+}
+
+in_both_modes!(stale_pod_at_agent_start, agent_restart, false);
+in_both_modes!(netns_inode_reused_at_agent_start, agent_restart, true);
+in_both_modes!(cni_add_before_the_old_pods_delete, cni_pod, true);
+in_both_modes!(cni_add_after_the_old_pods_delete, cni_pod, false);
+in_both_modes!(kube_new_pod_before_old_pods_delete, kube_pods, true);
+in_both_modes!(kube_old_pods_delete_before_new_pod, kube_pods, false);
