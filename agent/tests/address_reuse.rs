@@ -374,16 +374,24 @@ impl Node {
                         "ambpf_pod_ips entry of {ip} (X is {x})"
                     );
                 }
-                // Pinned per-pod links, if any, are Y's.
-                let dirs: Vec<String> = std::fs::read_dir(pins.pod_links_root())
-                    .into_iter()
-                    .flatten()
-                    .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                    .collect();
-                assert!(
-                    dirs.iter().all(|d| *d == y.to_string()),
-                    "pod link directories {dirs:?}: Y is {y}, X is {x}"
+                // Steering is Y's filter alone: no namespace but Y's holds
+                // one running the agent's program, and nothing is pinned
+                // per pod.
+                let program = ambpf::bpf::pinned_steering_program(&pins).unwrap();
+                let others = ambpf::redirect::check::scan_orphan_steering(
+                    program,
+                    &std::collections::HashSet::from([y]),
                 );
+                assert_eq!(others, [], "steering outside Y (X is {x})");
+                let [pod] = &inspect::read_status(&pins).unwrap().pods[..] else {
+                    panic!("one pod is enrolled");
+                };
+                let filters = pod.steering.as_ref().expect("Y's namespace is found");
+                assert!(
+                    filters.iter().all(|f| f.program_id == Some(program)),
+                    "{filters:?}"
+                );
+                assert!(!pins.pod_links_root().exists(), "per-pod links are pinned");
             }
             RedirectMode::Iptables => {
                 let host = self.host();
