@@ -326,6 +326,9 @@ mod tests {
             (health.local_addr().unwrap(), metrics.local_addr().unwrap());
         let controller = Arc::new(ControllerStats::default());
         controller.pods_enrolled.store(3, Ordering::Relaxed);
+        controller.address_conflicts.store(1, Ordering::Relaxed);
+        controller.state_violations[ViolationKind::AddressMissing.index()]
+            .store(4, Ordering::Relaxed);
         let cni = Arc::new(CniStats::default());
         cni.skipped.store(2, Ordering::Relaxed);
         let registry = Arc::new(registry(AgentCollector {
@@ -355,6 +358,15 @@ mod tests {
         assert!(body.contains("ambpf_zds_nacks_total 0"), "{body}");
         assert!(body.contains("ambpf_cni_adds_skipped_total 2"), "{body}");
         assert!(body.contains("ambpf_cni_adds_refused_total 0"), "{body}");
+        assert!(body.contains("ambpf_address_conflicts_total 1"), "{body}");
+        assert!(
+            body.contains(r#"ambpf_state_violations_total{kind="address_missing"} 4"#),
+            "{body}"
+        );
+        assert!(
+            body.contains(r#"ambpf_state_violations_total{kind="steering_orphan"} 0"#),
+            "{body}"
+        );
         assert!(body.contains("# EOF"), "{body}");
 
         // A ztunnel connects and acks the (empty) snapshot: now ready.
