@@ -476,6 +476,7 @@ fn parse_attach(spec: &str) -> Result<(&str, &str)> {
 fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     // Validate every argument before touching the kernel.
     let pod_source = args.pod_source()?;
+    raise_fd_limit();
     let targets = args
         .attach
         .iter()
@@ -638,6 +639,30 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         info!("shutting down; pinned attachments stay in place");
         Ok(())
     })
+}
+
+/// Raises the soft limit on open files to the hard one, as Go's runtime does
+/// for Istio's node agent: the agent holds each enrolled pod's namespace
+/// open (twice: the controller and the redirection), so a node with a
+/// thousand pods needs more than the common soft limit of 1,024.
+fn raise_fd_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                log::warn!(
+                    "cannot raise the open-file limit to {}: {}",
+                    limit.rlim_max,
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
 }
 
 /// `ambpf status --check`: the eBPF mode's pinned state, checked from the
