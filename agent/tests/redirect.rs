@@ -345,6 +345,132 @@ in_both_modes!(
     }
 );
 
+/// How the app prepares its socket before `connect()`.
+#[derive(Clone, Copy, Debug)]
+enum AppBind {
+    None,
+    /// To its pod address, port 0.
+    PodAddress,
+    /// To the wildcard address with a port of its own.
+    PortOnly,
+    /// To the wildcard address, port 0.
+    Wildcard,
+}
+
+/// One request/response from the pod to `to` over a socket prepared as
+/// `bind` says (`dual_stack`: an IPv6 socket reaching an IPv4 peer through
+/// its v4-mapped address); returns the socket's own address and its peer,
+/// as the app sees them (v4-mapped addresses unmapped).
+fn outbound_as_app(
+    f: &Fixture,
+    to: SocketAddr,
+    bind: AppBind,
+    dual_stack: bool,
+) -> (SocketAddr, SocketAddr) {
+    let pod_ip = f.pod_ip(to.is_ipv6());
+    tokio::task::block_in_place(|| {
+        f.pod()
+            .run(|| {
+                let (domain, to) = match (dual_stack, to) {
+                    (true, SocketAddr::V4(v4)) => (
+                        socket2::Domain::IPV6,
+                        SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port()),
+                    ),
+                    (_, to) if to.is_ipv6() => (socket2::Domain::IPV6, to),
+                    (_, to) => (socket2::Domain::IPV4, to),
+                };
+                let socket = socket2::Socket::new(domain, socket2::Type::STREAM, None).unwrap();
+                if domain == socket2::Domain::IPV6 {
+                    socket.set_only_v6(false).unwrap();
+                }
+                let wildcard: IpAddr = if domain == socket2::Domain::IPV6 {
+                    std::net::Ipv6Addr::UNSPECIFIED.into()
+                } else {
+                    std::net::Ipv4Addr::UNSPECIFIED.into()
+                };
+                let local = match bind {
+                    AppBind::None => None,
+                    AppBind::PodAddress if dual_stack => match pod_ip {
+                        IpAddr::V4(v4) => Some(SocketAddr::new(v4.to_ipv6_mapped().into(), 0)),
+                        v6 => Some(SocketAddr::new(v6, 0)),
+                    },
+                    AppBind::PodAddress => Some(SocketAddr::new(pod_ip, 0)),
+                    // A port per family: the first connection's TIME_WAIT
+                    // holds its port.
+                    AppBind::PortOnly => {
+                        Some(SocketAddr::new(wildcard, if to.is_ipv6() { 40124 } else { 40123 }))
+                    }
+                    AppBind::Wildcard => Some(SocketAddr::new(wildcard, 0)),
+                };
+                if let Some(local) = local {
+                    socket.bind(&local.into()).unwrap();
+                }
+                socket.set_read_timeout(Some(PATIENCE)).unwrap();
+                socket
+                    .connect_timeout(&to.into(), PATIENCE)
+                    .unwrap_or_else(|e| panic!("connect {to}: {e}"));
+                let mut stream: TcpStream = socket.into();
+                stream.write_all(b"ambpf").unwrap();
+                let mut reply = [0u8; 5];
+                stream.read_exact(&mut reply).unwrap();
+                let unmapped =
+                    |a: SocketAddr| SocketAddr::new(unmap(a.ip()), a.port());
+                (
+                    unmapped(stream.local_addr().unwrap()),
+                    unmapped(stream.peer_addr().unwrap()),
+                )
+            })
+            .unwrap()
+    })
+}
+
+in_both_modes!(
+    outbound_capture_keeps_the_pods_address_as_istios_redirect_does,
+    |f| {
+        let cases = [
+            (false, AppBind::None, false),
+            (true, AppBind::None, false),
+            (false, AppBind::None, true),
+            (false, AppBind::PodAddress, false),
+            (true, AppBind::PodAddress, false),
+            (false, AppBind::PodAddress, true),
+            (false, AppBind::PortOnly, false),
+            (true, AppBind::PortOnly, false),
+            (false, AppBind::Wildcard, false),
+            (false, AppBind::Wildcard, true),
+        ];
+        for (v6, bind, dual_stack) in cases {
+            let case = format!("{:?} ipv6={v6} bind={bind:?} dual-stack={dual_stack}", f.mode);
+            let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
+            let (local, peer) = outbound_as_app(&f, dst, bind, dual_stack);
+            // The app sees its pod address and the peer it asked for.
+            assert_eq!(local.ip(), f.pod_ip(v6), "{case}: getsockname");
+            assert_eq!(peer, dst, "{case}: getpeername");
+            // ztunnel accepted the connection from that very address and
+            // port, and learns the original destination.
+            f.ztunnel
+                .wait_until(
+                    |s| s.proxied.iter().any(|c| c.listener_port == 15001 && c.client == local),
+                    PATIENCE,
+                )
+                .await
+                .unwrap_or_else(|_| panic!("{case}: no connection from {local} on 15001"));
+            let conn = f
+                .proxied()
+                .into_iter()
+                .find(|c| c.listener_port == 15001 && c.client == local)
+                .unwrap();
+            assert_eq!(conn.original_dst, dst, "{case}: SO_ORIGINAL_DST");
+            assert_eq!(conn.outcome, ConnectionOutcome::Proxied, "{case}");
+        }
+        // Traffic to ztunnel's own ports is never captured again: the
+        // double's passthrough connections (mark 0x539) reached the remote
+        // from the pod's address, not through 15001 once more.
+        let server = &f.remote_v4;
+        assert_eq!(server.last_peer().unwrap().ip(), f.pod_ip(false));
+    }
+);
+
 in_both_modes!(
     inbound_tcp_reaches_ztunnel_and_the_app_sees_the_client_source,
     |f| {

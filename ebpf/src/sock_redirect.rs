@@ -4,6 +4,11 @@
 //! (SO_MARK 0x539), and not to loopback or the pod's own addresses:
 //! - TCP `connect()` is rewritten to ztunnel's outbound listener 15001 on
 //!   loopback, DNS (port 53, TCP or connected UDP) to the DNS proxy 15053;
+//!   the socket is first bound to the pod's own address (`bpf_bind`, port
+//!   left to the kernel), so the app's `getsockname()` and the peer of
+//!   ztunnel's accepted socket are `podIP:port`, exactly as under Istio's
+//!   nat OUTPUT REDIRECT (which keeps the source the route chose and maps
+//!   the destination to loopback);
 //! - unconnected UDP `sendmsg()` to port 53 goes to 15053 as well;
 //! - `recvmsg()` makes DNS answers appear to come from the resolver asked,
 //!   and `getpeername()` shows the app the peer it asked for.
@@ -13,14 +18,17 @@
 
 use ambpf_common::{Counter, IpKey, PodConfig, SockAddr, ztunnel};
 use aya_ebpf::{
-    bindings::bpf_sock_addr,
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie},
+    bindings::{bpf_sock, bpf_sock_addr, sockaddr},
+    helpers::{bpf_bind, bpf_get_netns_cookie, bpf_get_socket_cookie},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 
 use crate::{
-    addr::{LOOPBACK_V4, LOOPBACK_V6, is_loopback, load_ip6, store_ip6, v4, v4_be, v6, v6_be},
+    addr::{
+        LOOPBACK_V4, LOOPBACK_V6, is_loopback, load_field, load_ip6, store_ip6, v4, v4_be, v6,
+        v6_be,
+    },
     maps::{ORIG_BY_COOKIE, PODS_BY_NETNS, count, dns_capture, is_pod_ip},
 };
 
@@ -34,6 +42,135 @@ const ALLOW: i32 = 1;
 struct Capture {
     port: u16,
     counter: Counter,
+    /// The pod's address of the destination's family (none: the pod has
+    /// none of that family).
+    source: Option<IpKey>,
+}
+
+const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
+
+/// `struct sockaddr_in`.
+#[repr(C)]
+struct SockaddrIn {
+    family: u16,
+    port_be: u16,
+    addr_be: u32,
+    zero: [u8; 8],
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+struct SockaddrIn6 {
+    family: u16,
+    port_be: u16,
+    flowinfo: u32,
+    addr_be: [u32; 4],
+    scope_id: u32,
+}
+
+/// The pod's address of the family of `dst` (IPv4, v4-mapped or not, or
+/// IPv6): the one the kernel picks as the source towards `dst`.
+#[inline(always)]
+fn pod_address_for(pod: &PodConfig, dst: &IpKey) -> Option<IpKey> {
+    let [a, b] = pod.ips;
+    let fits = |ip: &IpKey| *ip != IpKey::default() && ip.is_v4() == dst.is_v4();
+    if fits(&a) {
+        Some(a)
+    } else if fits(&b) {
+        Some(b)
+    } else {
+        None
+    }
+}
+
+/// How the app's socket is bound before the rewrite.
+enum Bound {
+    /// Not at all: bind it to the pod's address.
+    Nothing,
+    /// To a port only: its source is picked at connect, from the new
+    /// destination.
+    PortOnly,
+    /// To an address: it keeps it.
+    Address,
+}
+
+#[inline(always)]
+fn bound(sa: *mut bpf_sock_addr, v6: bool) -> Bound {
+    // SAFETY: the kernel always provides the socket in sock_addr programs.
+    let sk: *const bpf_sock = unsafe { (*sa).__bindgen_anon_1.sk };
+    let port: u32 = unsafe { load_field(sk, core::mem::offset_of!(bpf_sock, src_port)) };
+    let has_address = if v6 {
+        let ip = unsafe { load_ip6(sk, core::mem::offset_of!(bpf_sock, src_ip6)) };
+        ip != [0; 4]
+    } else {
+        let ip: u32 = unsafe { load_field(sk, core::mem::offset_of!(bpf_sock, src_ip4)) };
+        ip != 0
+    };
+    match (has_address, port) {
+        (true, _) => Bound::Address,
+        (false, 0) => Bound::Nothing,
+        (false, _) => Bound::PortOnly,
+    }
+}
+
+/// Binds the socket to `ip` with port 0 (the kernel picks the port at
+/// connect, as with IP_BIND_ADDRESS_NO_PORT). `v6`: the socket is IPv6
+/// (`ip` may be v4-mapped on a dual-stack socket).
+#[inline(always)]
+fn bind_to(sa: *mut bpf_sock_addr, ip: &IpKey, v6: bool) -> bool {
+    let done = if v6 {
+        let mut addr = SockaddrIn6 {
+            family: AF_INET6,
+            port_be: 0,
+            flowinfo: 0,
+            addr_be: v6_be(ip),
+            scope_id: 0,
+        };
+        unsafe {
+            bpf_bind(
+                sa,
+                (&raw mut addr).cast::<sockaddr>(),
+                size_of::<SockaddrIn6>() as i32,
+            )
+        }
+    } else {
+        let mut addr = SockaddrIn {
+            family: AF_INET,
+            port_be: 0,
+            addr_be: v4_be(ip),
+            zero: [0; 8],
+        };
+        unsafe {
+            bpf_bind(
+                sa,
+                (&raw mut addr).cast::<sockaddr>(),
+                size_of::<SockaddrIn>() as i32,
+            )
+        }
+    };
+    done == 0
+}
+
+/// Where a captured socket connects: ztunnel's listener on loopback, the
+/// socket bound to the pod's address first. A socket already bound to a
+/// port alone cannot be bound again: for ztunnel's outbound listener it is
+/// sent to the pod's own address instead, which gives it the pod's address
+/// as source too (ztunnel listens on every address); the DNS proxy listens
+/// on loopback only.
+#[inline(always)]
+fn target(sa: *mut bpf_sock_addr, capture: &Capture, v6: bool, loopback: IpKey) -> IpKey {
+    let Some(source) = capture.source else {
+        return loopback;
+    };
+    match bound(sa, v6) {
+        Bound::Nothing => {
+            bind_to(sa, &source, v6);
+            loopback
+        }
+        Bound::PortOnly if capture.port == ztunnel::OUTBOUND_PORT => source,
+        Bound::PortOnly | Bound::Address => loopback,
+    }
 }
 
 #[inline(always)]
@@ -54,16 +191,19 @@ fn capture(sa: *mut bpf_sock_addr, dst: &IpKey, dst_port_be: u16, tcp: bool) -> 
     if is_loopback(dst) || is_pod_ip(pod, dst) {
         return None;
     }
+    let source = pod_address_for(pod, dst);
     if u16::from_be(dst_port_be) == DNS_PORT && dns_capture(pod) {
         return Some(Capture {
             port: ztunnel::DNS_PORT,
             counter: Counter::DnsRedirected,
+            source,
         });
     }
     if tcp {
         return Some(Capture {
             port: ztunnel::OUTBOUND_PORT,
             counter: Counter::OutboundRedirected,
+            source,
         });
     }
     None
@@ -80,15 +220,21 @@ fn remember(sa: *mut bpf_sock_addr, dst: IpKey, port_be: u16) {
     let _ = ORIG_BY_COOKIE.insert(&cookie, &orig, 0);
 }
 
+/// `connect`: the hook may bind the socket (`sendmsg` may not).
 #[inline(always)]
-fn redirect4(ctx: &SockAddrContext, tcp: bool) {
+fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) {
     let sa = ctx.sock_addr;
     let (ip_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     let dst = v4(ip_be);
     if let Some(capture) = capture(sa, &dst, port_be, tcp) {
         remember(sa, dst, port_be);
+        let to = if connect {
+            target(sa, &capture, false, LOOPBACK_V4)
+        } else {
+            LOOPBACK_V4
+        };
         unsafe {
-            (*sa).user_ip4 = v4_be(&LOOPBACK_V4);
+            (*sa).user_ip4 = v4_be(&to);
             (*sa).user_port = u32::from(capture.port.to_be());
         }
         count(capture.counter);
@@ -96,20 +242,25 @@ fn redirect4(ctx: &SockAddrContext, tcp: bool) {
 }
 
 #[inline(always)]
-fn redirect6(ctx: &SockAddrContext, tcp: bool) {
+fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) {
     let sa = ctx.sock_addr;
     let (ip_be, port_be) = unsafe { (load_ip6(sa, USER_IP6), (*sa).user_port as u16) };
     let dst = v6(ip_be);
     if let Some(capture) = capture(sa, &dst, port_be, tcp) {
         remember(sa, dst, port_be);
         // A v4-mapped destination stays v4: ztunnel's listeners are dual-stack.
-        let target = if dst.is_v4() {
-            v6_be(&IpKey::v4([127, 0, 0, 1]))
+        let loopback = if dst.is_v4() {
+            LOOPBACK_V4
         } else {
-            v6_be(&LOOPBACK_V6)
+            LOOPBACK_V6
+        };
+        let to = if connect {
+            target(sa, &capture, true, loopback)
+        } else {
+            loopback
         };
         unsafe {
-            store_ip6(sa, USER_IP6, target);
+            store_ip6(sa, USER_IP6, v6_be(&to));
             (*sa).user_port = u32::from(capture.port.to_be());
         }
         count(capture.counter);
@@ -119,27 +270,27 @@ fn redirect6(ctx: &SockAddrContext, tcp: bool) {
 #[cgroup_sock_addr(connect4)]
 pub fn ambpf_connect4(ctx: SockAddrContext) -> i32 {
     let tcp = unsafe { (*ctx.sock_addr).type_ } == SOCK_STREAM;
-    redirect4(&ctx, tcp);
+    redirect4(&ctx, tcp, true);
     ALLOW
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn ambpf_connect6(ctx: SockAddrContext) -> i32 {
     let tcp = unsafe { (*ctx.sock_addr).type_ } == SOCK_STREAM;
-    redirect6(&ctx, tcp);
+    redirect6(&ctx, tcp, true);
     ALLOW
 }
 
 /// Unconnected UDP: only DNS is captured.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn ambpf_sendmsg4(ctx: SockAddrContext) -> i32 {
-    redirect4(&ctx, false);
+    redirect4(&ctx, false, false);
     ALLOW
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn ambpf_sendmsg6(ctx: SockAddrContext) -> i32 {
-    redirect6(&ctx, false);
+    redirect6(&ctx, false, false);
     ALLOW
 }
 
@@ -152,16 +303,18 @@ fn original_peer(
     port_be: u16,
     dns_only: bool,
 ) -> Option<SockAddr> {
-    if !is_loopback(ip) {
-        return None;
-    }
     let port = u16::from_be(port_be);
     let redirected = port == ztunnel::DNS_PORT || (!dns_only && port == ztunnel::OUTBOUND_PORT);
     if !redirected {
         return None;
     }
     let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
-    unsafe { PODS_BY_NETNS.get(&netns) }?;
+    let pod = unsafe { PODS_BY_NETNS.get(&netns) }?;
+    // Loopback, or the pod's own address for a socket bound to a port
+    // alone (see `target`).
+    if !is_loopback(ip) && !(port == ztunnel::OUTBOUND_PORT && is_pod_ip(pod, ip)) {
+        return None;
+    }
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
     let orig = unsafe { ORIG_BY_COOKIE.get(&cookie) }?;
     if dns_only && u16::from_be(orig.port_be) != DNS_PORT {
