@@ -39,9 +39,11 @@ enum Cmd {
         args: Vec<String>,
     },
     /// Build the agent and the benchmarks, and run one benchmark suite (e.g.
-    /// `zds`), writing `target/bench/<suite>.json`. Needs root.
+    /// `enroll`), writing `target/bench/<suite>.json`. Needs root.
     Bench {
-        /// The suite: `zds` (see `target/release/ambpf-bench --help`).
+        /// The suite: `zds`, `redirect`, `enroll`, `control` or `attach` (see
+        /// `target/release/ambpf-bench --help`, and `<suite> --help` for its
+        /// arguments).
         suite: String,
         /// Extra arguments for the suite (e.g. `--pods 100,1000 --runs 7`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

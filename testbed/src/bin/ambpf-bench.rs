@@ -16,7 +16,10 @@
 //!   iptables in the same run (`testbed/src/bench/suite_enroll.rs`);
 //! - `control`: the Kubernetes control path: API event to redirection, to the
 //!   annotation and to removal, pod by pod, and a start-up snapshot of N pods,
-//!   eBPF against iptables (`testbed/src/bench/suite_control.rs`).
+//!   eBPF against iptables (`testbed/src/bench/suite_control.rs`);
+//! - `attach`: the kernel's cost of attaching the inbound steering program to
+//!   N fresh pods, TCX link against clsact + cls_bpf, an sk_lookup netns link
+//!   and TCX without a link (`testbed/src/bench/suite_attach.rs`).
 //!
 //! Further suites become variants of [`Suite`], each with its own arguments
 //! and [`Common`] ones, using the helpers of `ambpf_testbed::bench`.
@@ -78,6 +81,10 @@ enum Suite {
     /// event to redirection, annotation and removal per pod, and a start-up
     /// snapshot of N pods, iptables against eBPF.
     Control(control::ControlArgs),
+    /// Attaching the inbound steering program to N fresh pods: TCX link,
+    /// clsact + cls_bpf, sk_lookup netns link, TCX without a link; per attach,
+    /// replace and detach, side by side.
+    Attach(attach::AttachArgs),
 }
 
 /// Arguments every suite takes.
@@ -126,6 +133,7 @@ async fn run(cli: Cli) -> Result<()> {
         Suite::Redirect(args) => redirect::run(args).await,
         Suite::Enroll(args) => enroll::run(args).await,
         Suite::Control(args) => control::run(args).await,
+        Suite::Attach(args) => attach::run(args).await,
     }
 }
 
@@ -218,6 +226,9 @@ mod enroll;
 
 #[path = "../bench/suite_control.rs"]
 mod control;
+
+#[path = "../bench/suite_attach.rs"]
+mod attach;
 
 mod zds {
     //! The `zds` suite: ZDS snapshot time, agent against floor.
