@@ -89,3 +89,22 @@ pub unsafe fn load_field<S, T: Copy>(base: *const S, offset: usize) -> T {
     let base = core::hint::black_box(base).cast::<u8>();
     unsafe { base.add(offset).cast::<T>().read() }
 }
+
+/// `struct sockaddr_in` (getsockopt's SO_ORIGINAL_DST answer, bpf_bind).
+#[repr(C)]
+pub struct SockaddrIn {
+    pub family: u16,
+    pub port_be: u16,
+    pub addr_be: u32,
+    pub zero: [u8; 8],
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+pub struct SockaddrIn6 {
+    pub family: u16,
+    pub port_be: u16,
+    pub flowinfo: u32,
+    pub addr_be: [u32; 4],
+    pub scope_id: u32,
+}

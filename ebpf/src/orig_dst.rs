@@ -24,7 +24,7 @@ use aya_ebpf::{
 use core::mem::offset_of;
 
 use crate::{
-    addr::{load_field, load_ip6, v4, v4_be, v6, v6_be},
+    addr::{SockaddrIn, SockaddrIn6, load_field, load_ip6, v4, v4_be, v6, v6_be},
     maps::{ORIG_BY_COOKIE, ORIG_BY_TUPLE, PODS_BY_NETNS, count, is_pod_ip},
 };
 
@@ -187,25 +187,6 @@ unsafe fn read_sock_ops(ops: *const bpf_sock_ops) -> SockOpsFields {
             remote_port: load_field(ops, offset_of!(bpf_sock_ops, remote_port)),
         })
     }
-}
-
-/// `sockaddr_in` as getsockopt returns it.
-#[repr(C)]
-struct SockaddrIn {
-    family: u16,
-    port_be: u16,
-    addr_be: u32,
-    zero: [u8; 8],
-}
-
-/// `sockaddr_in6` as getsockopt returns it.
-#[repr(C)]
-struct SockaddrIn6 {
-    family: u16,
-    port_be: u16,
-    flowinfo: u32,
-    addr_be: [u32; 4],
-    scope_id: u32,
 }
 
 #[cgroup_sockopt(getsockopt)]

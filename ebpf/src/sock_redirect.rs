@@ -26,8 +26,8 @@ use aya_ebpf::{
 
 use crate::{
     addr::{
-        LOOPBACK_V4, LOOPBACK_V6, is_loopback, load_field, load_ip6, store_ip6, v4, v4_be, v6,
-        v6_be,
+        LOOPBACK_V4, LOOPBACK_V6, SockaddrIn, SockaddrIn6, is_loopback, load_field, load_ip6,
+        store_ip6, v4, v4_be, v6, v6_be,
     },
     maps::{ORIG_BY_COOKIE, PODS_BY_NETNS, count, dns_capture, is_pod_ip},
 };
@@ -49,25 +49,6 @@ struct Capture {
 
 const AF_INET: u16 = 2;
 const AF_INET6: u16 = 10;
-
-/// `struct sockaddr_in`.
-#[repr(C)]
-struct SockaddrIn {
-    family: u16,
-    port_be: u16,
-    addr_be: u32,
-    zero: [u8; 8],
-}
-
-/// `struct sockaddr_in6`.
-#[repr(C)]
-struct SockaddrIn6 {
-    family: u16,
-    port_be: u16,
-    flowinfo: u32,
-    addr_be: [u32; 4],
-    scope_id: u32,
-}
 
 /// The pod's address of the family of `dst` (IPv4, v4-mapped or not, or
 /// IPv6): the one the kernel picks as the source towards `dst`.
