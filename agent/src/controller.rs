@@ -198,6 +198,7 @@ impl Controller {
             }
             match self.redirection.enroll(&netns, options) {
                 Ok(done) => {
+                    self.stats.record_enrol_steps(&done.steps);
                     let name = format!("{}/{}", pod.workload.namespace, pod.workload.name);
                     self.report_conflicts(&name, uid, &done);
                     wanted_cookies.insert(done.netns_cookie);
@@ -293,7 +294,11 @@ impl Controller {
                 Some((other_uid, other)) => {
                     let this = format!("{name} ({uid})");
                     let that = format!("{} ({other_uid})", other.name);
-                    if conflict.won { (this, that) } else { (that, this) }
+                    if conflict.won {
+                        (this, that)
+                    } else {
+                        (that, this)
+                    }
                 }
                 None => {
                     // A pod no source reports (left pinned by an earlier
@@ -320,11 +325,8 @@ impl Controller {
     /// forgets the pods that must be enrolled again (the next pass does).
     /// Returns the violations found.
     pub fn check_state(&mut self, scope: CheckScope) -> Vec<Violation> {
-        let known: Vec<(PodKey, &Netns)> = self
-            .enrolled
-            .values()
-            .map(|e| (e.key, &e.netns))
-            .collect();
+        let known: Vec<(PodKey, &Netns)> =
+            self.enrolled.values().map(|e| (e.key, &e.netns)).collect();
         let violations = self.redirection.check(&known, scope);
         if violations.is_empty() {
             return violations;
@@ -546,6 +548,7 @@ mod tests {
                 interfaces: vec![],
                 dns_capture: options.dns_capture,
                 conflicts: vec![],
+                steps: Default::default(),
             })
         }
 

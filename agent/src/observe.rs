@@ -28,8 +28,8 @@ use tokio::{io::AsyncWriteExt, net::TcpListener};
 
 use crate::{
     bpf::{PinLayout, inspect},
-    redirect::ViolationKind,
     cni::CniStats,
+    redirect::{EnrolSteps, ViolationKind},
     zds::{ZdsHandle, ZdsStats},
 };
 
@@ -47,6 +47,19 @@ pub struct ControllerStats {
     pub address_conflicts: AtomicU64,
     /// Violations the state checks found, by [`ViolationKind::index`].
     pub state_violations: [AtomicU64; ViolationKind::ALL.len()],
+    /// Enrolment time by step ([`EnrolSteps`]): (times, total seconds).
+    pub enrol_steps: std::sync::Mutex<std::collections::BTreeMap<&'static str, (u64, f64)>>,
+}
+
+impl ControllerStats {
+    pub fn record_enrol_steps(&self, steps: &EnrolSteps) {
+        let mut totals = self.enrol_steps.lock().unwrap_or_else(|p| p.into_inner());
+        for (step, took) in &steps.0 {
+            let total = totals.entry(step).or_default();
+            total.0 += 1;
+            total.1 += took.as_secs_f64();
+        }
+    }
 }
 
 /// Everything `/metrics` reports, gathered at scrape time.
@@ -118,6 +131,37 @@ impl Collector for AgentCollector {
                 let value = get(&self.controller.state_violations[kind.index()]);
                 ConstCounter::new(value)
                     .encode(family.encode_family(&[("kind", kind.as_str())])?)?;
+            }
+        }
+        {
+            let steps = self
+                .controller
+                .enrol_steps
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            for (name, help, value) in [
+                (
+                    "enrol_step_seconds",
+                    "Time spent enrolling pods, by step (divide by ambpf_enrol_steps_total for \
+                     the mean).",
+                    (|&(_, s): &(u64, f64)| ConstCounter::new(s)) as fn(&(u64, f64)) -> _,
+                ),
+                (
+                    "enrol_steps",
+                    "Enrolment steps completed, by step.",
+                    |&(n, _): &(u64, f64)| ConstCounter::new(n as f64),
+                ),
+            ] {
+                let mut family = encoder.encode_descriptor(
+                    name,
+                    help,
+                    None,
+                    ConstCounter::new(0.0).metric_type(),
+                )?;
+                for (step, totals) in &steps {
+                    value(totals).encode(family.encode_family(&[("step", *step)])?)?;
+                }
             }
         }
         gauge(

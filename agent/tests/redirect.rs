@@ -28,7 +28,6 @@ use ambpf::{
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
 use ambpf_common::{IpKey, NodeConfig, PodConfig, maps};
-use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
@@ -37,6 +36,7 @@ use ambpf_testbed::{
         ZtunnelDouble, dns,
     },
 };
+use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 
 /// Tests move this process between cgroups (eBPF mode) and share the
 /// namespaces' names: one at a time.
@@ -397,9 +397,10 @@ fn outbound_as_app(
                     AppBind::PodAddress => Some(SocketAddr::new(pod_ip, 0)),
                     // A port per family: the first connection's TIME_WAIT
                     // holds its port.
-                    AppBind::PortOnly => {
-                        Some(SocketAddr::new(wildcard, if to.is_ipv6() { 40124 } else { 40123 }))
-                    }
+                    AppBind::PortOnly => Some(SocketAddr::new(
+                        wildcard,
+                        if to.is_ipv6() { 40124 } else { 40123 },
+                    )),
                     AppBind::Wildcard => Some(SocketAddr::new(wildcard, 0)),
                 };
                 if let Some(local) = local {
@@ -413,8 +414,7 @@ fn outbound_as_app(
                 stream.write_all(b"ambpf").unwrap();
                 let mut reply = [0u8; 5];
                 stream.read_exact(&mut reply).unwrap();
-                let unmapped =
-                    |a: SocketAddr| SocketAddr::new(unmap(a.ip()), a.port());
+                let unmapped = |a: SocketAddr| SocketAddr::new(unmap(a.ip()), a.port());
                 (
                     unmapped(stream.local_addr().unwrap()),
                     unmapped(stream.peer_addr().unwrap()),
@@ -440,7 +440,10 @@ in_both_modes!(
             (false, AppBind::Wildcard, true),
         ];
         for (v6, bind, dual_stack) in cases {
-            let case = format!("{:?} ipv6={v6} bind={bind:?} dual-stack={dual_stack}", f.mode);
+            let case = format!(
+                "{:?} ipv6={v6} bind={bind:?} dual-stack={dual_stack}",
+                f.mode
+            );
             let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
             let (local, peer) = outbound_as_app(&f, dst, bind, dual_stack);
             // The app sees its pod address and the peer it asked for.
@@ -450,7 +453,11 @@ in_both_modes!(
             // port, and learns the original destination.
             f.ztunnel
                 .wait_until(
-                    |s| s.proxied.iter().any(|c| c.listener_port == 15001 && c.client == local),
+                    |s| {
+                        s.proxied
+                            .iter()
+                            .any(|c| c.listener_port == 15001 && c.client == local)
+                    },
                     PATIENCE,
                 )
                 .await
@@ -769,7 +776,14 @@ in_both_modes!(
             RedirectMode::Iptables => {
                 let node = f.cluster.node.name();
                 let deleted = std::process::Command::new("ip")
-                    .args(["netns", "exec", node, "ipset", "del", iptables::PROBE_IPSET_V4])
+                    .args([
+                        "netns",
+                        "exec",
+                        node,
+                        "ipset",
+                        "del",
+                        iptables::PROBE_IPSET_V4,
+                    ])
                     .arg(v4.to_string())
                     .status()
                     .unwrap();
@@ -779,7 +793,10 @@ in_both_modes!(
         };
         let found = f.redirection.check(&known, CheckScope::Records);
         assert_eq!(found.len(), 1, "{found:#?}");
-        assert_eq!((found[0].kind, found[0].address, found[0].pod), (expected, Some(v4), Some(pod)));
+        assert_eq!(
+            (found[0].kind, found[0].address, found[0].pod),
+            (expected, Some(v4), Some(pod))
+        );
 
         assert_eq!(f.redirection.repair(&found), []);
         assert_eq!(f.redirection.check(&known, CheckScope::Full), []);
@@ -791,7 +808,10 @@ in_both_modes!(
         if f.mode == RedirectMode::Iptables {
             let probed = f.proxied().len();
             echo_once(&f.cluster.node, dst, None, None);
-            assert_eq!(f.app.last_peer().unwrap().ip(), IpAddr::from(iptables::PROBE_SNAT_V4));
+            assert_eq!(
+                f.app.last_peer().unwrap().ip(),
+                IpAddr::from(iptables::PROBE_SNAT_V4)
+            );
             assert_eq!(f.proxied().len(), probed, "a probe went through ztunnel");
         }
         assert!(f.proxied().len() > before);
@@ -807,7 +827,11 @@ async fn upgrading_the_steering_program_under_inbound_load_loses_no_connection()
         let pins = PinLayout::new(f.bpffs.as_ref().unwrap().path().join("ambpf"));
         let netns = f.pod_netns();
         let app = SocketAddr::new(f.pod_ip(false), APP_PORT);
-        let before = f.proxied().iter().filter(|c| c.listener_port == 15006).count();
+        let before = f
+            .proxied()
+            .iter()
+            .filter(|c| c.listener_port == 15006)
+            .count();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let client = {
             let (stop, remote) = (stop.clone(), f.cluster.remote.ns.path());
@@ -847,20 +871,34 @@ async fn upgrading_the_steering_program_under_inbound_load_loses_no_connection()
         tokio::time::sleep(Duration::from_millis(100)).await;
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let (made, failed) = tokio::task::block_in_place(|| client.join().unwrap());
-        assert!(failed.is_empty(), "{} of {made} connections failed: {failed:?}", failed.len());
+        assert!(
+            failed.is_empty(),
+            "{} of {made} connections failed: {failed:?}",
+            failed.len()
+        );
         assert!(made > 20, "only {made} connections were made");
         programs.dedup();
         assert_eq!(programs.len(), 5, "each upgrade pins a new program");
         // Every connection went through ztunnel's inbound listener.
         f.ztunnel
             .wait_until(
-                |s| s.proxied.iter().filter(|c| c.listener_port == 15006).count() >= before + made,
+                |s| {
+                    s.proxied
+                        .iter()
+                        .filter(|c| c.listener_port == 15006)
+                        .count()
+                        >= before + made
+                },
                 PATIENCE,
             )
             .await
             .unwrap_or_else(|_| panic!("not all {made} connections reached ztunnel"));
         // And none reached the app any other way.
-        let inbound = f.proxied().iter().filter(|c| c.listener_port == 15006).count();
+        let inbound = f
+            .proxied()
+            .iter()
+            .filter(|c| c.listener_port == 15006)
+            .count();
         assert_eq!(f.app.seen.lock().unwrap().len(), inbound);
         // The pod's filter runs the last agent's program.
         let [pod] = f.redirection.enrolled().unwrap()[..] else {

@@ -253,7 +253,11 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
         assert_eq!(filters[0]["program_name"], "ambpf_pod_in", "{status}");
         filters[0]["program_id"].as_u64().unwrap()
     };
-    assert_ne!(steering(&before), steering(&after), "the steering program was not replaced");
+    assert_ne!(
+        steering(&before),
+        steering(&after),
+        "the steering program was not replaced"
+    );
     tokio::task::block_in_place(|| {
         echo(&mut outbound, b"agent back");
         echo(&mut inbound, b"agent back");
@@ -316,7 +320,10 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
     std::fs::create_dir_all(&orphan).unwrap();
     let (consistent, said) = check(&pins);
     assert!(!consistent, "{said}");
-    assert!(said.contains("steering_orphan") && said.contains("4026530000"), "{said}");
+    assert!(
+        said.contains("steering_orphan") && said.contains("4026530000"),
+        "{said}"
+    );
     std::fs::write(&pods_file, r#"{"pods": [], "note": "a pass"}"#).unwrap();
     wait_for(|| !orphan.exists(), "the agent to repair the orphan").await;
     assert!(check(&pins).0);
