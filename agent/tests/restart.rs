@@ -14,7 +14,6 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -40,8 +39,7 @@ impl Drop for Agent {
 }
 
 fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Agent {
-    let node_ns = std::fs::File::open(node.path()).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambpf"));
+    let mut cmd = node.command(env!("CARGO_BIN_EXE_ambpf")).unwrap();
     cmd.arg("--pin-root")
         .arg(pins)
         .arg("run")
@@ -59,13 +57,6 @@ fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgrou
         ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null());
-    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(std::io::Error::from)
-        });
-    }
     Agent(cmd.spawn().unwrap())
 }
 

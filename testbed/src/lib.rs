@@ -11,9 +11,10 @@
 //! agent hands pods to.
 
 use std::{
+    ffi::OsStr,
     fs::{self, File},
     io,
-    os::fd::AsFd,
+    os::{fd::AsFd, unix::process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -131,6 +132,20 @@ impl NetnsGuard {
         })
     }
 
+    /// A command for `program` that runs in this namespace (entered between
+    /// fork and exec), as an agent runs in its node's.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> io::Result<Command> {
+        let file = File::open(self.path())?;
+        let mut command = Command::new(program);
+        // SAFETY: setns is async-signal-safe; the closure owns the fd.
+        unsafe {
+            command.pre_exec(move || {
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)
+            });
+        }
+        Ok(command)
+    }
+
     /// Runs `ip -n <ns> args...`.
     pub fn ip(&self, args: &[&str]) -> io::Result<()> {
         let mut full = vec!["-n", self.name.as_str()];
@@ -190,8 +205,7 @@ impl Link {
     }
 
     /// [`Link::veth`] with `a_iface` at interface index `a_index`, which
-    /// must be free in the root namespace (where the pair is made) and in
-    /// `a`. A CNI plugin makes the pair inside the pod's fresh namespace, so
+    /// must be free in `a`. A CNI plugin makes the pair inside the pod's fresh namespace, so
     /// every pod's `eth0` has the same index; this gives a new pod the index
     /// an old one had.
     pub fn veth_at_index(
@@ -215,24 +229,17 @@ impl Link {
         b_iface: &str,
         b_addrs: Addrs,
     ) -> io::Result<Self> {
-        // Create with temporary unique names in the root namespace's view,
-        // then move and rename, so concurrent tests never collide.
-        let tmp_a = unique_name("va");
-        let tmp_b = unique_name("vb");
+        // Made inside the two namespaces, never in the host's: the pair is
+        // created in `a` with its peer already in `b`.
         let index = a_index.map(|i| i.to_string());
-        let mut add = vec!["link", "add", &tmp_a];
+        let mut add = vec!["link", "add", a_iface];
         if let Some(index) = &index {
             add.extend(["index", index]);
         }
-        add.extend(["type", "veth", "peer", "name", &tmp_b]);
-        ip(&add)?;
+        add.extend(["type", "veth", "peer", "name", b_iface, "netns", b.name()]);
+        a.ip(&add)?;
         let setup = || -> io::Result<()> {
-            ip(&["link", "set", &tmp_a, "netns", a.name()])?;
-            ip(&["link", "set", &tmp_b, "netns", b.name()])?;
-            for (ns, tmp, iface, addrs) in
-                [(a, &tmp_a, a_iface, a_addrs), (b, &tmp_b, b_iface, b_addrs)]
-            {
-                ns.ip(&["link", "set", tmp, "name", iface])?;
+            for (ns, iface, addrs) in [(a, a_iface, a_addrs), (b, b_iface, b_addrs)] {
                 ns.ip(&["addr", "add", &format!("{}/24", addrs.v4), "dev", iface])?;
                 ns.ip(&[
                     "addr",
@@ -251,9 +258,8 @@ impl Link {
             Ok(())
         };
         if let Err(e) = setup() {
-            // Whichever end is still in the root namespace takes its peer along.
-            let _ = ip(&["link", "del", &tmp_a]);
-            let _ = ip(&["link", "del", &tmp_b]);
+            // Deleting one end deletes its peer.
+            let _ = a.ip(&["link", "del", a_iface]);
             return Err(e);
         }
         Ok(Self {

@@ -2,11 +2,13 @@
 //!
 //! - `build-ebpf`: build the kernel programs into `target/bpf/ambpf.bpf.o`.
 //! - `demo`: run the agent against a throwaway pod namespace on this machine.
-//! - `test`: lint, then run every test, privileged ones included (needs root).
+//! - `test`: lint, then run every test, privileged ones included (needs root),
+//!   and check that the run left the host's network state and bpffs as they were.
 //! - `bench <suite>`: build, then run a benchmark suite of `ambpf-bench`
 //!   (needs root); results in `target/bench/<suite>.json`.
 
 mod ebpf_build;
+mod host_state;
 
 use std::{
     path::{Path, PathBuf},
@@ -49,7 +51,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Run clippy and every test (unit and privileged). Needs root.
+    /// Run clippy and every test (unit and privileged), then check that the
+    /// host's iptables, ipsets, policy rules, routes and /sys/fs/bpf are as
+    /// they were before. Needs root.
     Test {
         /// Extra arguments passed to `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -126,7 +130,19 @@ fn main() -> Result<()> {
                 test.push("--");
                 test.extend(args.iter().map(String::as_str));
             }
-            cargo(&root, &test)
+            // Built first, so that the snapshots bracket only the tests.
+            let mut build = test[..3].to_vec();
+            build.push("--no-run");
+            cargo(&root, &build)?;
+            let host = host_state::Place::host();
+            let before = host_state::Snapshot::take(&host);
+            let tested = cargo(&root, &test);
+            let changed = before.report(&host_state::Snapshot::take(&host));
+            match (tested, changed) {
+                (tested, None) => tested,
+                (Ok(()), Some(report)) => bail!("{report}"),
+                (Err(e), Some(report)) => Err(e.context(report)),
+            }
         }
     }
 }
