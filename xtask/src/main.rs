@@ -4,6 +4,8 @@
 //! - `demo`: run the agent against a throwaway pod namespace on this machine.
 //! - `test`: lint, then run every test, privileged ones included (needs root),
 //!   and check that the run left the host's network state and bpffs as they were.
+//! - `fuzz`: the property tests of `agent/tests/fuzz` with many more cases
+//!   than `test` runs (needs root).
 //! - `bench <suite>`: build, then run a benchmark suite of `ambpf-bench`
 //!   (needs root); results in `target/bench/<suite>.json`.
 
@@ -48,6 +50,17 @@ enum Cmd {
         /// arguments).
         suite: String,
         /// Extra arguments for the suite (e.g. `--pods 100,1000 --runs 7`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Run the property tests of everything the agent reads from outside
+    /// (`agent/tests/fuzz`) with many cases; `test` runs them with 256 each.
+    /// Needs root.
+    Fuzz {
+        /// Inputs per property.
+        #[arg(long, default_value_t = 20_000)]
+        cases: u32,
+        /// Extra arguments for the test binary (e.g. a property's name).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -109,6 +122,15 @@ fn main() -> Result<()> {
                 .arg(out)
                 .args(&args);
             run(&mut cmd)
+        }
+        Cmd::Fuzz { cases, args } => {
+            require_root("the ZDS property creates network namespaces")?;
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+            run(Command::new(cargo)
+                .current_dir(&root)
+                .env("PROPTEST_CASES", cases.to_string())
+                .args(["test", "-p", "ambpf", "--test", "fuzz", "--"])
+                .args(&args))
         }
         Cmd::Test { args } => {
             require_root(

@@ -54,6 +54,11 @@ fn pod_entry() -> impl Strategy<Value = Value> {
             }
             Value::Object(entry)
         })
+        .prop_flat_map(|entry| {
+            // Now and then the same fields as an array, which is no entry.
+            let fields = Value::Array(entry.as_object().unwrap().values().cloned().collect());
+            prop_oneof![8 => Just(entry), 1 => Just(fields)]
+        })
 }
 
 fn check<S: Strategy>(strategy: S, property: impl Fn(S::Value) -> Result<(), TestCaseError>) {
@@ -69,6 +74,7 @@ fn a_pods_file_yields_valid_pods_and_names_every_entry_it_skips() {
         4 => prop::collection::vec(pod_entry(), 0..6).prop_map(|pods| json!({ "pods": pods }).to_string()),
         1 => any_json().prop_map(|v| v.to_string()),
         1 => ".{0,200}",
+        1 => prop::collection::vec(pod_entry(), 0..3).prop_map(|pods| json!([pods]).to_string()),
     ];
     check(file, |text| {
         let path = Path::new("/etc/ambpf/pods.json");
@@ -79,8 +85,16 @@ fn a_pods_file_yields_valid_pods_and_names_every_entry_it_skips() {
             Ok(parsed) => {
                 let entries = entries.ok_or_else(|| TestCaseError::fail("parsed a file without a pods array"))?;
                 prop_assert_eq!(parsed.pods.len() + parsed.skipped.len(), entries);
+                let json: Value = serde_json::from_str(&text).unwrap();
+                let listed: Vec<&str> = json["pods"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|entry| entry.as_object()?.get("uid")?.as_str())
+                    .collect();
                 let mut uids = std::collections::HashSet::new();
                 for pod in &parsed.pods {
+                    prop_assert!(listed.contains(&pod.workload.uid.as_str()), "{} is no entry's uid", pod.workload.uid);
                     prop_assert!(!pod.workload.uid.is_empty());
                     prop_assert!(uids.insert(pod.workload.uid.clone()), "duplicate uid");
                 }

@@ -1,6 +1,7 @@
 //! Property tests ("fuzzing") of everything the agent reads from outside:
 //! what a ZDS peer replies ([`zds_peer`]), CNI endpoint requests ([`cni_endpoint`]:
-//! HTTP framing, JSON, addresses), the pods file and conflist files
+//! HTTP framing, JSON, addresses), the CNI plugin's network configuration
+//! and `prevResult` ([`cni_plugin`]), the pods file and conflist files
 //! ([`files`]), and Kubernetes objects through the lenient decoding
 //! ([`kube_objects`]).
 //!
@@ -17,6 +18,7 @@
 mod common;
 
 mod cni_endpoint;
+mod cni_plugin;
 mod files;
 mod kube_objects;
 mod zds_peer;
