@@ -32,6 +32,7 @@ use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
+    privileges::{CAP_NET_ADMIN, CAP_NET_RAW, Privileges, drop_thread_privileges},
     ztunnel::{
         ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, ProxiedConnection, ZtunnelConfig,
         ZtunnelDouble, dns,
@@ -591,6 +592,65 @@ in_both_modes!(
             f.remote_ip(false)
         );
         assert_eq!(f.proxied().len(), before, "{:#?}", &f.proxied()[before..]);
+    }
+);
+
+/// One connection from the pod to `to` on a thread with only `privileges`,
+/// whose socket first tries to take ztunnel's mark 0x539; whether it could.
+fn echo_trying_ztunnels_mark(f: &Fixture, to: SocketAddr, privileges: Privileges) -> bool {
+    tokio::task::block_in_place(|| {
+        f.pod()
+            .run(|| {
+                drop_thread_privileges(privileges).unwrap();
+                let socket =
+                    socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+                        .unwrap();
+                let marked = match socket.set_mark(0x539) {
+                    Ok(()) => true,
+                    Err(e) if e.raw_os_error() == Some(libc::EPERM) => false,
+                    Err(e) => panic!("SO_MARK as {privileges:?}: {e}"),
+                };
+                socket.set_read_timeout(Some(PATIENCE)).unwrap();
+                socket.connect_timeout(&to.into(), PATIENCE).unwrap();
+                let mut stream: TcpStream = socket.into();
+                stream.write_all(b"ambpf").unwrap();
+                let mut reply = [0u8; 5];
+                stream.read_exact(&mut reply).unwrap();
+                marked
+            })
+            .unwrap()
+    })
+}
+
+/// Linux 5.17 lets CAP_NET_RAW set SO_MARK, as CAP_NET_ADMIN always could.
+fn net_raw_may_mark() -> bool {
+    let release = nix::sys::utsname::uname().unwrap();
+    let mut numbers = release
+        .release()
+        .to_string_lossy()
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok())
+        .collect::<Vec<_>>()
+        .into_iter();
+    (numbers.next().unwrap(), numbers.next().unwrap()) >= (5, 17)
+}
+
+in_both_modes!(
+    an_unprivileged_app_cannot_take_ztunnels_mark_and_a_net_admin_one_can,
+    |f| {
+        let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
+        let before = f.proxied().len();
+        // CAP_NET_ADMIN marks its socket and leaves uncaptured, as under
+        // Istio's rules (they exempt the mark too); so does CAP_NET_RAW on
+        // Linux 5.17 and later, which container runtimes grant by default.
+        assert!(echo_trying_ztunnels_mark(&f, remote, Privileges::Only(&[CAP_NET_ADMIN])));
+        let raw_marked = echo_trying_ztunnels_mark(&f, remote, Privileges::Only(&[CAP_NET_RAW]));
+        assert_eq!(raw_marked, net_raw_may_mark());
+        assert_eq!(f.proxied().len(), before + usize::from(!raw_marked));
+        // An app without either cannot take the mark, and is captured.
+        assert!(!echo_trying_ztunnels_mark(&f, remote, Privileges::Nobody));
+        f.wait_proxied(15001, remote).await;
+        assert_eq!(f.proxied().len(), before + 1 + usize::from(!raw_marked));
     }
 );
 

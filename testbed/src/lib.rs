@@ -28,6 +28,7 @@ use nix::{
 pub mod apiserver;
 pub mod bench;
 pub mod cluster;
+pub mod privileges;
 pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
