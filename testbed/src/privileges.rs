@@ -89,3 +89,50 @@ pub fn drop_thread_privileges(privileges: Privileges) -> io::Result<()> {
         }
     }
 }
+
+/// `CAP_SYS_PTRACE`: other processes' namespaces under /proc.
+pub const CAP_SYS_PTRACE: u32 = 19;
+/// `CAP_SYS_ADMIN`: setns, mounts.
+pub const CAP_SYS_ADMIN: u32 = 21;
+/// `CAP_BPF`: programs and maps.
+pub const CAP_BPF: u32 = 39;
+
+/// The capabilities charts/ambpf grants the agent in eBPF mode
+/// (`agent/tests/chart.rs` checks the chart grants exactly these).
+pub const CHART_AGENT_CAPABILITIES: &[u32] =
+    &[CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_PTRACE];
+
+/// A capability's name as Kubernetes spells it (`CAP_` dropped).
+pub fn capability_name(cap: u32) -> &'static str {
+    match cap {
+        CAP_NET_ADMIN => "NET_ADMIN",
+        CAP_NET_RAW => "NET_RAW",
+        CAP_SYS_PTRACE => "SYS_PTRACE",
+        CAP_SYS_ADMIN => "SYS_ADMIN",
+        CAP_BPF => "BPF",
+        _ => "(unnamed here)",
+    }
+}
+
+/// Makes `command` run as root with exactly `caps`, as a container granted
+/// only those runs: every other capability leaves the bounding set before
+/// exec, and the inheritable set is emptied, so exec gives root no more.
+pub fn exec_with_only(command: &mut std::process::Command, caps: &'static [u32]) -> io::Result<()> {
+    use std::os::unix::process::CommandExt as _;
+    let last: u32 = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")?
+        .trim()
+        .parse()
+        .map_err(io::Error::other)?;
+    // SAFETY: prctl and capset are async-signal-safe system calls.
+    unsafe {
+        command.pre_exec(move || {
+            for cap in (0..=last).filter(|c| !caps.contains(c)) {
+                if libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            drop_thread_privileges(Privileges::Only(caps))
+        });
+    }
+    Ok(())
+}

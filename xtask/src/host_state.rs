@@ -203,8 +203,12 @@ mod tests {
                  *nat\n:PREROUTING ACCEPT [99:5940]\n-A POSTROUTING -j ISTIO_POSTRT\nCOMMIT\n";
         assert_eq!(iptables_lines(a), iptables_lines(b));
         assert_eq!(
-            route_lines("default via fe80::1 dev eth0 proto ra metric 1024 expires 1790sec pref medium"),
-            route_lines("default via fe80::1 dev eth0 proto ra metric 1024 expires 12sec pref medium"),
+            route_lines(
+                "default via fe80::1 dev eth0 proto ra metric 1024 expires 1790sec pref medium"
+            ),
+            route_lines(
+                "default via fe80::1 dev eth0 proto ra metric 1024 expires 12sec pref medium"
+            ),
         );
     }
 
@@ -275,8 +279,16 @@ mod tests {
         scratch.run("iptables-nft", &["-t", "nat", "-N", "ISTIO_POSTRT"]);
         scratch.run("ip6tables-legacy", &["-t", "mangle", "-N", "ISTIO_OUTPUT"]);
         scratch.run("ipset", &["create", "istio-inpod-probes-v4", "hash:ip"]);
-        scratch.run("ip", &["rule", "add", "fwmark", "0x111/0xfff", "table", "100"]);
-        scratch.run("ip", &["route", "add", "local", "default", "dev", "lo", "table", "100"]);
+        scratch.run(
+            "ip",
+            &["rule", "add", "fwmark", "0x111/0xfff", "table", "100"],
+        );
+        scratch.run(
+            "ip",
+            &[
+                "route", "add", "local", "default", "dev", "lo", "table", "100",
+            ],
+        );
         std::fs::create_dir(scratch.place.bpffs.join("ambpf")).unwrap();
 
         let found = before.differences(&Snapshot::take(&scratch.place));
@@ -289,7 +301,9 @@ mod tests {
             "ambpf/",
         ] {
             assert!(
-                found.iter().any(|l| l.starts_with(expected) || l.ends_with(expected)),
+                found
+                    .iter()
+                    .any(|l| l.starts_with(expected) || l.ends_with(expected)),
                 "{expected:?} not in {found:#?}"
             );
         }

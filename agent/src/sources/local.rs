@@ -258,8 +258,11 @@ mod tests {
         let path = Path::new("/etc/ambpf/pods.json");
         let err = parse("[[]]", path).err().unwrap();
         assert!(err.to_string().contains("expected an object"), "{err}");
-        let parsed = parse(r#"{"pods": [["a", "web", "shop", "sa", "ns", null, null]]}"#, path)
-            .unwrap();
+        let parsed = parse(
+            r#"{"pods": [["a", "web", "shop", "sa", "ns", null, null]]}"#,
+            path,
+        )
+        .unwrap();
         assert!(parsed.pods.is_empty());
         assert_eq!(parsed.skipped, ["pods[0]: not an object"]);
     }

@@ -30,10 +30,8 @@ struct Endpoint {
 impl Endpoint {
     fn start() -> Self {
         let runtime = agent_runtime();
-        let dir = std::env::temp_dir().join(format!(
-            "ambpf-fuzz-cni-{}",
-            ambpf_testbed::unique_name("")
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("ambpf-fuzz-cni-{}", ambpf_testbed::unique_name("")));
         let socket = dir.join("pluginevent.sock");
         runtime.block_on(async {
             let listener = server::bind(&socket).unwrap();
@@ -78,7 +76,8 @@ struct Answer {
 /// whole answer (the endpoint closes after one).
 fn exchange(endpoint: &Endpoint, chunks: &[Vec<u8>]) -> Result<Option<Answer>, TestCaseError> {
     let mut conn = UnixStream::connect(&endpoint.socket).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     for chunk in chunks {
         // The endpoint may answer and close before it has read everything.
         if conn.write_all(chunk).is_err() {
@@ -148,7 +147,11 @@ fn still_serving(endpoint: &Endpoint, panics_before: usize) -> Result<(), TestCa
     let answer = exchange(endpoint, &[request("POST", "/cmdadd", &headers, &body)])?;
     let answer = answer.ok_or_else(|| TestCaseError::fail("no answer to a good request"))?;
     prop_assert_eq!(answer.status, 200, "{:?}", answer);
-    prop_assert_eq!(agent_panics(), panics_before, "a task of the endpoint panicked");
+    prop_assert_eq!(
+        agent_panics(),
+        panics_before,
+        "a task of the endpoint panicked"
+    );
     Ok(())
 }
 
@@ -304,39 +307,42 @@ fn almost_right_requests_are_answered_as_what_they_are() {
         prop::collection::vec(("[a-zA-Z-]{1,16}", "[ -~]{0,40}"), 0..4),
         prop::collection::vec(0.0f64..1.0, 0..4),
     );
-    check(input, |endpoint, (method, path, (body, length), extra, cuts)| {
-        let mut headers: Vec<(String, String)> = extra;
-        let ours = headers.len();
-        if let Some(length) = &length {
-            headers.push(("Content-Length".to_owned(), length.clone()));
-        }
-        let sent = split(request(&method, &path, &headers, &body), &cuts);
-        let answer = exchange(endpoint, &sent)?
-            .ok_or_else(|| TestCaseError::fail("a request got no answer"))?;
-
-        // Only one content-length, and the body's: the request is what it says.
-        let framed = length.as_deref() == Some(body.len().to_string().as_str())
-            && !headers[..ours]
-                .iter()
-                .any(|(name, _)| name.eq_ignore_ascii_case("content-length"));
-        let parsed: Option<ambpf::cni::CmdAdd> = serde_json::from_slice(&body).ok();
-        let to_cmdadd = path.split('?').next() == Some("/cmdadd");
-        let expected = match (framed, to_cmdadd, method == "POST", parsed) {
-            (false, ..) => None,
-            (true, false, ..) => Some(404),
-            (true, true, false, _) => Some(405),
-            (true, true, true, None) => Some(400),
-            (true, true, true, Some(add)) if add.pod_uid.is_empty() || add.netns.is_empty() => {
-                Some(400)
+    check(
+        input,
+        |endpoint, (method, path, (body, length), extra, cuts)| {
+            let mut headers: Vec<(String, String)> = extra;
+            let ours = headers.len();
+            if let Some(length) = &length {
+                headers.push(("Content-Length".to_owned(), length.clone()));
             }
-            (true, true, true, Some(add)) if add.pod_uid == "refuse" => Some(500),
-            (true, true, true, Some(_)) => Some(200),
-        };
-        if let Some(status) = expected {
-            prop_assert_eq!(answer.status, status, "{:?}", answer);
-        }
-        Ok(())
-    });
+            let sent = split(request(&method, &path, &headers, &body), &cuts);
+            let answer = exchange(endpoint, &sent)?
+                .ok_or_else(|| TestCaseError::fail("a request got no answer"))?;
+
+            // Only one content-length, and the body's: the request is what it says.
+            let framed = length.as_deref() == Some(body.len().to_string().as_str())
+                && !headers[..ours]
+                    .iter()
+                    .any(|(name, _)| name.eq_ignore_ascii_case("content-length"));
+            let parsed: Option<ambpf::cni::CmdAdd> = serde_json::from_slice(&body).ok();
+            let to_cmdadd = path.split('?').next() == Some("/cmdadd");
+            let expected = match (framed, to_cmdadd, method == "POST", parsed) {
+                (false, ..) => None,
+                (true, false, ..) => Some(404),
+                (true, true, false, _) => Some(405),
+                (true, true, true, None) => Some(400),
+                (true, true, true, Some(add)) if add.pod_uid.is_empty() || add.netns.is_empty() => {
+                    Some(400)
+                }
+                (true, true, true, Some(add)) if add.pod_uid == "refuse" => Some(500),
+                (true, true, true, Some(_)) => Some(200),
+            };
+            if let Some(status) = expected {
+                prop_assert_eq!(answer.status, status, "{:?}", answer);
+            }
+            Ok(())
+        },
+    );
 }
 
 /// A body larger than the endpoint takes is refused without being read

@@ -31,7 +31,14 @@ fn pod_entry() -> impl Strategy<Value = Value> {
         optional(text().boxed()),
         optional(text().boxed()),
         optional(text().boxed()),
-        optional(prop_oneof![Just(json!("/run/netns/x")), Just(json!("pod-a")), any_json()].boxed()),
+        optional(
+            prop_oneof![
+                Just(json!("/run/netns/x")),
+                Just(json!("pod-a")),
+                any_json()
+            ]
+            .boxed(),
+        ),
         optional(prop_oneof![any::<u32>().prop_map(Value::from), any_json()].boxed()),
         optional(prop_oneof![any::<bool>().prop_map(Value::from), any_json()].boxed()),
         prop::option::weighted(0.1, any_json()),
@@ -83,7 +90,8 @@ fn a_pods_file_yields_valid_pods_and_names_every_entry_it_skips() {
             .and_then(|v| v.get("pods")?.as_array().map(Vec::len));
         match local::parse(&text, path) {
             Ok(parsed) => {
-                let entries = entries.ok_or_else(|| TestCaseError::fail("parsed a file without a pods array"))?;
+                let entries = entries
+                    .ok_or_else(|| TestCaseError::fail("parsed a file without a pods array"))?;
                 prop_assert_eq!(parsed.pods.len() + parsed.skipped.len(), entries);
                 let json: Value = serde_json::from_str(&text).unwrap();
                 let listed: Vec<&str> = json["pods"]
@@ -94,7 +102,11 @@ fn a_pods_file_yields_valid_pods_and_names_every_entry_it_skips() {
                     .collect();
                 let mut uids = std::collections::HashSet::new();
                 for pod in &parsed.pods {
-                    prop_assert!(listed.contains(&pod.workload.uid.as_str()), "{} is no entry's uid", pod.workload.uid);
+                    prop_assert!(
+                        listed.contains(&pod.workload.uid.as_str()),
+                        "{} is no entry's uid",
+                        pod.workload.uid
+                    );
                     prop_assert!(!pod.workload.uid.is_empty());
                     prop_assert!(uids.insert(pod.workload.uid.clone()), "duplicate uid");
                 }
@@ -136,7 +148,11 @@ fn plugin_types(conflist: &Value) -> Vec<Value> {
 }
 
 fn others(types: &[Value]) -> Vec<Value> {
-    types.iter().filter(|t| *t != PLUGIN_TYPE).cloned().collect()
+    types
+        .iter()
+        .filter(|t| *t != PLUGIN_TYPE)
+        .cloned()
+        .collect()
 }
 
 #[test]
@@ -161,17 +177,24 @@ fn install_and_uninstall_keep_other_plugins_and_leave_what_they_cannot_read() {
             let before: Option<Value> = serde_json::from_slice(&text).ok();
             match install::install_once(&config) {
                 Ok(_) => {
-                    let after: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+                    let after: Value =
+                        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
                     let types = plugin_types(&after);
                     prop_assert_eq!(types.last(), Some(&json!(PLUGIN_TYPE)));
                     prop_assert_eq!(types.iter().filter(|t| **t == PLUGIN_TYPE).count(), 1);
-                    let before = before.ok_or_else(|| TestCaseError::fail("installed into a file that is not JSON"))?;
+                    let before = before.ok_or_else(|| {
+                        TestCaseError::fail("installed into a file that is not JSON")
+                    })?;
                     prop_assert_eq!(others(&plugin_types(&before)), others(&types));
                     let again = install::install_once(&config).unwrap();
                     prop_assert!(!again.conflist_changed, "a second install changed the file");
                 }
                 Err(e) => {
-                    prop_assert_eq!(&std::fs::read(&path).unwrap(), &text, "a refused file was changed");
+                    prop_assert_eq!(
+                        &std::fs::read(&path).unwrap(),
+                        &text,
+                        "a refused file was changed"
+                    );
                     prop_assert!(e.to_string().contains("10-k8s.conflist"), "{}", e);
                 }
             }
@@ -180,7 +203,10 @@ fn install_and_uninstall_keep_other_plugins_and_leave_what_they_cannot_read() {
             let now = std::fs::read(&path).unwrap();
             match serde_json::from_slice::<Value>(&now) {
                 Ok(now_json) if removed.errors.is_empty() => {
-                    prop_assert!(!plugin_types(&now_json).contains(&json!(PLUGIN_TYPE)) || now_json["plugins"].as_array().is_none());
+                    prop_assert!(
+                        !plugin_types(&now_json).contains(&json!(PLUGIN_TYPE))
+                            || now_json["plugins"].as_array().is_none()
+                    );
                     if let Ok(installed) = serde_json::from_slice::<Value>(&installed) {
                         prop_assert_eq!(others(&plugin_types(&installed)), plugin_types(&now_json));
                     }

@@ -129,7 +129,11 @@ fn pod_json() -> impl Strategy<Value = Value> {
         field(status.boxed()),
     )
         .prop_map(|(metadata, spec, status)| {
-            let mut pod = object(vec![("metadata", metadata), ("spec", spec), ("status", status)]);
+            let mut pod = object(vec![
+                ("metadata", metadata),
+                ("spec", spec),
+                ("status", status),
+            ]);
             pod["apiVersion"] = json!("v1");
             pod["kind"] = json!("Pod");
             pod
@@ -168,8 +172,8 @@ fn any_pod_decodes_leniently_and_is_decided_without_enrolling_what_must_not_be()
         let good = list.items.last().unwrap();
         prop_assert!(good.object.is_ok(), "{:?}", good.object);
 
-        let labels: Option<BTreeMap<String, String>> = namespace_labels
-            .and_then(|v| serde_json::from_value(v).ok());
+        let labels: Option<BTreeMap<String, String>> =
+            namespace_labels.and_then(|v| serde_json::from_value(v).ok());
         let excluded = BTreeSet::from(["kube-system".to_owned()]);
         for (raw, item) in pods.iter().zip(&list.items) {
             // Metadata is read as far as it goes.

@@ -44,7 +44,9 @@ fn whatever_a_peer_says_the_next_ztunnel_gets_every_pod() {
         .enable_all()
         .build()
         .unwrap();
-    let namespaces: Vec<_> = (0..2).map(|_| NetnsGuard::create("fuzz").unwrap()).collect();
+    let namespaces: Vec<_> = (0..2)
+        .map(|_| NetnsGuard::create("fuzz").unwrap())
+        .collect();
     let server = {
         let _agent = agent.enter();
         Server::start(fast_config())
