@@ -2,8 +2,9 @@
 //! what a ZDS peer replies ([`zds_peer`]), CNI endpoint requests ([`cni_endpoint`]:
 //! HTTP framing, JSON, addresses), the CNI plugin's network configuration
 //! and `prevResult` ([`cni_plugin`]), the pods file and conflist files
-//! ([`files`]), and Kubernetes objects through the lenient decoding
-//! ([`kube_objects`]).
+//! ([`files`]), Kubernetes objects through the lenient decoding
+//! ([`kube_objects`]), and the pinned state `status` reads back
+//! ([`pinned_state`]).
 //!
 //! The agent's own servers run as they do in the agent, on a runtime whose
 //! threads are named [`AGENT_THREADS`]; a panic on one of them is counted
@@ -21,6 +22,7 @@ mod cni_endpoint;
 mod cni_plugin;
 mod files;
 mod kube_objects;
+mod pinned_state;
 mod zds_peer;
 
 use std::sync::{
