@@ -14,7 +14,6 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -23,6 +22,7 @@ use std::{
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
+    privileges::{CHART_AGENT_CAPABILITIES, exec_with_only},
     ztunnel::{ZtunnelConfig, ZtunnelDouble},
 };
 use serde_json::Value;
@@ -39,9 +39,10 @@ impl Drop for Agent {
     }
 }
 
+/// The agent in the node's namespace with the chart's capabilities only.
 fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Agent {
-    let node_ns = std::fs::File::open(node.path()).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambpf"));
+    let mut cmd = node.command(env!("CARGO_BIN_EXE_ambpf")).unwrap();
+    exec_with_only(&mut cmd, CHART_AGENT_CAPABILITIES).unwrap();
     cmd.arg("--pin-root")
         .arg(pins)
         .arg("run")
@@ -59,14 +60,17 @@ fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgrou
         ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null());
-    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(std::io::Error::from)
-        });
-    }
-    Agent(cmd.spawn().unwrap())
+    let agent = Agent(cmd.spawn().unwrap());
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.0.id())).unwrap();
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap());
+    let chart = CHART_AGENT_CAPABILITIES
+        .iter()
+        .fold(0u64, |mask, cap| mask | 1 << cap);
+    assert_eq!(effective, Some(chart), "the agent's effective capabilities");
+    agent
 }
 
 fn status(pins: &Path) -> Value {
