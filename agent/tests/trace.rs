@@ -35,6 +35,8 @@ const WEB0: &str = "web-0-uid";
 const WEB1: &str = "web-1-uid";
 const APP_PORT: u16 = 8080;
 const METRICS: &str = "127.0.0.1:15014";
+/// Tests move this process between cgroups: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A child process killed and reaped on drop.
 struct Proc(Child);
@@ -93,6 +95,23 @@ struct Trace {
 impl Trace {
     /// Starts it and waits until it holds the gate (it says so on stderr).
     fn start(pins: &Path, args: &[&str]) -> Self {
+        let (mut child, stdout) = Self::spawn(pins, args);
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let collect = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                collect.lock().unwrap().push(line);
+            }
+        });
+        let _ = child.stdout.take();
+        Self {
+            proc: Proc(child),
+            lines,
+        }
+    }
+
+    /// Starts it with its output left unread (a reader that stopped reading).
+    fn spawn(pins: &Path, args: &[&str]) -> (Child, std::process::ChildStdout) {
         let mut child = ambpf(pins)
             .arg("trace")
             .args(args)
@@ -109,18 +128,8 @@ impl Trace {
         });
         let said = ready_rx.recv_timeout(PATIENCE).expect("trace said nothing");
         assert!(said.contains("reading redirect decisions"), "{said}");
-        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
-        let collect = lines.clone();
         let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                collect.lock().unwrap().push(line);
-            }
-        });
-        Self {
-            proc: Proc(child),
-            lines,
-        }
+        (child, stdout)
     }
 
     fn records(&self) -> Vec<Value> {
@@ -235,6 +244,7 @@ fn pods_json(pods: &[(&str, &str, &NetnsGuard)]) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn trace_shows_every_decision_and_counters_follow_the_pod() {
+    let _serial = SERIAL.lock().await;
     let bpffs = BpffsMount::create().unwrap();
     let pins = bpffs.path().join("ambpf");
     let cgroup = CgroupGuard::create().unwrap();
@@ -440,6 +450,79 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     let scraped = tokio::task::block_in_place(|| metrics(&cluster.node));
     assert!(!scraped.contains(r#"pod="web-0""#), "{scraped}");
     assert!(scraped.contains(r#"pod="web-1""#), "{scraped}");
+    ztunnel.shutdown().await;
+}
+
+fn lost_records(pins: &Path) -> u64 {
+    let data = MapData::from_pin(pins.join("maps").join(maps::TRACE_LOST)).unwrap();
+    let array: aya::maps::PerCpuArray<_, u64> =
+        aya::maps::PerCpuArray::try_from(Map::PerCpuArray(data)).unwrap();
+    array.get(&0, 0).unwrap().iter().sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reader_that_stops_reading_loses_records_and_slows_nothing() {
+    let _serial = SERIAL.lock().await;
+    let bpffs = BpffsMount::create().unwrap();
+    let pins = bpffs.path().join("ambpf");
+    let cgroup = CgroupGuard::create().unwrap();
+    let _inside = cgroup.enter_process().unwrap();
+    let cluster = Cluster::create(1).unwrap();
+    let pod = &cluster.pods[0];
+    let dir = std::env::temp_dir().join(format!("ambpf-trace-{}", ambpf_testbed::unique_name("")));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = TempDir(dir.clone());
+    let (socket, pods_file) = (dir.join("ztunnel.sock"), dir.join("pods.json"));
+    std::fs::write(&pods_file, pods_json(&[(WEB0, "web-0", &pod.ns)])).unwrap();
+    let _agent = spawn_agent(&cluster.node, &pins, &socket, &pods_file, cgroup.path());
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+    ztunnel
+        .wait_until(|s| s.ready && s.workloads.contains_key(WEB0), PATIENCE)
+        .await
+        .unwrap();
+
+    // Its output is never read: the pipe fills, it blocks writing, and the
+    // ring buffer fills behind it.
+    let (child, stdout) = Trace::spawn(&pins, &["--json"]);
+    let _reader = Proc(child);
+    assert_eq!(lost_records(&pins), 0);
+    // Several times what the pipe and the ring buffer hold: every
+    // connect() is decided (exempt, loopback) and refused, none waits.
+    let refused = tokio::task::block_in_place(|| {
+        pod.ns
+            .run(|| {
+                (0..8000)
+                    .filter(|_| {
+                        TcpStream::connect("127.0.0.1:1").is_err_and(|e| {
+                            e.kind() == std::io::ErrorKind::ConnectionRefused
+                        })
+                    })
+                    .count()
+            })
+            .unwrap()
+    });
+    assert_eq!(refused, 8000);
+    let lost = lost_records(&pins);
+    assert!(lost > 0, "the ring buffer never filled");
+    // Read again, the reader reports what it lost.
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut records = 0;
+    let reported = loop {
+        let line = rx.recv_timeout(PATIENCE).expect("no lost count reported");
+        if line.contains("lost_records") {
+            break serde_json::from_str::<Value>(&line).unwrap()["lost_records"].clone();
+        }
+        records += 1;
+    };
+    assert!(reported.as_u64().unwrap() > 0, "{reported}");
+    assert!(records < 8000, "{records} records, none lost");
     ztunnel.shutdown().await;
 }
 
