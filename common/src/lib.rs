@@ -107,7 +107,7 @@ pub mod maps {
     /// holds its lease.
     pub const TRACE_GATE: &str = "ambpf_trace_on";
     /// Per-CPU count of trace records the ring buffer had no room for.
-    pub const TRACE_LOST: &str = "ambpf_trace_lost";
+    pub const TRACE_LOST: &str = "ambpf_trc_lost";
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.

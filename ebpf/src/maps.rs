@@ -49,7 +49,7 @@ pub static TRACE_RING: RingBuf<TraceRecord, { TRACE_RING_BYTES }> = RingBuf::new
 #[btf_map(name = "ambpf_trace_on")]
 pub static TRACE_GATE: Array<TraceGate, 1> = Array::new();
 
-#[btf_map(name = "ambpf_trace_lost")]
+#[btf_map(name = "ambpf_trc_lost")]
 pub static TRACE_LOST: PerCpuArray<u64, 1> = PerCpuArray::new();
 
 #[inline(always)]
