@@ -263,7 +263,11 @@ impl Collector for AgentCollector {
         }
         match crate::bpf::pod_counters::read(pins) {
             Ok(counters) => {
-                let names = self.controller.pod_names.lock().unwrap_or_else(|e| e.into_inner());
+                let names = self
+                    .controller
+                    .pod_names
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
                 encode_pod_counters(&mut encoder, &counters, &names)?;
             }
             Err(e) => warn!("metrics: reading the per-pod counters: {e}"),
@@ -305,15 +309,23 @@ fn encode_pod_counters(
         ),
     ];
     for (name, help, series) in families {
-        let mut family =
-            encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Counter)?;
+        let mut family = encoder.encode_descriptor(
+            name,
+            help,
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
         for ((namespace, pod), counts) in &pods {
             for (direction, value) in series.iter() {
                 let metric = ConstCounter::new(value(counts));
                 let labels: &[(&str, &str)] = if direction.is_empty() {
                     &[("namespace", namespace), ("pod", pod)]
                 } else {
-                    &[("namespace", namespace), ("pod", pod), ("direction", direction)]
+                    &[
+                        ("namespace", namespace),
+                        ("pod", pod),
+                        ("direction", direction),
+                    ]
                 };
                 metric.encode(family.encode_family(&labels)?)?;
             }

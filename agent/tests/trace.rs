@@ -74,7 +74,12 @@ fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgrou
         .arg(socket)
         .arg("--cgroup")
         .arg(cgroup)
-        .args(["--health-listen", "127.0.0.1:0", "--metrics-listen", METRICS])
+        .args([
+            "--health-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            METRICS,
+        ])
         .stdout(Stdio::null());
     // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
     unsafe {
@@ -134,7 +139,10 @@ impl Trace {
 
     fn records(&self) -> Vec<Value> {
         let lines = self.lines.lock().unwrap();
-        lines.iter().map(|l| serde_json::from_str(l).unwrap()).collect()
+        lines
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
     }
 
     /// Waits for a record with `verdict` of the pod `cookie` and returns it.
@@ -174,7 +182,11 @@ fn gate(pins: &Path) -> TraceGate {
 
 fn status(pins: &Path) -> Value {
     let out = ambpf(pins).args(["status", "--json"]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -191,7 +203,8 @@ fn pod_status(status: &Value, ip: IpAddr) -> Option<Value> {
 fn metrics(node: &NetnsGuard) -> String {
     node.run(|| {
         let mut conn = TcpStream::connect(METRICS).unwrap();
-        conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n").unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            .unwrap();
         let mut body = String::new();
         conn.read_to_string(&mut body).unwrap();
         body
@@ -201,7 +214,8 @@ fn metrics(node: &NetnsGuard) -> String {
 
 /// A TCP connection from `ns` to `to`, closed at once; whether it connected.
 fn connect(ns: &NetnsGuard, to: SocketAddr, within: Duration) -> bool {
-    ns.run(|| TcpStream::connect_timeout(&to, within).is_ok()).unwrap()
+    ns.run(|| TcpStream::connect_timeout(&to, within).is_ok())
+        .unwrap()
 }
 
 fn serve(ns: &NetnsGuard, addr: SocketAddr) {
@@ -224,7 +238,10 @@ fn serve(ns: &NetnsGuard, addr: SocketAddr) {
 async fn wait_until(mut check: impl FnMut() -> bool, what: &str) {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while !check() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -267,8 +284,7 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     serve(&web0.ns, any);
     serve(&web1.ns, any);
     let _agent = spawn_agent(&cluster.node, &pins, &socket, &pods_file, cgroup.path());
-    let ztunnel =
-        ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default().nack(WEB1));
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default().nack(WEB1));
     ztunnel
         .wait_until(
             // Not `ready`: web-1 stays pending.
@@ -285,13 +301,21 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     )
     .await;
     let before = status(&pins);
-    let cookie = |ip| pod_status(&before, ip).unwrap()["netns_cookie"].as_u64().unwrap();
+    let cookie = |ip| {
+        pod_status(&before, ip).unwrap()["netns_cookie"]
+            .as_u64()
+            .unwrap()
+    };
     let (cookie0, cookie1) = (cookie(web0_ip), cookie(web1_ip));
     let zero = serde_json::json!({
         "outbound_redirected": 0, "inbound_redirected": 0,
         "dns_redirected": 0, "probes_bypassed": 0,
     });
-    assert_eq!(pod_status(&before, web0_ip).unwrap()["counters"], zero, "{before}");
+    assert_eq!(
+        pod_status(&before, web0_ip).unwrap()["counters"],
+        zero,
+        "{before}"
+    );
 
     // No reader: the gate is closed.
     assert_eq!(gate(&pins).until_ns, 0);
@@ -301,7 +325,10 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     let second = ambpf(&pins).arg("trace").output().unwrap();
     let said = String::from_utf8_lossy(&second.stderr);
     assert!(!second.status.success(), "{said}");
-    assert!(said.contains(&format!("pid {}", trace.proc.0.id())), "{said}");
+    assert!(
+        said.contains(&format!("pid {}", trace.proc.0.id())),
+        "{said}"
+    );
 
     let node_ip = cluster.node_addresses()[2];
     let to_app = |ip| SocketAddr::new(ip, APP_PORT);
@@ -317,7 +344,8 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
                 let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
                 udp.set_read_timeout(Some(PATIENCE)).unwrap();
                 let query = dns::encode_query(7, "trace.ambpf.test", dns::TYPE_A).unwrap();
-                udp.send_to(&query, SocketAddr::new(remote.ip(), 53)).unwrap();
+                udp.send_to(&query, SocketAddr::new(remote.ip(), 53))
+                    .unwrap();
                 udp.recv_from(&mut [0u8; 512]).expect("DNS answer");
                 // Connected UDP elsewhere: not TCP, not DNS.
                 udp.connect(SocketAddr::new(remote.ip(), 5000)).unwrap();
@@ -326,9 +354,17 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         // Inbound: steered; from the node: a probe; to 15008: HBONE.
         assert!(connect(&cluster.remote.ns, to_app(web0_ip), PATIENCE));
         assert!(connect(&cluster.node, to_app(web0_ip), PATIENCE));
-        assert!(connect(&cluster.remote.ns, SocketAddr::new(web0_ip, 15008), PATIENCE));
+        assert!(connect(
+            &cluster.remote.ns,
+            SocketAddr::new(web0_ip, 15008),
+            PATIENCE
+        ));
         // web-1 has no ztunnel listener: its inbound SYNs are dropped.
-        assert!(!connect(&cluster.remote.ns, to_app(web1_ip), Duration::from_millis(300)));
+        assert!(!connect(
+            &cluster.remote.ns,
+            to_app(web1_ip),
+            Duration::from_millis(300)
+        ));
         // Straight to ztunnel's 15001, bypassing the capture: ztunnel asks
         // for an original destination ambpf never recorded.
         connect(&web0.ns, SocketAddr::new(web0_ip, 15001), PATIENCE);
@@ -339,7 +375,10 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     assert_eq!(captured["protocol"], "tcp");
     assert_eq!(captured["original_dst"], remote.to_string());
     assert_eq!(captured["dst"], "127.0.0.1:15001");
-    assert_eq!(captured["src"].as_str().unwrap().split(':').next(), Some("10.244.1.2"));
+    assert_eq!(
+        captured["src"].as_str().unwrap().split(':').next(),
+        Some("10.244.1.2")
+    );
     let upstream = trace.wait_for("exempt_ztunnel", cookie0).await;
     assert_eq!(upstream["original_dst"], remote.to_string());
     let own = trace.wait_for("exempt_own_address", cookie0).await;
@@ -355,7 +394,10 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         )
     );
     let udp = trace.wait_for("exempt_not_tcp", cookie0).await;
-    assert_eq!(udp["original_dst"], SocketAddr::new(remote.ip(), 5000).to_string());
+    assert_eq!(
+        udp["original_dst"],
+        SocketAddr::new(remote.ip(), 5000).to_string()
+    );
     let inbound = trace.wait_for("inbound_steered", cookie0).await;
     assert_eq!(inbound["direction"], "inbound");
     assert_eq!(inbound["dst"], SocketAddr::new(web0_ip, 15006).to_string());
@@ -374,14 +416,22 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     assert_eq!(refused["original_dst"], to_app(web1_ip).to_string());
     let missing = trace.wait_for("orig_dst_missing", cookie0).await;
     assert_eq!(missing["original_dst"], Value::Null);
-    assert!(trace.records().iter().all(|r| r["pod"].is_null() || r["pod"].is_string()));
+    assert!(
+        trace
+            .records()
+            .iter()
+            .all(|r| r["pod"].is_null() || r["pod"].is_string())
+    );
 
     // Stopped, the reader closes the gate at once.
     assert!(trace.interrupt().success());
     assert_eq!(gate(&pins), TraceGate::default());
 
     // Filters: only what was asked for.
-    let inbound_only = Trace::start(&pins, &["--direction", "inbound", "--verdict", "probe_bypassed"]);
+    let inbound_only = Trace::start(
+        &pins,
+        &["--direction", "inbound", "--verdict", "probe_bypassed"],
+    );
     tokio::task::block_in_place(|| {
         assert!(connect(&web0.ns, remote, PATIENCE));
         assert!(connect(&cluster.remote.ns, to_app(web0_ip), PATIENCE));
@@ -396,7 +446,9 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     // over at once (its holder is gone), and the lease runs out anyway.
     let lines = inbound_only.lines.lock().unwrap().clone();
     assert!(
-        lines.iter().all(|l| l.contains(" inbound tcp ") && l.ends_with(" probe_bypassed")),
+        lines
+            .iter()
+            .all(|l| l.contains(" inbound tcp ") && l.ends_with(" probe_bypassed")),
         "{lines:?}"
     );
     let killed_pid = inbound_only.proc.0.id();
@@ -416,8 +468,16 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     let counted = status(&pins);
     let counters = |ip| pod_status(&counted, ip).unwrap()["counters"].clone();
     let web0_counters = counters(web0_ip);
-    for name in ["outbound_redirected", "inbound_redirected", "dns_redirected", "probes_bypassed"] {
-        assert!(web0_counters[name].as_u64().unwrap() >= 1, "{name}: {web0_counters}");
+    for name in [
+        "outbound_redirected",
+        "inbound_redirected",
+        "dns_redirected",
+        "probes_bypassed",
+    ] {
+        assert!(
+            web0_counters[name].as_u64().unwrap() >= 1,
+            "{name}: {web0_counters}"
+        );
     }
     assert_eq!(counters(web1_ip), zero, "{counted}");
     let text = ambpf(&pins).arg("status").output().unwrap();
@@ -493,9 +553,8 @@ async fn a_reader_that_stops_reading_loses_records_and_slows_nothing() {
             .run(|| {
                 (0..8000)
                     .filter(|_| {
-                        TcpStream::connect("127.0.0.1:1").is_err_and(|e| {
-                            e.kind() == std::io::ErrorKind::ConnectionRefused
-                        })
+                        TcpStream::connect("127.0.0.1:1")
+                            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
                     })
                     .count()
             })
@@ -546,7 +605,10 @@ fn monotonic_ns() -> u64 {
 fn trace_without_the_ring_buffer_says_why() {
     let bpffs = BpffsMount::create().unwrap();
     // Nothing there at all.
-    let nothing = ambpf(&bpffs.path().join("ambpf")).arg("trace").output().unwrap();
+    let nothing = ambpf(&bpffs.path().join("ambpf"))
+        .arg("trace")
+        .output()
+        .unwrap();
     let said = String::from_utf8_lossy(&nothing.stderr);
     assert!(!nothing.status.success());
     assert!(said.contains("no ambpf state at"), "{said}");
@@ -558,7 +620,13 @@ fn trace_without_the_ring_buffer_says_why() {
     assert!(!out.status.success());
     assert!(said.contains("predates `ambpf trace`"), "{said}");
     // A bad filter names the valid values.
-    let out = ambpf(&older).args(["trace", "--verdict", "nope"]).output().unwrap();
+    let out = ambpf(&older)
+        .args(["trace", "--verdict", "nope"])
+        .output()
+        .unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && said.contains("dns_captured"), "{said}");
+    assert!(
+        !out.status.success() && said.contains("dns_captured"),
+        "{said}"
+    );
 }

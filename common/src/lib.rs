@@ -291,8 +291,12 @@ pub struct PodCounters {
 impl PodCounters {
     /// Adds another CPU's share.
     pub fn accumulate(&mut self, other: &PodCounters) {
-        self.outbound_redirected = self.outbound_redirected.wrapping_add(other.outbound_redirected);
-        self.inbound_redirected = self.inbound_redirected.wrapping_add(other.inbound_redirected);
+        self.outbound_redirected = self
+            .outbound_redirected
+            .wrapping_add(other.outbound_redirected);
+        self.inbound_redirected = self
+            .inbound_redirected
+            .wrapping_add(other.inbound_redirected);
         self.dns_redirected = self.dns_redirected.wrapping_add(other.dns_redirected);
         self.probes_bypassed = self.probes_bypassed.wrapping_add(other.probes_bypassed);
     }

@@ -145,7 +145,10 @@ mod tests {
 
     #[test]
     fn record_layout_has_no_implicit_padding() {
-        assert_eq!(core::mem::size_of::<TraceRecord>(), 8 + 8 + 48 + 6 + 2 + 4 + 4);
+        assert_eq!(
+            core::mem::size_of::<TraceRecord>(),
+            8 + 8 + 48 + 6 + 2 + 4 + 4
+        );
         assert_eq!(core::mem::size_of::<TraceGate>(), 16);
     }
 

@@ -194,7 +194,8 @@ mod tests {
         let event = TraceEvent::decode(&r, 0, &HashMap::new()).unwrap();
         assert_eq!(event.original_dst, None);
         assert!(
-            event.line().contains("netns-cookie:4144 outbound tcp") && event.line().contains("orig ? orig_dst_missing"),
+            event.line().contains("netns-cookie:4144 outbound tcp")
+                && event.line().contains("orig ? orig_dst_missing"),
             "{}",
             event.line()
         );
@@ -232,7 +233,10 @@ mod tests {
             ..Filter::default()
         };
         assert!(by_name.matches(&outbound));
-        assert!(!by_name.matches(&inbound), "unnamed: only its cookie matches");
+        assert!(
+            !by_name.matches(&inbound),
+            "unnamed: only its cookie matches"
+        );
         let by_cookie = Filter {
             pods: vec!["4144".into()],
             ..Filter::default()
@@ -254,7 +258,11 @@ mod tests {
     fn bad_filter_values_name_the_valid_ones() {
         let err = parse_verdict("capturd").unwrap_err();
         assert!(err.contains("captured, dns_captured"), "{err}");
-        assert!(parse_direction("sideways").unwrap_err().contains("outbound, inbound"));
+        assert!(
+            parse_direction("sideways")
+                .unwrap_err()
+                .contains("outbound, inbound")
+        );
         assert_eq!(parse_direction("inbound"), Ok(TraceDirection::Inbound));
     }
 }

@@ -172,11 +172,17 @@ mod tests {
     #[test]
     fn a_running_lease_belongs_to_its_live_reader() {
         assert_eq!(holder(&gate(NOW + 1, 7), NOW, 7, |_| false), Holder::Us);
-        assert_eq!(holder(&gate(NOW + 1, 9), NOW, 7, |_| true), Holder::Other(9));
+        assert_eq!(
+            holder(&gate(NOW + 1, 9), NOW, 7, |_| true),
+            Holder::Other(9)
+        );
     }
 
     #[test]
     fn a_dead_readers_lease_is_free_before_it_runs_out() {
-        assert_eq!(holder(&gate(NOW + 1, 9), NOW, 7, |pid| pid != 9), Holder::Nobody);
+        assert_eq!(
+            holder(&gate(NOW + 1, 9), NOW, 7, |pid| pid != 9),
+            Holder::Nobody
+        );
     }
 }

@@ -41,9 +41,7 @@ pub struct TraceArgs {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error(
-        "no ambpf state at {0}: no agent has run with this --pin-root (or it was uninstalled)"
-    )]
+    #[error("no ambpf state at {0}: no agent has run with this --pin-root (or it was uninstalled)")]
     NoState(std::path::PathBuf),
     #[error(
         "{0} holds no trace ring buffer: the agent that pinned this state predates `ambpf \
@@ -82,7 +80,14 @@ pub fn run(pins: &PinLayout, args: TraceArgs) -> Result<()> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?
-        .block_on(read_records(ring, lease, LostCounter::open(pins), filter, args.json, names))
+        .block_on(read_records(
+            ring,
+            lease,
+            LostCounter::open(pins),
+            filter,
+            args.json,
+            names,
+        ))
 }
 
 /// The programs' count of records the ring buffer had no room for.
@@ -174,7 +179,11 @@ fn print_record(
     json: bool,
 ) -> std::io::Result<()> {
     if bytes.len() < size_of::<TraceRecord>() {
-        return writeln!(out, "ambpf trace: a record of {} bytes, too short", bytes.len());
+        return writeln!(
+            out,
+            "ambpf trace: a record of {} bytes, too short",
+            bytes.len()
+        );
     }
     // SAFETY: TraceRecord is plain integers; the ring buffer's bytes may be
     // unaligned, hence read_unaligned.

@@ -232,12 +232,18 @@ impl Agent {
     /// written to `log`; returns once it reads.
     async fn attach_trace_reader(&self, log: &Path) -> Result<ProcessGuard> {
         let mut command = Command::new(&self.binary);
-        command.arg("--pin-root").arg(&self.pin_root).args(["trace", "--json"]);
+        command
+            .arg("--pin-root")
+            .arg(&self.pin_root)
+            .args(["trace", "--json"]);
         let mut reader = ProcessGuard::spawn("the trace reader", command, log)?;
         let deadline = std::time::Instant::now() + READY_TIMEOUT;
         while !std::fs::read_to_string(log)?.contains("reading redirect decisions") {
             reader.check_running()?;
-            ensure!(std::time::Instant::now() < deadline, "the trace reader never attached");
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the trace reader never attached"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         Ok(reader)
@@ -881,7 +887,10 @@ async fn measure_mode(
                 .lines()
                 .filter(|l| l.contains("\"verdict\""))
                 .count();
-            eprintln!("redirect: run {} the trace reader printed {records} records", run + 1);
+            eprintln!(
+                "redirect: run {} the trace reader printed {records} records",
+                run + 1
+            );
             ensure!(records > 0, "the trace reader printed no record");
         }
         // Unenrol (ztunnel gets the Del), stop, remove the pins.
