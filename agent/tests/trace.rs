@@ -416,6 +416,17 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     assert_eq!(refused["original_dst"], to_app(web1_ip).to_string());
     let missing = trace.wait_for("orig_dst_missing", cookie0).await;
     assert_eq!(missing["original_dst"], Value::Null);
+    // Only where ztunnel's outbound listener asks: an inbound connection's
+    // local address is its original destination.
+    let records = trace.records();
+    let missing: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["verdict"] == "orig_dst_missing")
+        .collect();
+    assert!(
+        missing.iter().all(|r| r["dst"] == SocketAddr::new(web0_ip, 15001).to_string()),
+        "{missing:#?}"
+    );
     assert!(
         trace
             .records()

@@ -243,8 +243,11 @@ fn answer_original_dst(ctx: &SockoptContext) {
         },
     };
     let Some(orig) = (unsafe { ORIG_BY_TUPLE.get(&key) }) else {
-        // Only ztunnel's sockets in an enrolled pod are ambpf's to answer.
-        if unsafe { PODS_BY_NETNS.get(&netns) }.is_some() {
+        // Only ambpf's to answer on ztunnel's outbound listener in an
+        // enrolled pod (inbound, the local address is the original
+        // destination: nothing is missing).
+        let outbound = u16::from_be(key.local.port_be) == ztunnel::OUTBOUND_PORT;
+        if outbound && unsafe { PODS_BY_NETNS.get(&netns) }.is_some() {
             trace(|| TraceRecord {
                 netns_cookie: netns,
                 src: key.peer.ip,
