@@ -288,7 +288,9 @@ fn encode_pod_counters(
         .filter_map(|(cookie, counts)| Some((names.get(cookie)?, counts.0)))
         .collect();
     pods.sort_by(|a, b| a.0.cmp(b.0));
-    let families: [(&str, &str, &[(&str, fn(&ambpf_common::PodCounters) -> u64)]); 3] = [
+    /// A series of a family: its `direction` label (none if empty) and its count.
+    type Series = (&'static str, fn(&ambpf_common::PodCounters) -> u64);
+    let families: [(&str, &str, &[Series]); 3] = [
         (
             "pod_connections_redirected",
             "Connections of the pod sent to ztunnel, by direction.",
