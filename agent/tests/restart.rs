@@ -13,8 +13,8 @@
 
 use std::{
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    path::{Path, PathBuf},
+    net::{SocketAddr, TcpStream},
+    path::Path,
     process::{Child, Command, Stdio},
     time::Duration,
 };
@@ -26,6 +26,9 @@ use ambpf_testbed::{
     ztunnel::{ZtunnelConfig, ZtunnelDouble},
 };
 use serde_json::Value;
+
+mod common;
+use common::agent::{TempDir, serve_echo, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 const POD_UID: &str = "restart-pod-uid";
@@ -120,34 +123,6 @@ fn connect(ns: &NetnsGuard, to: SocketAddr) -> TcpStream {
         .unwrap();
     conn.set_read_timeout(Some(PATIENCE)).unwrap();
     conn
-}
-
-fn serve_echo(ns: &NetnsGuard, addr: SocketAddr) {
-    let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let mut buf = [0u8; 256];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-}
-
-async fn wait_for(mut check: impl FnMut() -> bool, what: &str) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -350,10 +325,3 @@ fn check(pins: &Path) -> (bool, String) {
     (out.status.success(), said)
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}

@@ -13,9 +13,8 @@
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::{fd::AsFd, unix::process::CommandExt},
-    path::{Path, PathBuf},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
+    path::Path,
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex, mpsc},
     time::Duration,
@@ -30,6 +29,9 @@ use ambpf_testbed::{
 use aya::maps::{Array, Map, MapData};
 use serde_json::Value;
 
+mod common;
+use common::agent::{Proc, TempDir, serve_echo as serve, wait_for as wait_until};
+
 const PATIENCE: Duration = Duration::from_secs(20);
 const WEB0: &str = "web-0-uid";
 const WEB1: &str = "web-1-uid";
@@ -38,57 +40,10 @@ const METRICS: &str = "127.0.0.1:15014";
 /// Tests move this process between cgroups: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// A child process killed and reaped on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn ambpf(pins: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambpf"));
     cmd.arg("--pin-root").arg(pins);
     cmd
-}
-
-/// The agent in the node namespace, with a pods file and metrics on the
-/// node namespace's loopback.
-fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Proc {
-    let node_ns = std::fs::File::open(node.path()).unwrap();
-    let mut cmd = ambpf(pins);
-    cmd.arg("run")
-        .arg("--pods-file")
-        .arg(pods)
-        .arg("--zds-socket")
-        .arg(socket)
-        .arg("--cgroup")
-        .arg(cgroup)
-        .args([
-            "--health-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            METRICS,
-        ])
-        .stdout(Stdio::null());
-    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(std::io::Error::from)
-        });
-    }
-    Proc(cmd.spawn().unwrap())
 }
 
 /// A running `ambpf trace`: its stdout lines as they come.
@@ -218,34 +173,6 @@ fn connect(ns: &NetnsGuard, to: SocketAddr, within: Duration) -> bool {
         .unwrap()
 }
 
-fn serve(ns: &NetnsGuard, addr: SocketAddr) {
-    let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let mut buf = [0u8; 256];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-}
-
-async fn wait_until(mut check: impl FnMut() -> bool, what: &str) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn pods_json(pods: &[(&str, &str, &NetnsGuard)]) -> String {
     let entries: Vec<String> = pods
         .iter()
@@ -283,7 +210,14 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     let any = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), APP_PORT);
     serve(&web0.ns, any);
     serve(&web1.ns, any);
-    let _agent = spawn_agent(&cluster.node, &pins, &socket, &pods_file, cgroup.path());
+    let _agent = common::agent::spawn_agent(
+        &cluster.node,
+        &pins,
+        &socket,
+        &pods_file,
+        cgroup.path(),
+        METRICS,
+    );
     let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default().nack(WEB1));
     ztunnel
         .wait_until(
@@ -424,7 +358,9 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         .filter(|r| r["verdict"] == "orig_dst_missing")
         .collect();
     assert!(
-        missing.iter().all(|r| r["dst"] == SocketAddr::new(web0_ip, 15001).to_string()),
+        missing
+            .iter()
+            .all(|r| r["dst"] == SocketAddr::new(web0_ip, 15001).to_string()),
         "{missing:#?}"
     );
     assert!(
@@ -545,7 +481,14 @@ async fn a_reader_that_stops_reading_loses_records_and_slows_nothing() {
     let _cleanup = TempDir(dir.clone());
     let (socket, pods_file) = (dir.join("ztunnel.sock"), dir.join("pods.json"));
     std::fs::write(&pods_file, pods_json(&[(WEB0, "web-0", &pod.ns)])).unwrap();
-    let _agent = spawn_agent(&cluster.node, &pins, &socket, &pods_file, cgroup.path());
+    let _agent = common::agent::spawn_agent(
+        &cluster.node,
+        &pins,
+        &socket,
+        &pods_file,
+        cgroup.path(),
+        METRICS,
+    );
     let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
     ztunnel
         .wait_until(|s| s.ready && s.workloads.contains_key(WEB0), PATIENCE)

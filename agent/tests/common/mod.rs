@@ -5,6 +5,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod agent;
+
 pub use std::{
     os::{fd::OwnedFd, unix::fs::MetadataExt},
     path::{Path, PathBuf},
