@@ -15,7 +15,7 @@ use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
     path::Path,
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     time::Duration,
 };
 
@@ -28,7 +28,7 @@ use ambpf_testbed::{
 use serde_json::Value;
 
 mod common;
-use common::agent::{TempDir, serve_echo, wait_for};
+use common::agent::{TempDir, agent_command, serve_echo, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 const POD_UID: &str = "restart-pod-uid";
@@ -44,25 +44,8 @@ impl Drop for Agent {
 
 /// The agent in the node's namespace with the chart's capabilities only.
 fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Agent {
-    let mut cmd = node.command(env!("CARGO_BIN_EXE_ambpf")).unwrap();
+    let mut cmd = agent_command(node, pins, socket, pods, cgroup, "127.0.0.1:0");
     exec_with_only(&mut cmd, CHART_AGENT_CAPABILITIES).unwrap();
-    cmd.arg("--pin-root")
-        .arg(pins)
-        .arg("run")
-        .arg("--pods-file")
-        .arg(pods)
-        .arg("--zds-socket")
-        .arg(socket)
-        .arg("--cgroup")
-        .arg(cgroup)
-        .args([
-            "--health-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null());
     let agent = Agent(cmd.spawn().unwrap());
     let status = std::fs::read_to_string(format!("/proc/{}/status", agent.0.id())).unwrap();
     let effective = status

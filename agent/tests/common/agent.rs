@@ -4,7 +4,6 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener},
-    os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::Duration,
@@ -36,17 +35,17 @@ impl Drop for TempDir {
 }
 
 /// `ambpf run` in `node`'s namespace with a pods file, its socket programs
-/// on `cgroup`, metrics on `metrics_listen` (in the node's namespace).
-pub fn spawn_agent(
+/// on `cgroup`, metrics on `metrics_listen` (in the node's namespace), not
+/// spawned yet.
+pub fn agent_command(
     node: &NetnsGuard,
     pins: &Path,
     socket: &Path,
     pods: &Path,
     cgroup: &Path,
     metrics_listen: &str,
-) -> Proc {
-    let node_ns = std::fs::File::open(node.path()).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambpf"));
+) -> Command {
+    let mut cmd = node.command(env!("CARGO_BIN_EXE_ambpf")).unwrap();
     cmd.arg("--pin-root")
         .arg(pins)
         .arg("run")
@@ -64,14 +63,23 @@ pub fn spawn_agent(
         ])
         .env("RUST_LOG", "info")
         .stdout(Stdio::null());
-    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(std::io::Error::from)
-        });
-    }
-    Proc(cmd.spawn().unwrap())
+    cmd
+}
+
+/// [`agent_command`], spawned.
+pub fn spawn_agent(
+    node: &NetnsGuard,
+    pins: &Path,
+    socket: &Path,
+    pods: &Path,
+    cgroup: &Path,
+    metrics_listen: &str,
+) -> Proc {
+    Proc(
+        agent_command(node, pins, socket, pods, cgroup, metrics_listen)
+            .spawn()
+            .unwrap(),
+    )
 }
 
 /// An echo server on `addr` inside `ns`, a thread per connection.
