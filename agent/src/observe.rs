@@ -261,6 +261,25 @@ impl Collector for AgentCollector {
             }
             Err(e) => warn!("metrics: reading the kernel counters: {e}"),
         }
+        match crate::bpf::capacity::read_misses(pins) {
+            Ok(misses) => {
+                let help = "Redirected connections whose original destination was missing \
+                            when asked for (evicted from the full LRU maps, or never stored), \
+                            by reason (README \"Map capacities\").";
+                let metric = ConstCounter::new(0u64);
+                let mut family = encoder.encode_descriptor(
+                    "origdst_misses",
+                    help,
+                    None,
+                    metric.metric_type(),
+                )?;
+                for (miss, value) in misses {
+                    ConstCounter::new(value)
+                        .encode(family.encode_family(&[("reason", miss.name())])?)?;
+                }
+            }
+            Err(e) => warn!("metrics: reading the original-destination misses: {e}"),
+        }
         match crate::bpf::pod_counters::read(pins) {
             Ok(counters) => {
                 let names = self

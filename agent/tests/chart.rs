@@ -66,6 +66,7 @@ struct Values {
     zds_socket: PathBuf,
     cgroup_root: PathBuf,
     excluded_namespaces: Vec<String>,
+    maps: Maps,
     cni: Cni,
     health: Port,
     metrics: Port,
@@ -91,6 +92,14 @@ struct Cni {
     bin_dir: PathBuf,
     socket: PathBuf,
     repair_interval: u32,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Maps {
+    max_pods: u32,
+    max_redirected_connections: u32,
+    max_host_addresses: u32,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -128,6 +137,11 @@ fn every_value_changed() -> Values {
         zds_socket: "/var/run/ztunnel-test/zds.sock".into(),
         cgroup_root: "/sys/fs/cgroup/kubepods.slice".into(),
         excluded_namespaces: vec!["kube-system".into(), "monitoring".into()],
+        maps: Maps {
+            max_pods: 512,
+            max_redirected_connections: 262144,
+            max_host_addresses: 1024,
+        },
         cni: Cni {
             enabled: true,
             conf_dir: "/etc/cni/multus/net.d".into(),
@@ -574,6 +588,12 @@ fn check(values: &Values, rendered: &Rendered) {
     assert_eq!(run.cgroup.as_ref(), Some(&values.cgroup_root));
     assert_eq!(run.zds_socket, values.zds_socket);
     assert_eq!(run.excluded_namespaces, values.excluded_namespaces);
+    assert_eq!(run.max_pods, values.maps.max_pods);
+    assert_eq!(
+        run.max_redirected_connections,
+        values.maps.max_redirected_connections
+    );
+    assert_eq!(run.max_host_addresses, values.maps.max_host_addresses);
     assert_eq!(run.node_name.as_deref(), Some(NODE_NAME));
     assert_eq!(
         env_value(agent, "RUST_LOG"),
@@ -817,6 +837,14 @@ fn default_values_deploy_the_agent_as_documented() {
     let values = default_values();
     assert_eq!(values.redirect_mode, "ebpf");
     assert!(values.cni.enabled);
+    // The chart's capacities are the agent's own defaults.
+    use ambpf_common::maps;
+    assert_eq!(values.maps.max_pods, maps::DEFAULT_MAX_PODS);
+    assert_eq!(
+        values.maps.max_redirected_connections,
+        maps::DEFAULT_MAX_REDIRECTED
+    );
+    assert_eq!(values.maps.max_host_addresses, maps::HOST_ADDRS_MAX);
     check(&values, &render(None));
 }
 

@@ -108,6 +108,20 @@ pub mod maps {
     pub const TRACE_GATE: &str = "ambpf_trace_on";
     /// Per-CPU count of trace records the ring buffer had no room for.
     pub const TRACE_LOST: &str = "ambpf_trc_lost";
+    /// Per-CPU counts of original-destination records found missing,
+    /// indexed by [`crate::Miss`]: what a full (LRU) map cost.
+    pub const MISSES: &str = "ambpf_misses";
+    /// Slots of [`MISSES`]: room for reasons to come without changing the
+    /// pinned map's shape.
+    pub const MISS_SLOTS: u32 = 8;
+
+    /// Default capacity of [`PODS_BY_NETNS`] and [`POD_COUNTERS`] (pods one
+    /// node can run, with headroom); [`PODS_BY_IP`] holds twice as many (a
+    /// pod has at most one address of each family).
+    pub const DEFAULT_MAX_PODS: u32 = 4096;
+    /// Default capacity of [`ORIG_BY_COOKIE`] and [`ORIG_BY_TUPLE`]:
+    /// redirected connections remembered at once (LRU).
+    pub const DEFAULT_MAX_REDIRECTED: u32 = 65536;
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
@@ -124,6 +138,7 @@ pub mod maps {
         TRACE_RING,
         TRACE_GATE,
         TRACE_LOST,
+        MISSES,
     ];
 }
 
@@ -272,6 +287,36 @@ impl Counter {
     }
 }
 
+/// Indexes of [`maps::MISSES`]: a redirected connection whose original
+/// destination was not there when asked for (its record evicted from the
+/// full LRU map, or never stored).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Miss {
+    /// ztunnel asked `SO_ORIGINAL_DST` (IPv4 first, as ztunnel does) on its
+    /// outbound listener in an enrolled pod and no record answered: ztunnel
+    /// refuses the connection (its local address is its own listener).
+    OrigDst = 0,
+    /// The record could not be stored at `connect()`: the connect is
+    /// refused (EPERM) rather than sent to ztunnel without it.
+    NotStored = 1,
+    /// An app's `getpeername()` on a redirected socket found no record: it
+    /// sees ztunnel's listener as its peer.
+    PeerName = 2,
+}
+
+impl Miss {
+    pub const ALL: [Miss; 3] = [Miss::OrigDst, Miss::NotStored, Miss::PeerName];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Miss::OrigDst => "so_original_dst",
+            Miss::NotStored => "not_stored",
+            Miss::PeerName => "getpeername",
+        }
+    }
+}
+
 /// Value of [`maps::POD_COUNTERS`], one per CPU: what the programs did for
 /// one pod.
 #[repr(C)]
@@ -409,6 +454,14 @@ mod tests {
             assert_eq!(*counter as u32, i as u32);
         }
         assert_eq!(Counter::ALL.len() as u32, Counter::COUNT);
+    }
+
+    #[test]
+    fn misses_fit_their_map() {
+        for (i, miss) in Miss::ALL.iter().enumerate() {
+            assert_eq!(*miss as u32, i as u32);
+        }
+        assert!(Miss::ALL.len() as u32 <= maps::MISS_SLOTS);
     }
 
     #[test]

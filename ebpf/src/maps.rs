@@ -1,18 +1,23 @@
 //! Maps shared by the redirection programs; all pinned by the agent.
 
 use ambpf_common::{
-    Counter, IpKey, NodeConfig, PodConfig, PodCounters, SockAddr, TraceGate, TraceRecord, TupleKey,
+    Counter, IpKey, Miss, NodeConfig, PodConfig, PodCounters, SockAddr, TraceGate, TraceRecord,
+    TupleKey,
 };
 use aya_ebpf::{
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     macros::btf_map,
 };
 
+// Capacities are the defaults; the agent sets each at load (`--max-pods`,
+// `--max-redirected-connections`, `--max-host-addresses`).
+
 /// Pods one node can run, with headroom.
-const MAX_PODS: usize = 4096;
-/// Redirected connections remembered at once; LRU, so the oldest (long
-/// closed) go first.
-const MAX_REDIRECTED: usize = 65536;
+const MAX_PODS: usize = ambpf_common::maps::DEFAULT_MAX_PODS as usize;
+/// Redirected connections remembered at once; LRU, so the least recently
+/// used (long closed, or long since answered) go first. A record missing
+/// when asked for is counted in `MISSES`.
+const MAX_REDIRECTED: usize = ambpf_common::maps::DEFAULT_MAX_REDIRECTED as usize;
 
 #[btf_map(name = "ambpf_pods")]
 pub static PODS_BY_NETNS: HashMap<u64, PodConfig, { MAX_PODS }> = HashMap::new();
@@ -51,6 +56,19 @@ pub static TRACE_GATE: Array<TraceGate, 1> = Array::new();
 
 #[btf_map(name = "ambpf_trc_lost")]
 pub static TRACE_LOST: PerCpuArray<u64, 1> = PerCpuArray::new();
+
+#[btf_map(name = "ambpf_misses")]
+pub static MISSES: PerCpuArray<u64, { ambpf_common::maps::MISS_SLOTS as usize }> =
+    PerCpuArray::new();
+
+/// Counts a missing original-destination record.
+#[inline(always)]
+pub fn count_miss(miss: Miss) {
+    if let Some(value) = MISSES.get_ptr_mut(miss as u32) {
+        // Per-CPU slot: no other CPU writes it.
+        unsafe { *value += 1 };
+    }
+}
 
 #[inline(always)]
 pub fn count(counter: Counter) {

@@ -11,7 +11,7 @@
 //!   socket instead of out of the pod (Istio: connmark 0x111).
 
 use ambpf_common::{
-    Counter, IpKey, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict, trace::IPPROTO_TCP,
+    Counter, IpKey, Miss, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict, trace::IPPROTO_TCP,
     ztunnel,
 };
 use aya_ebpf::{
@@ -28,7 +28,7 @@ use core::mem::offset_of;
 
 use crate::{
     addr::{SockaddrIn, SockaddrIn6, load_field, load_ip6, v4, v4_be, v6, v6_be},
-    maps::{ORIG_BY_COOKIE, ORIG_BY_TUPLE, PODS_BY_NETNS, count, is_pod_ip},
+    maps::{ORIG_BY_COOKIE, ORIG_BY_TUPLE, PODS_BY_NETNS, count, count_miss, is_pod_ip},
     trace::trace,
 };
 
@@ -248,6 +248,10 @@ fn answer_original_dst(ctx: &SockoptContext) {
         // destination: nothing is missing).
         let outbound = u16::from_be(key.local.port_be) == ztunnel::OUTBOUND_PORT;
         if outbound && unsafe { PODS_BY_NETNS.get(&netns) }.is_some() {
+            // Once per connection: ztunnel asks IPv4 first, IPv6 after.
+            if level == SOL_IP {
+                count_miss(Miss::OrigDst);
+            }
             trace(|| TraceRecord {
                 netns_cookie: netns,
                 src: key.peer.ip,

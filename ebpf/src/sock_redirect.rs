@@ -17,7 +17,7 @@
 //! into ztunnel's SO_ORIGINAL_DST answer.
 
 use ambpf_common::{
-    Counter, IpKey, PodConfig, SockAddr, TraceDirection, TraceRecord, Verdict,
+    Counter, IpKey, Miss, PodConfig, SockAddr, TraceDirection, TraceRecord, Verdict,
     trace::{IPPROTO_TCP, IPPROTO_UDP},
     ztunnel,
 };
@@ -33,7 +33,7 @@ use crate::{
         LOOPBACK_V4, LOOPBACK_V6, SockaddrIn, SockaddrIn6, is_loopback, load_field, load_ip6,
         store_ip6, v4, v4_be, v6, v6_be,
     },
-    maps::{ORIG_BY_COOKIE, PODS_BY_NETNS, count, dns_capture, is_pod_ip},
+    maps::{ORIG_BY_COOKIE, PODS_BY_NETNS, count, count_miss, dns_capture, is_pod_ip},
     trace::{PodEvent, count_pod, trace},
 };
 
@@ -42,6 +42,8 @@ const USER_IP6: usize = core::mem::offset_of!(bpf_sock_addr, user_ip6);
 const DNS_PORT: u16 = 53;
 /// Verdict of cgroup sock_addr programs: let the call proceed.
 const ALLOW: i32 = 1;
+/// Verdict refusing the call (EPERM).
+const DENY: i32 = 0;
 
 /// Where a captured socket goes, and what to count.
 struct Capture {
@@ -277,30 +279,37 @@ fn report(
     });
 }
 
+/// Keeps the original destination by socket cookie; false if it could not
+/// be stored (the LRU evicts rather than fails, so only on an error).
 #[inline(always)]
-fn remember(sa: *mut bpf_sock_addr, dst: IpKey, port_be: u16) {
+fn remember(sa: *mut bpf_sock_addr, dst: IpKey, port_be: u16) -> bool {
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
     let orig = SockAddr {
         ip: dst,
         port_be,
         _pad: [0; 6],
     };
-    let _ = ORIG_BY_COOKIE.insert(&cookie, &orig, 0);
+    ORIG_BY_COOKIE.insert(&cookie, &orig, 0).is_ok()
 }
 
-/// `connect`: the hook may bind the socket (`sendmsg` may not).
+/// `connect`: the hook may bind the socket (`sendmsg` may not). Returns
+/// the hook's verdict: a connection whose original destination could not
+/// be stored is refused (EPERM) rather than handed to ztunnel without it.
 #[inline(always)]
-fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) {
+fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) -> i32 {
     let sa = ctx.sock_addr;
     let Some((netns, pod)) = enrolled_pod(sa) else {
-        return;
+        return ALLOW;
     };
     let (ip_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     let dst = v4(ip_be);
     let decision = decide(sa, pod, &dst, port_be, tcp);
     let mut to = (dst, port_be);
     if let Ok(capture) = &decision {
-        remember(sa, dst, port_be);
+        if !remember(sa, dst, port_be) {
+            count_miss(Miss::NotStored);
+            return DENY;
+        }
         let ip = if connect {
             target(sa, capture, false, LOOPBACK_V4)
         } else {
@@ -313,20 +322,24 @@ fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) {
         }
     }
     report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, false));
+    ALLOW
 }
 
 #[inline(always)]
-fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) {
+fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) -> i32 {
     let sa = ctx.sock_addr;
     let Some((netns, pod)) = enrolled_pod(sa) else {
-        return;
+        return ALLOW;
     };
     let (ip_be, port_be) = unsafe { (load_ip6(sa, USER_IP6), (*sa).user_port as u16) };
     let dst = v6(ip_be);
     let decision = decide(sa, pod, &dst, port_be, tcp);
     let mut to = (dst, port_be);
     if let Ok(capture) = &decision {
-        remember(sa, dst, port_be);
+        if !remember(sa, dst, port_be) {
+            count_miss(Miss::NotStored);
+            return DENY;
+        }
         // A v4-mapped destination stays v4: ztunnel's listeners are dual-stack.
         let loopback = if dst.is_v4() {
             LOOPBACK_V4
@@ -345,33 +358,30 @@ fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) {
         }
     }
     report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, true));
+    ALLOW
 }
 
 #[cgroup_sock_addr(connect4)]
 pub fn ambpf_connect4(ctx: SockAddrContext) -> i32 {
     let tcp = unsafe { (*ctx.sock_addr).type_ } == SOCK_STREAM;
-    redirect4(&ctx, tcp, true);
-    ALLOW
+    redirect4(&ctx, tcp, true)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn ambpf_connect6(ctx: SockAddrContext) -> i32 {
     let tcp = unsafe { (*ctx.sock_addr).type_ } == SOCK_STREAM;
-    redirect6(&ctx, tcp, true);
-    ALLOW
+    redirect6(&ctx, tcp, true)
 }
 
 /// Unconnected UDP: only DNS is captured.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn ambpf_sendmsg4(ctx: SockAddrContext) -> i32 {
-    redirect4(&ctx, false, false);
-    ALLOW
+    redirect4(&ctx, false, false)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn ambpf_sendmsg6(ctx: SockAddrContext) -> i32 {
-    redirect6(&ctx, false, false);
-    ALLOW
+    redirect6(&ctx, false, false)
 }
 
 /// The original peer of a redirected socket, if `(ip, port)` is where it was
@@ -396,7 +406,14 @@ fn original_peer(
         return None;
     }
     let cookie = unsafe { bpf_get_socket_cookie(sa.cast()) };
-    let orig = unsafe { ORIG_BY_COOKIE.get(&cookie) }?;
+    let Some(orig) = (unsafe { ORIG_BY_COOKIE.get(&cookie) }) else {
+        // A socket redirected to ztunnel's outbound listener whose record
+        // the full LRU evicted (or one connected there directly).
+        if !dns_only {
+            count_miss(Miss::PeerName);
+        }
+        return None;
+    };
     if dns_only && u16::from_be(orig.port_be) != DNS_PORT {
         return None;
     }

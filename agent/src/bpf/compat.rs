@@ -7,13 +7,19 @@
 //! layout. So each pinned map is compared with its definition first, and the
 //! agent refuses to start, saying which map differs and how, rather than
 //! redirect with misread state.
+//!
+//! A map whose capacity alone differs from what the flags ask (`--max-pods`,
+//! `--max-redirected-connections`, `--max-host-addresses`) is adopted as it
+//! is, with a warning: its entries are live pods and connections, which a
+//! resize (a new map) would drop. The new capacity takes effect after
+//! `ambpf uninstall`.
 
 use std::path::PathBuf;
 
 use ambpf_common::maps;
 use aya::maps::MapInfo;
 
-use super::PinLayout;
+use super::{PinLayout, capacity::Capacities};
 
 /// A pinned map that this agent's programs cannot use.
 #[derive(Debug, thiserror::Error)]
@@ -53,9 +59,38 @@ impl MapShape {
     }
 }
 
+/// A pinned map adopted with another capacity than the flags ask.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapacityKept {
+    pub name: &'static str,
+    pub pinned: u32,
+    pub asked: u32,
+    pub flag: &'static str,
+}
+
+impl std::fmt::Display for CapacityKept {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "map {} is pinned with {} entries, {} asks for {}: keeping {} (its entries are \
+             live pods and connections); run `ambpf uninstall` while no pod needs the \
+             redirection for the new capacity to take effect",
+            self.name, self.pinned, self.flag, self.asked, self.pinned
+        )
+    }
+}
+
 /// Checks every map of [`maps::PINNED`] already pinned under `pins` against
-/// its definition in `object`. Maps not pinned yet are fine (they are created).
-pub fn check_pinned_maps(object: &[u8], pins: &PinLayout) -> Result<(), CompatError> {
+/// its definition in `object`, with the capacities `capacities` asks for.
+/// Maps not pinned yet are fine (they are created). Returns the capacities
+/// in effect (a pinned map keeps its own) and the maps that kept theirs.
+pub fn check_pinned_maps(
+    object: &[u8],
+    pins: &PinLayout,
+    capacities: Capacities,
+) -> Result<(Capacities, Vec<CapacityKept>), CompatError> {
+    let mut effective = capacities;
+    let mut kept = Vec::new();
     let object = aya_obj::Object::parse(object).map_err(|e| CompatError::Object(e.to_string()))?;
     for &name in maps::PINNED {
         let pin = pins.map(name);
@@ -66,11 +101,12 @@ pub fn check_pinned_maps(object: &[u8], pins: &PinLayout) -> Result<(), CompatEr
             .maps
             .get(name)
             .ok_or(CompatError::NotInObject { name })?;
+        let asked = capacities.of(name);
         let expected = MapShape {
             map_type: definition.map_type(),
             key_size: definition.key_size(),
             value_size: definition.value_size(),
-            max_entries: definition.max_entries(),
+            max_entries: asked.map_or(definition.max_entries(), |(entries, _)| entries),
         };
         let info = MapInfo::from_pin(&pin).map_err(|e| CompatError::Unreadable {
             pin: pin.clone(),
@@ -83,6 +119,31 @@ pub fn check_pinned_maps(object: &[u8], pins: &PinLayout) -> Result<(), CompatEr
             value_size: info.value_size(),
             max_entries: info.max_entries(),
         };
+        if let Some((entries, flag)) = asked
+            && pinned.max_entries != entries
+            && MapShape::differences(
+                &pinned,
+                &MapShape {
+                    max_entries: pinned.max_entries,
+                    ..expected
+                },
+            )
+            .is_empty()
+        {
+            kept.push(CapacityKept {
+                name,
+                pinned: pinned.max_entries,
+                asked: entries,
+                flag,
+            });
+            match name {
+                maps::PODS_BY_NETNS => effective.pods = pinned.max_entries,
+                maps::ORIG_BY_COOKIE => effective.redirected_connections = pinned.max_entries,
+                maps::HOST_ADDRS => effective.host_addresses = pinned.max_entries,
+                _ => {}
+            }
+            continue;
+        }
         let differences = MapShape::differences(&pinned, &expected);
         if !differences.is_empty() {
             return Err(CompatError::Incompatible(IncompatiblePin {
@@ -92,7 +153,7 @@ pub fn check_pinned_maps(object: &[u8], pins: &PinLayout) -> Result<(), CompatEr
             }));
         }
     }
-    Ok(())
+    Ok((effective, kept))
 }
 
 #[derive(Debug, thiserror::Error)]

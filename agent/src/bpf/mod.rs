@@ -1,6 +1,7 @@
 //! The kernel side as the agent sees it: loading the embedded object once,
 //! pinning its maps, attaching programs, and reading their state back.
 
+pub mod capacity;
 pub mod cgroup;
 pub mod compat;
 pub mod features;
@@ -18,6 +19,7 @@ use aya::{
 };
 use log::{debug, warn};
 
+pub use capacity::Capacities;
 pub use pins::{DEFAULT_PIN_ROOT, PinLayout};
 
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +32,8 @@ pub enum LoadError {
     Pins(#[from] pins::PinError),
     #[error(transparent)]
     PinnedMap(#[from] compat::CompatError),
+    #[error(transparent)]
+    Capacity(#[from] capacity::CapacityError),
     #[error("loading the ambpf BPF object: {0}")]
     Object(#[from] aya::EbpfError),
     #[error("BPF program {name} is missing from the object")]
@@ -52,6 +56,10 @@ pub struct Dataplane {
     pub(crate) address_claims: Option<crate::redirect::claims::AddressClaims<ambpf_common::IpKey>>,
     /// The namespaces of the pods this process enrolled, by netns cookie.
     pub(crate) held: std::collections::HashMap<u64, crate::netns::Netns>,
+    /// The maps' capacities in effect (pinned maps keep theirs).
+    capacities: Capacities,
+    /// Pinned maps adopted with another capacity than asked.
+    capacities_kept: Vec<compat::CapacityKept>,
 }
 
 /// Pins the steering program (replacing an earlier agent's pin), so that
@@ -84,14 +92,27 @@ pub fn pinned_steering_program(pins: &PinLayout) -> Option<u32> {
 }
 
 impl Dataplane {
-    /// Checks the kernel and the pin root, then loads every program.
+    /// Checks the kernel and the pin root, then loads every program, with
+    /// the maps' default capacities.
     pub fn load(pins: PinLayout) -> Result<Self, LoadError> {
+        Self::load_with(pins, Capacities::default())
+    }
+
+    /// As [`Self::load`], creating the maps not pinned yet with
+    /// `capacities`; pinned maps of another capacity are adopted as they
+    /// are, with a warning ([`compat`]).
+    pub fn load_with(pins: PinLayout, capacities: Capacities) -> Result<Self, LoadError> {
         if let Some(why) = object::missing_reason() {
             return Err(LoadError::ObjectMissing(why));
         }
+        capacities.validate()?;
         features::check_kernel()?;
         pins.prepare()?;
-        compat::check_pinned_maps(object::OBJECT, &pins)?;
+        let (capacities, capacities_kept) =
+            compat::check_pinned_maps(object::OBJECT, &pins, capacities)?;
+        for kept in &capacities_kept {
+            warn!("{kept}");
+        }
 
         let map_pins: Vec<_> = maps::PINNED
             .iter()
@@ -101,6 +122,7 @@ impl Dataplane {
         for (name, path) in &map_pins {
             loader.map_pin_path(name, path.as_path());
         }
+        capacities.apply(&mut loader);
         let mut ebpf = loader.load(object::OBJECT)?;
         for name in ambpf_common::programs::ALL {
             if ebpf.program(name).is_none() {
@@ -133,7 +155,19 @@ impl Dataplane {
             pins,
             address_claims: None,
             held: std::collections::HashMap::new(),
+            capacities,
+            capacities_kept,
         })
+    }
+
+    /// The maps' capacities in effect.
+    pub fn capacities(&self) -> Capacities {
+        self.capacities
+    }
+
+    /// Pinned maps adopted with another capacity than asked.
+    pub fn capacities_kept(&self) -> &[compat::CapacityKept] {
+        &self.capacities_kept
     }
 
     pub fn pins(&self) -> &PinLayout {

@@ -48,6 +48,17 @@ pub enum EnrollError {
     Iptables(#[from] super::iptables::IptablesError),
     #[error("pod in {netns} has no IPv4 or IPv6 address to redirect")]
     NoAddress { netns: PathBuf },
+    #[error(
+        "cannot enrol the pod in {netns}: map {map} is full ({capacity} entries, set by \
+         {flag}); raise {flag} (chart value maps.maxPods) and restart the agent after \
+         `ambpf uninstall`, or run fewer pods on this node"
+    )]
+    MapFull {
+        netns: PathBuf,
+        map: &'static str,
+        capacity: u32,
+        flag: &'static str,
+    },
     #[error("updating map {map}: {source}")]
     Map {
         map: &'static str,
@@ -148,6 +159,7 @@ impl Dataplane {
             map: maps::HOST_ADDRS,
             source,
         };
+        let capacity = self.capacities().host_addresses as usize;
         let mut map: HashMap<_, IpKey, u8> =
             HashMap::try_from(self.map_mut(maps::HOST_ADDRS)).map_err(map_err)?;
         let mut wanted: Vec<IpKey> = addresses.iter().map(|ip| ip_key(*ip)).collect();
@@ -156,10 +168,10 @@ impl Dataplane {
         // A node with more addresses than the map holds still starts: the
         // rest are not exempted (their traffic goes through ztunnel), and
         // the operator is told.
-        let capacity = maps::HOST_ADDRS_MAX as usize;
         if wanted.len() > capacity {
             warn!(
-                "the node has {} addresses; only {capacity} fit {} and exempt host traffic",
+                "the node has {} addresses; only {capacity} fit {} (--max-host-addresses) and \
+                 exempt host traffic: traffic from the others to pods goes through ztunnel",
                 wanted.len(),
                 maps::HOST_ADDRS
             );
@@ -230,14 +242,19 @@ impl Dataplane {
             config.flags |= pod_flags::STEERING_QDISC_CREATED;
         }
         self.held.insert(cookie, keep(netns)?);
-        // Its counters first, so its first redirected connection is counted.
-        self.add_pod_counters(cookie)
-            .map_err(map_err(maps::POD_COUNTERS))?;
+        // Its counters first, so its first redirected connection is counted;
+        // a new pod that does not fit leaves nothing behind.
+        if let Err(e) = self.add_pod_counters(cookie) {
+            let e = self.map_full_or(netns, maps::POD_COUNTERS, e);
+            return Err(self.undo_new_pod(netns, cookie, previous.is_none(), qdisc_created, e));
+        }
 
         // From here on, new connections of the pod are redirected.
-        self.pods_by_netns()?
-            .insert(cookie, config, 0)
-            .map_err(map_err(maps::PODS_BY_NETNS))?;
+        let inserted = self.pods_by_netns()?.insert(cookie, config, 0);
+        if let Err(e) = inserted {
+            let e = self.map_full_or(netns, maps::PODS_BY_NETNS, e);
+            return Err(self.undo_new_pod(netns, cookie, previous.is_none(), qdisc_created, e));
+        }
         let conflicts = match self.claim_addresses(&config, previous.as_ref()) {
             Ok(conflicts) => conflicts,
             Err(e) => {
@@ -260,6 +277,46 @@ impl Dataplane {
             conflicts,
             steps,
         })
+    }
+
+    /// `e` as [`EnrollError::MapFull`] when the kernel refused a new entry
+    /// because `map` is full (E2BIG).
+    fn map_full_or(&self, netns: &Netns, map: &'static str, e: aya::maps::MapError) -> EnrollError {
+        let full = matches!(&e, aya::maps::MapError::SyscallError(s)
+            if s.io_error.raw_os_error() == Some(libc::E2BIG));
+        match self.capacities().of(map) {
+            Some((capacity, flag)) if full => EnrollError::MapFull {
+                netns: netns.path().to_owned(),
+                map,
+                capacity,
+                flag,
+            },
+            _ => map_err(map)(e),
+        }
+    }
+
+    /// Takes back what enrolling a pod that was not enrolled before
+    /// installed (its counters and steering; the reply routing matches only
+    /// ztunnel's connections and stays, as at removal), and returns `e`.
+    fn undo_new_pod(
+        &mut self,
+        netns: &Netns,
+        cookie: u64,
+        new: bool,
+        qdisc_created: bool,
+        e: EnrollError,
+    ) -> EnrollError {
+        if !new {
+            return e;
+        }
+        self.held.remove(&cookie);
+        if let Err(undo) = self.remove_pod_counters(cookie) {
+            warn!("removing the counters of a pod that was not enrolled: {undo}");
+        }
+        if let Err(undo) = detach_steering(netns, qdisc_created) {
+            warn!("removing the steering of a pod that was not enrolled: {undo}");
+        }
+        e
     }
 
     /// Writes the address entries `pod` owns ([`claims`]), after releasing

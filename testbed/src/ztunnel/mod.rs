@@ -111,6 +111,10 @@ pub struct ZtunnelConfig {
     pub nack_uids: HashSet<String>,
     /// Wait this long before handling each request (a slow ztunnel).
     pub ack_delay: Duration,
+    /// Wait this long after accepting a connection on 15001/15006 before
+    /// asking its original destination (a busy ztunnel: connections opened
+    /// meanwhile wait in the accept queue, their records in the maps).
+    pub original_dst_delay: Duration,
     /// How often pods whose proxies failed to start are retried (ztunnel: 5 s).
     pub pending_retry_interval: Duration,
     /// The DNS proxy's answer to every A query.
@@ -125,6 +129,7 @@ impl Default for ZtunnelConfig {
             start_proxies: true,
             nack_uids: HashSet::new(),
             ack_delay: Duration::ZERO,
+            original_dst_delay: Duration::ZERO,
             pending_retry_interval: Duration::from_secs(5),
             dns_answer_v4: DEFAULT_DNS_ANSWER_V4,
             dns_answer_v6: DEFAULT_DNS_ANSWER_V6,
@@ -149,6 +154,11 @@ impl ZtunnelConfig {
 
     pub fn ack_delay(mut self, delay: Duration) -> Self {
         self.ack_delay = delay;
+        self
+    }
+
+    pub fn original_dst_delay(mut self, delay: Duration) -> Self {
+        self.original_dst_delay = delay;
         self
     }
 
@@ -372,14 +382,17 @@ struct Shared {
     /// Bumped after every change, so waiters wake without polling.
     changes: watch::Sender<u64>,
     nack_uids: Mutex<HashSet<String>>,
+    /// [`ZtunnelConfig::original_dst_delay`].
+    original_dst_delay: Duration,
 }
 
 impl Shared {
-    fn new(nack_uids: HashSet<String>) -> Self {
+    fn new(nack_uids: HashSet<String>, original_dst_delay: Duration) -> Self {
         Self {
             state: Mutex::default(),
             changes: watch::Sender::new(0),
             nack_uids: Mutex::new(nack_uids),
+            original_dst_delay,
         }
     }
 
@@ -462,7 +475,10 @@ impl ZtunnelDouble {
         reconnect: bool,
         config: ZtunnelConfig,
     ) -> Self {
-        let shared = Arc::new(Shared::new(config.nack_uids.clone()));
+        let shared = Arc::new(Shared::new(
+            config.nack_uids.clone(),
+            config.original_dst_delay,
+        ));
         let (commands, command_rx) = mpsc::unbounded_channel();
         let client = client::Client::new(shared.clone(), &config);
         let task = tokio::spawn(client.run(path, first, reconnect, command_rx));

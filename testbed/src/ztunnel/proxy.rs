@@ -186,6 +186,10 @@ async fn handle(
     };
     match kind {
         ListenerKind::Outbound | ListenerKind::InboundPlaintext => {
+            let delay = pod.shared.original_dst_delay;
+            if !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
             let Ok(original_dst) = original_destination(&downstream) else {
                 return;
             };

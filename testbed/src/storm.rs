@@ -1,0 +1,272 @@
+//! A connection storm: many connections opened from a pod at once, each
+//! told apart by where it was going, so that what became of every one can
+//! be checked: reached the server it asked for, refused (closed or reset),
+//! not connected at all, reached another server (misrouted), or left
+//! hanging.
+//!
+//! The servers ([`Greeters`]) greet each connection with their own port
+//! before echoing: a client that reads a port other than the one it
+//! connected to was misrouted.
+
+use std::{
+    io::{self, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use serde::Serialize;
+
+use crate::NetnsGuard;
+
+/// Servers in one namespace, one per port, each sending its port (2 bytes,
+/// network order) to every connection and then echoing.
+pub struct Greeters {
+    pub addresses: Vec<SocketAddr>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Greeters {
+    pub fn start(ns: &NetnsGuard, addresses: &[SocketAddr]) -> io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for address in addresses {
+            let listener = ns.run(|| {
+                let socket = socket2::Socket::new(
+                    socket2::Domain::for_address(*address),
+                    socket2::Type::STREAM,
+                    None,
+                )?;
+                socket.set_reuse_address(true)?;
+                socket.bind(&(*address).into())?;
+                socket.listen(4096)?;
+                socket.set_nonblocking(true)?;
+                Ok::<TcpListener, io::Error>(socket.into())
+            })??;
+            let stop = stop.clone();
+            let port = address.port();
+            threads.push(std::thread::spawn(move || greet(listener, port, &stop)));
+        }
+        Ok(Self {
+            addresses: addresses.to_vec(),
+            stop,
+            threads,
+        })
+    }
+}
+
+fn greet(listener: TcpListener, port: u16, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((mut conn, _)) => {
+                std::thread::spawn(move || {
+                    let _ = conn.set_nonblocking(false);
+                    if conn.write_all(&port.to_be_bytes()).is_err() {
+                        return;
+                    }
+                    let mut buf = [0u8; 256];
+                    while let Ok(n) = conn.read(&mut buf) {
+                        if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(2)),
+        }
+    }
+}
+
+impl Drop for Greeters {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// What became of one connection.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fate {
+    /// Greeted by the server it connected to.
+    Reached,
+    /// Closed or reset before any greeting (ztunnel refused it).
+    Refused,
+    /// `connect()` itself failed (e.g. EPERM from the socket programs).
+    NotConnected(String),
+    /// Greeted by another server than the one it connected to.
+    Misrouted { greeted_by: u16 },
+    /// Neither greeted nor closed within the patience.
+    Hung,
+}
+
+/// One connection of a storm, open until dropped.
+pub struct StormConnection {
+    pub target: SocketAddr,
+    /// The socket's own address (what ztunnel sees as its client).
+    pub local: Option<SocketAddr>,
+    pub fate: Fate,
+    pub stream: Option<TcpStream>,
+}
+
+impl StormConnection {
+    /// The app's view of its peer (`getpeername()`).
+    pub fn peer(&self) -> Option<SocketAddr> {
+        self.stream.as_ref()?.peer_addr().ok().map(canonical)
+    }
+
+    /// One echo through the connection, if it is still usable.
+    pub fn echo(&mut self) -> bool {
+        let Some(stream) = self.stream.as_mut() else {
+            return false;
+        };
+        let mut reply = [0u8; 5];
+        stream.write_all(b"storm").is_ok()
+            && stream.read_exact(&mut reply).is_ok()
+            && &reply == b"storm"
+    }
+}
+
+/// Counts of each [`Fate`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StormSummary {
+    pub opened: usize,
+    pub reached: usize,
+    pub refused: usize,
+    pub not_connected: usize,
+    pub misrouted: usize,
+    pub hung: usize,
+}
+
+impl StormSummary {
+    pub fn of(connections: &[StormConnection]) -> Self {
+        let mut summary = Self {
+            opened: connections.len(),
+            ..Self::default()
+        };
+        for connection in connections {
+            match connection.fate {
+                Fate::Reached => summary.reached += 1,
+                Fate::Refused => summary.refused += 1,
+                Fate::NotConnected(_) => summary.not_connected += 1,
+                Fate::Misrouted { .. } => summary.misrouted += 1,
+                Fate::Hung => summary.hung += 1,
+            }
+        }
+        summary
+    }
+}
+
+/// Opens `count` connections from inside `ns` as fast as it can (all
+/// connects first, non-blocking, targets taken in turn), then waits up to
+/// `patience` for each one's greeting. The connections stay open.
+pub fn storm(
+    ns: &NetnsGuard,
+    targets: &[SocketAddr],
+    count: usize,
+    patience: Duration,
+) -> io::Result<Vec<StormConnection>> {
+    ns.run(|| {
+        let mut pending = Vec::with_capacity(count);
+        for i in 0..count {
+            let target = targets[i % targets.len()];
+            pending.push((target, start_connect(target)));
+        }
+        pending
+            .into_iter()
+            .map(|(target, started)| finish(target, started, patience))
+            .collect()
+    })
+}
+
+/// Opens connections one after another, each greeted (or refused) before
+/// the next starts.
+pub fn one_by_one(
+    ns: &NetnsGuard,
+    targets: &[SocketAddr],
+    count: usize,
+    patience: Duration,
+) -> io::Result<Vec<StormConnection>> {
+    ns.run(|| {
+        (0..count)
+            .map(|i| {
+                let target = targets[i % targets.len()];
+                finish(target, start_connect(target), patience)
+            })
+            .collect()
+    })
+}
+
+fn start_connect(target: SocketAddr) -> io::Result<socket2::Socket> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(target),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    socket.set_nonblocking(true)?;
+    match socket.connect(&target.into()) {
+        Ok(()) => Ok(socket),
+        Err(e) if e.raw_os_error() == Some(nix::libc::EINPROGRESS) => Ok(socket),
+        Err(e) => Err(e),
+    }
+}
+
+fn finish(
+    target: SocketAddr,
+    started: io::Result<socket2::Socket>,
+    patience: Duration,
+) -> io::Result<StormConnection> {
+    let socket = match started {
+        Ok(socket) => socket,
+        Err(e) => {
+            return Ok(StormConnection {
+                target,
+                local: None,
+                fate: Fate::NotConnected(e.to_string()),
+                stream: None,
+            });
+        }
+    };
+    socket.set_nonblocking(false)?;
+    socket.set_read_timeout(Some(patience))?;
+    let mut stream: TcpStream = socket.into();
+    let mut greeting = [0u8; 2];
+    let fate = match stream.read_exact(&mut greeting) {
+        Ok(()) if u16::from_be_bytes(greeting) == target.port() => Fate::Reached,
+        Ok(()) => Fate::Misrouted {
+            greeted_by: u16::from_be_bytes(greeting),
+        },
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Fate::Hung
+        }
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Fate::Refused,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(nix::libc::ECONNRESET | nix::libc::ECONNREFUSED | nix::libc::EPIPE)
+            ) =>
+        {
+            Fate::Refused
+        }
+        Err(e) => Fate::NotConnected(e.to_string()),
+    };
+    Ok(StormConnection {
+        target,
+        local: stream.local_addr().ok().map(canonical),
+        fate,
+        stream: Some(stream),
+    })
+}
+
+fn canonical(address: SocketAddr) -> SocketAddr {
+    SocketAddr::new(address.ip().to_canonical(), address.port())
+}
