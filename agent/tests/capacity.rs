@@ -49,7 +49,12 @@ impl Drop for TempDir {
 
 /// The programs loaded with `capacities`, attached to a cgroup this process
 /// is in; the cluster's node addresses are the host's.
-fn load(cluster: &Cluster, bpffs: &BpffsMount, cgroup: &CgroupGuard, capacities: Capacities) -> Dataplane {
+fn load(
+    cluster: &Cluster,
+    bpffs: &BpffsMount,
+    cgroup: &CgroupGuard,
+    capacities: Capacities,
+) -> Dataplane {
     let mut dataplane =
         Dataplane::load_with(PinLayout::new(bpffs.path().join("ambpf")), capacities).unwrap();
     assert_eq!(dataplane.capacities(), capacities);
@@ -73,10 +78,8 @@ async fn ztunnel_for(
     pods: &[(String, std::path::PathBuf)],
     config: ZtunnelConfig,
 ) -> (ZtunnelDouble, tokio::task::JoinHandle<()>, TempDir) {
-    let dir = std::env::temp_dir().join(format!(
-        "ambpf-capacity-{}",
-        ambpf_testbed::unique_name("")
-    ));
+    let dir =
+        std::env::temp_dir().join(format!("ambpf-capacity-{}", ambpf_testbed::unique_name("")));
     let socket = dir.join("ztunnel.sock");
     let zds = ZdsHandle::new(ZdsConfig {
         socket: socket.clone(),
@@ -198,7 +201,10 @@ async fn past_the_redirected_capacity_connections_reach_their_destination_or_are
     // Each refusal is a counted miss, and one ztunnel refused.
     assert_eq!(misses(&pins, Miss::OrigDst), summary.refused as u64);
     ztunnel
-        .wait_until(|s| s.proxied.len() >= proxied_before + storm.len(), PATIENCE)
+        .wait_until(
+            |s| s.proxied.len() >= proxied_before + storm.len(),
+            PATIENCE,
+        )
         .await
         .unwrap();
     let records = ztunnel.proxied().split_off(proxied_before);
@@ -250,10 +256,8 @@ async fn past_the_redirected_capacity_connections_reach_their_destination_or_are
     // new connections get through again.
     drop(storm);
     let misses_after_storm = misses(&pins, Miss::OrigDst);
-    let after = tokio::task::block_in_place(|| {
-        storm::one_by_one(&pod.ns, &targets, 4, PATIENCE)
-    })
-    .unwrap();
+    let after =
+        tokio::task::block_in_place(|| storm::one_by_one(&pod.ns, &targets, 4, PATIENCE)).unwrap();
     assert_eq!(StormSummary::of(&after).reached, 4);
     assert_eq!(misses(&pins, Miss::OrigDst), misses_after_storm);
 }
@@ -289,7 +293,10 @@ async fn a_full_pods_map_refuses_the_next_pod_by_name_and_keeps_serving_the_rest
     let message = err.to_string();
     assert!(message.contains("is full (2 entries"), "{message}");
     assert!(message.contains("--max-pods"), "{message}");
-    assert!(message.contains(&netns[2].path().display().to_string()), "{message}");
+    assert!(
+        message.contains(&netns[2].path().display().to_string()),
+        "{message}"
+    );
     // Nothing of the refused pod stays: no entries, no steering filter, and
     // the state check finds nothing amiss.
     let enrolled = dataplane.enrolled().unwrap();
@@ -381,8 +388,18 @@ fn pinned_maps_of_another_capacity_are_adopted_with_a_warning() {
         [
             (maps::PODS_BY_NETNS, 64, 128, "--max-pods"),
             (maps::PODS_BY_IP, 128, 256, "--max-pods"),
-            (maps::ORIG_BY_COOKIE, 256, 1024, "--max-redirected-connections"),
-            (maps::ORIG_BY_TUPLE, 256, 1024, "--max-redirected-connections"),
+            (
+                maps::ORIG_BY_COOKIE,
+                256,
+                1024,
+                "--max-redirected-connections"
+            ),
+            (
+                maps::ORIG_BY_TUPLE,
+                256,
+                1024,
+                "--max-redirected-connections"
+            ),
             (maps::POD_COUNTERS, 64, 128, "--max-pods"),
         ]
     );

@@ -11,10 +11,6 @@
 use std::{
     io::{self, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
     time::Duration,
 };
 
@@ -23,17 +19,20 @@ use serde::Serialize;
 use crate::NetnsGuard;
 
 /// Servers in one namespace, one per port, each sending its port (2 bytes,
-/// network order) to every connection and then echoing.
+/// network order) to every connection and then echoing; on a tokio runtime
+/// of their own (thousands of connections, few threads).
 pub struct Greeters {
     pub addresses: Vec<SocketAddr>,
-    stop: Arc<AtomicBool>,
-    threads: Vec<std::thread::JoinHandle<()>>,
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl Greeters {
     pub fn start(ns: &NetnsGuard, addresses: &[SocketAddr]) -> io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut threads = Vec::new();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("greeters")
+            .enable_all()
+            .build()?;
         for address in addresses {
             let listener = ns.run(|| {
                 let socket = socket2::Socket::new(
@@ -47,48 +46,43 @@ impl Greeters {
                 socket.set_nonblocking(true)?;
                 Ok::<TcpListener, io::Error>(socket.into())
             })??;
-            let stop = stop.clone();
             let port = address.port();
-            threads.push(std::thread::spawn(move || greet(listener, port, &stop)));
+            let _enter = runtime.enter();
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            runtime.spawn(greet(listener, port));
         }
         Ok(Self {
             addresses: addresses.to_vec(),
-            stop,
-            threads,
+            runtime: Some(runtime),
         })
     }
 }
 
-fn greet(listener: TcpListener, port: u16, stop: &AtomicBool) {
-    while !stop.load(Ordering::Relaxed) {
-        match listener.accept() {
-            Ok((mut conn, _)) => {
-                std::thread::spawn(move || {
-                    let _ = conn.set_nonblocking(false);
-                    if conn.write_all(&port.to_be_bytes()).is_err() {
-                        return;
-                    }
-                    let mut buf = [0u8; 256];
-                    while let Ok(n) = conn.read(&mut buf) {
-                        if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                            return;
-                        }
-                    }
-                });
+async fn greet(listener: tokio::net::TcpListener, port: u16) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            continue;
+        };
+        tokio::spawn(async move {
+            if conn.write_all(&port.to_be_bytes()).await.is_err() {
+                return;
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(2));
+            let mut buf = [0u8; 256];
+            while let Ok(n) = conn.read(&mut buf).await {
+                if n == 0 || conn.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
             }
-            Err(_) => std::thread::sleep(Duration::from_millis(2)),
-        }
+        });
     }
 }
 
 impl Drop for Greeters {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
         }
     }
 }
@@ -184,8 +178,8 @@ pub fn storm(
         pending
             .into_iter()
             .map(|(target, started)| finish(target, started, patience))
-            .collect()
-    })
+            .collect::<io::Result<Vec<_>>>()
+    })?
 }
 
 /// Opens connections one after another, each greeted (or refused) before
@@ -202,8 +196,8 @@ pub fn one_by_one(
                 let target = targets[i % targets.len()];
                 finish(target, start_connect(target), patience)
             })
-            .collect()
-    })
+            .collect::<io::Result<Vec<_>>>()
+    })?
 }
 
 fn start_connect(target: SocketAddr) -> io::Result<socket2::Socket> {
@@ -245,7 +239,12 @@ fn finish(
         Ok(()) => Fate::Misrouted {
             greeted_by: u16::from_be_bytes(greeting),
         },
-        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
             Fate::Hung
         }
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Fate::Refused,
