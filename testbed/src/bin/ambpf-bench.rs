@@ -19,7 +19,10 @@
 //!   eBPF against iptables (`testbed/src/bench/suite_control.rs`);
 //! - `attach`: the kernel's cost of attaching the inbound steering program to
 //!   N fresh pods, TCX link against clsact + cls_bpf, an sk_lookup netns link
-//!   and TCX without a link (`testbed/src/bench/suite_attach.rs`).
+//!   and TCX without a link (`testbed/src/bench/suite_attach.rs`);
+//! - `storm`: more concurrent redirected connections than the
+//!   original-destination maps hold: what became of each, eBPF against
+//!   iptables (`testbed/src/bench/suite_storm.rs`).
 //!
 //! Further suites become variants of [`Suite`], each with its own arguments
 //! and [`Common`] ones, using the helpers of `ambpf_testbed::bench`.
@@ -85,6 +88,10 @@ enum Suite {
     /// clsact + cls_bpf, sk_lookup netns link, TCX without a link; per attach,
     /// replace and detach, side by side.
     Attach(attach::AttachArgs),
+    /// A connection storm past the original-destination capacity: what
+    /// became of each connection (reached, refused and counted, misrouted,
+    /// hung), eBPF against iptables.
+    Storm(storm::StormArgs),
 }
 
 /// Arguments every suite takes.
@@ -134,6 +141,7 @@ async fn run(cli: Cli) -> Result<()> {
         Suite::Enroll(args) => enroll::run(args).await,
         Suite::Control(args) => control::run(args).await,
         Suite::Attach(args) => attach::run(args).await,
+        Suite::Storm(args) => storm::run(args).await,
     }
 }
 
@@ -229,6 +237,9 @@ mod control;
 
 #[path = "../bench/suite_attach.rs"]
 mod attach;
+
+#[path = "../bench/suite_storm.rs"]
+mod storm;
 
 mod zds {
     //! The `zds` suite: ZDS snapshot time, agent against floor.
