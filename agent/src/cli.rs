@@ -228,26 +228,8 @@ pub struct RunArgs {
     #[arg(long, env = "AMBPF_METRICS_LISTEN", default_value = observe::DEFAULT_METRICS_LISTEN)]
     pub metrics_listen: std::net::SocketAddr,
 
-    /// eBPF mode: pods the maps hold (README "Map capacities"). Maps
-    /// already pinned keep the capacity they were made with (a warning
-    /// says so) until `ambpf uninstall`.
-    #[arg(long, env = "AMBPF_MAX_PODS", default_value_t = ambpf_common::maps::DEFAULT_MAX_PODS)]
-    pub max_pods: u32,
-
-    /// eBPF mode: redirected connections whose original destination is
-    /// remembered at once, node-wide (LRU: the least recently used record
-    /// goes first; a connection whose record went before ztunnel read it is
-    /// refused and counted in `ambpf_origdst_misses_total`).
-    #[arg(
-        long,
-        env = "AMBPF_MAX_REDIRECTED_CONNECTIONS",
-        default_value_t = ambpf_common::maps::DEFAULT_MAX_REDIRECTED
-    )]
-    pub max_redirected_connections: u32,
-
-    /// eBPF mode: node addresses exempted as the host's (kubelet probes).
-    #[arg(long, env = "AMBPF_MAX_HOST_ADDRESSES", default_value_t = ambpf_common::maps::HOST_ADDRS_MAX)]
-    pub max_host_addresses: u32,
+    #[command(flatten)]
+    pub capacities: bpf::capacity::CapacityArgs,
 
     /// Which iptables the iptables mode writes with (auto: what the host uses).
     #[arg(long, value_enum, default_value = "auto")]
@@ -531,11 +513,7 @@ fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         None => default_cgroup()?,
     };
     let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
-    let capacities = bpf::Capacities {
-        pods: args.max_pods,
-        redirected_connections: args.max_redirected_connections,
-        host_addresses: args.max_host_addresses,
-    };
+    let capacities = bpf::Capacities::from(&args.capacities);
     capacities.validate()?;
     runtime.block_on(async move {
         // Endpoints first: a port already taken is a start-up error.

@@ -588,12 +588,15 @@ fn check(values: &Values, rendered: &Rendered) {
     assert_eq!(run.cgroup.as_ref(), Some(&values.cgroup_root));
     assert_eq!(run.zds_socket, values.zds_socket);
     assert_eq!(run.excluded_namespaces, values.excluded_namespaces);
-    assert_eq!(run.max_pods, values.maps.max_pods);
+    assert_eq!(run.capacities.max_pods, values.maps.max_pods);
     assert_eq!(
-        run.max_redirected_connections,
+        run.capacities.max_redirected_connections,
         values.maps.max_redirected_connections
     );
-    assert_eq!(run.max_host_addresses, values.maps.max_host_addresses);
+    assert_eq!(
+        run.capacities.max_host_addresses,
+        values.maps.max_host_addresses
+    );
     assert_eq!(run.node_name.as_deref(), Some(NODE_NAME));
     assert_eq!(
         env_value(agent, "RUST_LOG"),

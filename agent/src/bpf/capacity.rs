@@ -47,6 +47,41 @@ impl Default for Capacities {
     }
 }
 
+/// The capacity flags of `ambpf run`.
+#[derive(Debug, clap::Args)]
+pub struct CapacityArgs {
+    /// eBPF mode: pods the maps hold (README "Map capacities"). Maps
+    /// already pinned keep the capacity they were made with (a warning
+    /// says so) until `ambpf uninstall`.
+    #[arg(long, env = "AMBPF_MAX_PODS", default_value_t = maps::DEFAULT_MAX_PODS)]
+    pub max_pods: u32,
+
+    /// eBPF mode: redirected connections whose original destination is
+    /// remembered at once, node-wide (LRU: the least recently used record
+    /// goes first; a connection whose record went before ztunnel read it is
+    /// refused and counted in `ambpf_origdst_misses_total`).
+    #[arg(
+        long,
+        env = "AMBPF_MAX_REDIRECTED_CONNECTIONS",
+        default_value_t = maps::DEFAULT_MAX_REDIRECTED
+    )]
+    pub max_redirected_connections: u32,
+
+    /// eBPF mode: node addresses exempted as the host's (kubelet probes).
+    #[arg(long, env = "AMBPF_MAX_HOST_ADDRESSES", default_value_t = maps::HOST_ADDRS_MAX)]
+    pub max_host_addresses: u32,
+}
+
+impl From<&CapacityArgs> for Capacities {
+    fn from(args: &CapacityArgs) -> Self {
+        Self {
+            pods: args.max_pods,
+            redirected_connections: args.max_redirected_connections,
+            host_addresses: args.max_host_addresses,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("{flag} must be between 1 and {max}, not {value}")]
 pub struct CapacityError {

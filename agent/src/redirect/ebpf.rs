@@ -20,8 +20,8 @@
 
 use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf, time::Instant};
 
-use ambpf_common::{IpKey, NodeConfig, PodConfig, maps, pod_flags, programs};
-use aya::maps::{Array, HashMap, MapData};
+use ambpf_common::{IpKey, PodConfig, maps, pod_flags, programs};
+use aya::maps::{HashMap, MapData};
 use log::{info, warn};
 
 use super::{
@@ -139,57 +139,6 @@ impl Dataplane {
             map: maps::PODS_BY_IP,
             source,
         })
-    }
-
-    /// Node-wide settings.
-    pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), EnrollError> {
-        let map_err = |source| EnrollError::Map {
-            map: maps::NODE_CONFIG,
-            source,
-        };
-        let mut array: Array<_, NodeConfig> =
-            Array::try_from(self.map_mut(maps::NODE_CONFIG)).map_err(map_err)?;
-        array.set(0, config, 0).map_err(map_err)
-    }
-
-    /// Replaces the node's own addresses: traffic from them reaches apps
-    /// directly (kubelet probes).
-    pub fn set_host_addresses(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
-        let map_err = |source| EnrollError::Map {
-            map: maps::HOST_ADDRS,
-            source,
-        };
-        let capacity = self.capacities().host_addresses as usize;
-        let mut map: HashMap<_, IpKey, u8> =
-            HashMap::try_from(self.map_mut(maps::HOST_ADDRS)).map_err(map_err)?;
-        let mut wanted: Vec<IpKey> = addresses.iter().map(|ip| ip_key(*ip)).collect();
-        wanted.sort_unstable_by_key(|k| k.addr);
-        wanted.dedup();
-        // A node with more addresses than the map holds still starts: the
-        // rest are not exempted (their traffic goes through ztunnel), and
-        // the operator is told.
-        if wanted.len() > capacity {
-            warn!(
-                "the node has {} addresses; only {capacity} fit {} (--max-host-addresses) and \
-                 exempt host traffic: traffic from the others to pods goes through ztunnel",
-                wanted.len(),
-                maps::HOST_ADDRS
-            );
-            wanted.truncate(capacity);
-        }
-        let keep: std::collections::HashSet<IpKey> = wanted.iter().copied().collect();
-        let stale: Vec<IpKey> = map
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|k| !keep.contains(k))
-            .collect();
-        for key in stale {
-            map.remove(&key).map_err(map_err)?;
-        }
-        for key in wanted {
-            map.insert(key, 1, 0).map_err(map_err)?;
-        }
-        Ok(())
     }
 
     /// Enrols the pod whose network namespace is `netns`. Idempotent: a

@@ -11,6 +11,7 @@
 pub mod check;
 pub mod claims;
 pub mod ebpf;
+mod ebpf_node;
 pub mod iptables;
 pub mod podnet;
 pub mod routing;

@@ -1,0 +1,63 @@
+//! The eBPF mode's node-wide maps: settings and the node's own addresses.
+
+use std::net::IpAddr;
+
+use ambpf_common::{IpKey, NodeConfig, maps};
+use aya::maps::{Array, HashMap};
+use log::warn;
+
+use super::ebpf::{EnrollError, ip_key};
+use crate::bpf::Dataplane;
+
+impl Dataplane {
+    /// Node-wide settings.
+    pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), EnrollError> {
+        let map_err = |source| EnrollError::Map {
+            map: maps::NODE_CONFIG,
+            source,
+        };
+        let mut array: Array<_, NodeConfig> =
+            Array::try_from(self.map_mut(maps::NODE_CONFIG)).map_err(map_err)?;
+        array.set(0, config, 0).map_err(map_err)
+    }
+
+    /// Replaces the node's own addresses: traffic from them reaches apps
+    /// directly (kubelet probes).
+    pub fn set_host_addresses(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
+        let map_err = |source| EnrollError::Map {
+            map: maps::HOST_ADDRS,
+            source,
+        };
+        let capacity = self.capacities().host_addresses as usize;
+        let mut map: HashMap<_, IpKey, u8> =
+            HashMap::try_from(self.map_mut(maps::HOST_ADDRS)).map_err(map_err)?;
+        let mut wanted: Vec<IpKey> = addresses.iter().map(|ip| ip_key(*ip)).collect();
+        wanted.sort_unstable_by_key(|k| k.addr);
+        wanted.dedup();
+        // A node with more addresses than the map holds still starts: the
+        // rest are not exempted (their traffic goes through ztunnel), and
+        // the operator is told.
+        if wanted.len() > capacity {
+            warn!(
+                "the node has {} addresses; only {capacity} fit {} (--max-host-addresses) and \
+                 exempt host traffic: traffic from the others to pods goes through ztunnel",
+                wanted.len(),
+                maps::HOST_ADDRS
+            );
+            wanted.truncate(capacity);
+        }
+        let keep: std::collections::HashSet<IpKey> = wanted.iter().copied().collect();
+        let stale: Vec<IpKey> = map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| !keep.contains(k))
+            .collect();
+        for key in stale {
+            map.remove(&key).map_err(map_err)?;
+        }
+        for key in wanted {
+            map.insert(key, 1, 0).map_err(map_err)?;
+        }
+        Ok(())
+    }
+}
