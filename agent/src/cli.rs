@@ -37,20 +37,29 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the agent: load the programs, attach them, and serve until
-    /// SIGINT/SIGTERM. Attachments stay pinned when it exits.
+    /// Run the agent (the node's DaemonSet runs this).
+    ///
+    /// Loads the programs, attaches them, enrols the pods its source
+    /// reports and serves ZDS until SIGINT/SIGTERM. Attachments stay pinned
+    /// when it exits.
     Run(RunArgs),
-    /// Attach the programs to an interface in a network namespace, pin, and exit.
+    /// Attach the interface counters to an interface, pin, and exit.
     Attach(IfaceArgs),
-    /// Detach the programs from an interface in a network namespace.
+    /// Detach the interface counters from an interface.
     Detach(IfaceArgs),
-    /// Show the enrolled pods, pinned maps (with entry counts), links and
-    /// counters, read from the pins alone: works while the agent runs or
-    /// after it died.
+    /// Show enrolled pods, maps, links and counters from the pins.
+    ///
+    /// Reads the pins alone: works while the agent runs or after it died.
+    /// Fails, saying which, when the pin root does not exist, is not on
+    /// bpffs or holds no ambpf state; warns when the pinned programs are
+    /// not this binary's build.
     #[command(visible_alias = "inspect")]
     Status {
-        /// Print JSON instead of text.
-        #[arg(long)]
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value = "text")]
+        output: crate::status::Output,
+        /// The same as `-o json`.
+        #[arg(long, conflicts_with = "output")]
         json: bool,
         /// Check the pinned per-pod state instead: every address entry
         /// points at the enrolled pod that owns the address and whose
@@ -60,19 +69,29 @@ pub enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Remove everything ambpf made on this node: the `ambpf-cni` plugin from
-    /// the CNI configuration (so pods start again), the eBPF pods' reply
-    /// routing and every pin (detaching every program), ambpf's in-pod
-    /// iptables rules in every network namespace and the host's probe rules
-    /// and ipsets, and, with Kubernetes access, the redirection annotation
-    /// on this node's pods. Safe to run again; fails if anything is left.
+    /// Remove everything ambpf made on this node.
+    ///
+    /// The `ambpf-cni` plugin from the CNI configuration (so pods start
+    /// again), the eBPF pods' reply routing and every pin (detaching every
+    /// program), ambpf's in-pod iptables rules in every network namespace
+    /// and the host's probe rules and ipsets, and, with Kubernetes access,
+    /// the redirection annotation on this node's pods. Safe to run again;
+    /// fails if anything is left.
     Uninstall(UninstallArgs),
-    /// Chain the `ambpf-cni` plugin into the node's CNI conflist and copy its
-    /// binary into the CNI bin directory (idempotent); with --watch, keep
-    /// re-applying it so a removed entry comes back, and on SIGTERM/SIGINT
-    /// remove both if this pod's DaemonSet is gone or being deleted (an
-    /// uninstall), else leave them for the next pod (an upgrade or restart).
+    /// Chain the `ambpf-cni` plugin into the node's CNI configuration.
+    ///
+    /// Chains it into the first conflist and copies its binary into the CNI
+    /// bin directory (idempotent); with --watch, keeps re-applying it so a
+    /// removed entry comes back, and on SIGTERM/SIGINT removes both if this
+    /// pod's DaemonSet is gone or being deleted (an uninstall), else leaves
+    /// them for the next pod (an upgrade or restart).
     CniInstall(CniInstallArgs),
+    /// Print the version, git commit and BPF object digest of this build.
+    Version {
+        /// Output format (`text` or `json`).
+        #[arg(short = 'o', long, value_enum, default_value = "text")]
+        output: crate::status::Output,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -332,13 +351,25 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Status { json, check: true } => status_check(&pins, json),
-        Command::Status { json, check: false } => {
-            let status = inspect::read_status(&pins)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
+        Command::Status {
+            output,
+            json,
+            check,
+        } => {
+            let output = if json { crate::status::Output::Json } else { output };
+            if check {
+                inspect::check_pin_root(&pins)?;
+                status_check(&pins, output == crate::status::Output::Json)
             } else {
-                print!("{status}");
+                crate::status::print(&pins, output)
+            }
+        }
+        Command::Version { output } => {
+            let info = crate::build_info::current();
+            match output {
+                crate::status::Output::Json => println!("{}", serde_json::to_string_pretty(info)?),
+                crate::status::Output::Yaml => print!("{}", serde_yaml_ng::to_string(info)?),
+                _ => print!("{info}"),
             }
             Ok(())
         }
