@@ -92,6 +92,11 @@ pub enum Command {
         #[arg(short = 'o', long, value_enum, default_value = "text")]
         output: crate::status::Output,
     },
+    /// Print the kernel programs' redirect decisions live.
+    ///
+    /// One line each: pod, direction, tuple, original destination, verdict
+    /// (why a connection was or was not captured).
+    Trace(crate::trace::TraceArgs),
 }
 
 #[derive(Debug, Args)]
@@ -384,6 +389,7 @@ pub fn execute(cli: Cli) -> Result<()> {
             })
         }
         Command::CniInstall(args) => cni_install(args),
+        Command::Trace(args) => crate::trace::run(&pins, args),
     }
 }
 

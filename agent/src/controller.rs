@@ -287,6 +287,14 @@ impl Controller {
         stats
             .pods_removed
             .fetch_add(report.removed as u64, Ordering::Relaxed);
+        *stats.pod_names.lock().unwrap_or_else(|e| e.into_inner()) = self
+            .enrolled
+            .values()
+            .filter_map(|e| {
+                let (namespace, name) = e.name.split_once('/')?;
+                Some((e.key.netns_cookie, (namespace.to_owned(), name.to_owned())))
+            })
+            .collect();
         report
     }
 

@@ -18,6 +18,7 @@ pub mod observe;
 pub mod redirect;
 pub mod sources;
 pub mod status;
+pub mod trace;
 pub mod uninstall;
 pub mod unix_socket;
 pub mod zds;

@@ -49,6 +49,9 @@ pub struct ControllerStats {
     pub state_violations: [AtomicU64; ViolationKind::ALL.len()],
     /// Enrolment time by step ([`EnrolSteps`]): (times, total seconds).
     pub enrol_steps: std::sync::Mutex<std::collections::BTreeMap<&'static str, (u64, f64)>>,
+    /// `(namespace, name)` of each pod this agent enrolled, by netns cookie:
+    /// the labels of the per-pod series.
+    pub pod_names: std::sync::Mutex<std::collections::HashMap<u64, (String, String)>>,
 }
 
 impl ControllerStats {
@@ -271,8 +274,79 @@ impl Collector for AgentCollector {
             }
             Err(e) => warn!("metrics: reading the kernel counters: {e}"),
         }
+        match crate::bpf::pod_counters::read(pins) {
+            Ok(counters) => {
+                let names = self
+                    .controller
+                    .pod_names
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                encode_pod_counters(&mut encoder, &counters, &names)?;
+            }
+            Err(e) => warn!("metrics: reading the per-pod counters: {e}"),
+        }
         Ok(())
     }
+}
+
+/// One series per enrolled pod (and direction) that this agent knows by
+/// name; a pod's series go with its map entry, when it is removed.
+fn encode_pod_counters(
+    encoder: &mut DescriptorEncoder,
+    counters: &std::collections::HashMap<u64, crate::bpf::pod_counters::PodCounts>,
+    names: &std::collections::HashMap<u64, (String, String)>,
+) -> Result<(), std::fmt::Error> {
+    let mut pods: Vec<_> = counters
+        .iter()
+        .filter_map(|(cookie, counts)| Some((names.get(cookie)?, counts.0)))
+        .collect();
+    pods.sort_by(|a, b| a.0.cmp(b.0));
+    /// A series of a family: its `direction` label (none if empty) and its count.
+    type Series = (&'static str, fn(&ambpf_common::PodCounters) -> u64);
+    let families: [(&str, &str, &[Series]); 3] = [
+        (
+            "pod_connections_redirected",
+            "Connections of the pod sent to ztunnel, by direction.",
+            &[
+                ("outbound", |c| c.outbound_redirected),
+                ("inbound", |c| c.inbound_redirected),
+            ],
+        ),
+        (
+            "pod_dns_redirected",
+            "DNS of the pod sent to ztunnel's DNS proxy (UDP queries, TCP connections).",
+            &[("", |c| c.dns_redirected)],
+        ),
+        (
+            "pod_probes_bypassed",
+            "Connections from the node's own addresses (kubelet probes) let through to the pod.",
+            &[("", |c| c.probes_bypassed)],
+        ),
+    ];
+    for (name, help, series) in families {
+        let mut family = encoder.encode_descriptor(
+            name,
+            help,
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for ((namespace, pod), counts) in &pods {
+            for (direction, value) in series.iter() {
+                let metric = ConstCounter::new(value(counts));
+                let labels: &[(&str, &str)] = if direction.is_empty() {
+                    &[("namespace", namespace), ("pod", pod)]
+                } else {
+                    &[
+                        ("namespace", namespace),
+                        ("pod", pod),
+                        ("direction", direction),
+                    ]
+                };
+                metric.encode(family.encode_family(&labels)?)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A registry with every ambpf metric, prefixed `ambpf_`.

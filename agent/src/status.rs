@@ -145,6 +145,14 @@ fn pod_row(p: &inspect::EnrolledPodEntry, wide: bool) -> String {
     };
     let dns = if p.dns_capture { "dns on " } else { "dns off" };
     let mut row = format!("{who:<32} {:<32} {dns} {steering}", addresses.join(" "));
+    if let Some(counters) = &p.counters {
+        let counts: Vec<String> = counters
+            .named()
+            .iter()
+            .map(|(name, value)| format!("{name} {value}"))
+            .collect();
+        row += &format!("  [{}]", counts.join(", "));
+    }
     if wide {
         let uid = p.pod.as_ref().map_or("-", |pod| pod.uid.as_str());
         row += &format!(
@@ -201,6 +209,7 @@ mod tests {
                     program_id: Some(77),
                     program_name: Some("ambpf_pod_in".into()),
                 }]),
+                counters: None,
             }],
             maps: vec![],
             tc_links: vec![],

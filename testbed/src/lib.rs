@@ -11,9 +11,10 @@
 //! agent hands pods to.
 
 use std::{
+    ffi::OsStr,
     fs::{self, File},
     io,
-    os::fd::AsFd,
+    os::{fd::AsFd, unix::process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -27,6 +28,7 @@ use nix::{
 pub mod apiserver;
 pub mod bench;
 pub mod cluster;
+pub mod privileges;
 pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
@@ -191,6 +193,20 @@ impl NetnsGuard {
         })
     }
 
+    /// A command for `program` that runs in this namespace (entered between
+    /// fork and exec), as an agent runs in its node's.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> io::Result<Command> {
+        let file = File::open(self.path())?;
+        let mut command = Command::new(program);
+        // SAFETY: setns is async-signal-safe; the closure owns the fd.
+        unsafe {
+            command.pre_exec(move || {
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)
+            });
+        }
+        Ok(command)
+    }
+
     /// Runs `ip -n <ns> args...`.
     pub fn ip(&self, args: &[&str]) -> io::Result<()> {
         let mut full = vec!["-n", self.name.as_str()];
@@ -260,20 +276,13 @@ impl Link {
         b_iface: &str,
         b_addrs: Addrs,
     ) -> io::Result<Self> {
-        // Create with temporary unique names in the root namespace's view,
-        // then move and rename, so concurrent tests never collide.
-        let tmp_a = unique_name("va");
-        let tmp_b = unique_name("vb");
-        ip(&[
-            "link", "add", &tmp_a, "type", "veth", "peer", "name", &tmp_b,
+        // Made inside the two namespaces, never in the host's: the pair is
+        // created in `a` with its peer already in `b`.
+        a.ip(&[
+            "link", "add", a_iface, "type", "veth", "peer", "name", b_iface, "netns", b.name(),
         ])?;
         let setup = || -> io::Result<()> {
-            ip(&["link", "set", &tmp_a, "netns", a.name()])?;
-            ip(&["link", "set", &tmp_b, "netns", b.name()])?;
-            for (ns, tmp, iface, addrs) in
-                [(a, &tmp_a, a_iface, a_addrs), (b, &tmp_b, b_iface, b_addrs)]
-            {
-                ns.ip(&["link", "set", tmp, "name", iface])?;
+            for (ns, iface, addrs) in [(a, a_iface, a_addrs), (b, b_iface, b_addrs)] {
                 ns.ip(&["addr", "add", &format!("{}/24", addrs.v4), "dev", iface])?;
                 ns.ip(&[
                     "addr",
@@ -292,9 +301,8 @@ impl Link {
             Ok(())
         };
         if let Err(e) = setup() {
-            // Whichever end is still in the root namespace takes its peer along.
-            let _ = ip(&["link", "del", &tmp_a]);
-            let _ = ip(&["link", "del", &tmp_b]);
+            // Deleting one end deletes its peer.
+            let _ = a.ip(&["link", "del", a_iface]);
             return Err(e);
         }
         Ok(Self {

@@ -69,6 +69,9 @@ pub struct EnrolledPodEntry {
     /// ambpf's steering filter on each interface of the pod, read inside
     /// its namespace (`None`: the namespace is gone or was not looked at).
     pub steering: Option<Vec<SteeringFilterEntry>>,
+    /// What the programs did for the pod, summed over CPUs (`None`: no
+    /// counters, as with pods an agent older than per-pod counters enrolled).
+    pub counters: Option<super::pod_counters::PodCounts>,
 }
 
 #[derive(Debug, Serialize)]
@@ -196,7 +199,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         path: pins.root().join("object"),
         source,
     })?;
-    let mut pods = with_steering(read_pods(pins)?);
+    let mut pods = with_counters(with_steering(read_pods(pins)?), pins)?;
     let mut names = super::pod_names::read_all(pins)?;
     for pod in &mut pods {
         pod.pod = names.remove(&pod.netns_cookie);
@@ -279,9 +282,22 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             steering_qdisc_created: pod.flags & ambpf_common::pod_flags::STEERING_QDISC_CREATED
                 != 0,
             steering: None,
+            counters: None,
         });
     }
     pods.sort_by_key(|p| p.netns_inode);
+    Ok(pods)
+}
+
+/// Adds each pod's counters.
+fn with_counters(
+    mut pods: Vec<EnrolledPodEntry>,
+    pins: &PinLayout,
+) -> Result<Vec<EnrolledPodEntry>, InspectError> {
+    let mut counters = super::pod_counters::read(pins)?;
+    for pod in &mut pods {
+        pod.counters = counters.remove(&pod.netns_cookie);
+    }
     Ok(pods)
 }
 

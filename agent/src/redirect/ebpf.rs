@@ -232,6 +232,9 @@ impl Dataplane {
             config.flags |= pod_flags::STEERING_QDISC_CREATED;
         }
         self.held.insert(cookie, keep(netns)?);
+        // Its counters first, so its first redirected connection is counted.
+        self.add_pod_counters(cookie)
+            .map_err(map_err(maps::POD_COUNTERS))?;
 
         // From here on, new connections of the pod are redirected.
         self.pods_by_netns()?
@@ -375,6 +378,8 @@ impl Dataplane {
                 Err(e) => return Err(map_err(maps::PODS_BY_NETNS)(e)),
             }
         }
+        self.remove_pod_counters(cookie)
+            .map_err(map_err(maps::POD_COUNTERS))?;
         // New connections go direct from here; the steering filter goes
         // with the namespace if that is gone already.
         let netns = match self.held.remove(&cookie) {
