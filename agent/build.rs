@@ -33,11 +33,15 @@ fn git_commit(root: &std::path::Path) {
         if let (Some(git_dir), Some(common)) = (dirs.next(), dirs.next()) {
             let branch = git(&["symbolic-ref", "-q", "HEAD"]).map(|b| common.join(b));
             // Only files that exist: cargo reruns on every build for one that does not.
-            [Some(git_dir.join("HEAD")), branch, Some(common.join("packed-refs"))]
-                .into_iter()
-                .flatten()
-                .filter(|path| path.exists())
-                .for_each(|path| println!("cargo:rerun-if-changed={}", path.display()));
+            [
+                Some(git_dir.join("HEAD")),
+                branch,
+                Some(common.join("packed-refs")),
+            ]
+            .into_iter()
+            .flatten()
+            .filter(|path| path.exists())
+            .for_each(|path| println!("cargo:rerun-if-changed={}", path.display()));
         }
     }
 }

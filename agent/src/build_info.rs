@@ -132,7 +132,10 @@ mod tests {
         assert_eq!(mismatch_warning(Some(&own)), None);
         let other = "0".repeat(64);
         let warning = mismatch_warning(Some(&other)).unwrap();
-        assert!(warning.contains(&other) && warning.contains(&own), "{warning}");
+        assert!(
+            warning.contains(&other) && warning.contains(&own),
+            "{warning}"
+        );
         assert!(mismatch_warning(None).unwrap().contains("older"));
     }
 }

@@ -361,7 +361,11 @@ pub fn execute(cli: Cli) -> Result<()> {
             json,
             check,
         } => {
-            let output = if json { crate::status::Output::Json } else { output };
+            let output = if json {
+                crate::status::Output::Json
+            } else {
+                output
+            };
             if check {
                 inspect::check_pin_root(&pins)?;
                 status_check(&pins, output == crate::status::Output::Json)

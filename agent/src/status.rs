@@ -176,7 +176,11 @@ fn section(f: &mut String, title: &str, rows: &[String]) -> fmt::Result {
 
 /// A digest cut to 12 characters unless wide, as `docker images` does.
 fn short(digest: &str, wide: bool) -> &str {
-    if wide { digest } else { &digest[..digest.len().min(12)] }
+    if wide {
+        digest
+    } else {
+        &digest[..digest.len().min(12)]
+    }
 }
 
 #[cfg(test)]
@@ -241,7 +245,10 @@ mod tests {
     #[test]
     fn wide_adds_identifiers() {
         let text = render(&status(), true).unwrap();
-        assert!(text.contains("uid 6f1c netns cookie 4144 inode 4026532318"), "{text}");
+        assert!(
+            text.contains("uid 6f1c netns cookie 4144 inode 4026532318"),
+            "{text}"
+        );
         assert!(text.contains("eth0 prog 77 ambpf_pod_in"), "{text}");
     }
 

@@ -80,7 +80,8 @@ struct Loaded<'a> {
 impl Drop for Loaded<'_> {
     fn drop(&mut self) {
         self.podman.run(&["logs", &self.container]);
-        self.podman.run(&["rm", "--force", "--time", "5", &self.container]);
+        self.podman
+            .run(&["rm", "--force", "--time", "5", &self.container]);
         self.podman.run(&["rmi", "--force", &self.reference]);
     }
 }
@@ -123,7 +124,10 @@ async fn the_image_runs_the_agent_and_its_status_names_the_pod() {
     // target/<profile>/ambpf: the Debian tree is cached in target/image.
     let target = bin.parent().and_then(Path::parent).unwrap();
     let built = image::build(&image::ImageSpec {
-        binaries: &[bin.to_owned(), PathBuf::from(env!("CARGO_BIN_EXE_ambpf-cni"))],
+        binaries: &[
+            bin.to_owned(),
+            PathBuf::from(env!("CARGO_BIN_EXE_ambpf-cni")),
+        ],
         reference: format!("localhost/ambpf-test:{}", unique_name("t")),
         work: target.join("image"),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -138,7 +142,11 @@ async fn the_image_runs_the_agent_and_its_status_names_the_pod() {
         container: format!("ambpf-test-{}", unique_name("")),
     };
     let archive = built.archive.to_str().unwrap();
-    assert!(podman.ok(&["load", "--input", archive]).contains(&built.reference));
+    assert!(
+        podman
+            .ok(&["load", "--input", archive])
+            .contains(&built.reference)
+    );
     // Only the archive's own: each run builds a fresh one.
     let _ = std::fs::remove_file(&built.archive);
     let _ = std::fs::remove_dir_all(&built.layout);
@@ -204,7 +212,10 @@ async fn the_image_runs_the_agent_and_its_status_names_the_pod() {
     while !ztunnel
         .inspect(|s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running))
     {
-        assert!(Instant::now() < deadline, "ztunnel did not get the pod from the container");
+        assert!(
+            Instant::now() < deadline,
+            "ztunnel did not get the pod from the container"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
@@ -241,7 +252,10 @@ async fn the_image_runs_the_agent_and_its_status_names_the_pod() {
     );
     assert_eq!(pods[0]["netns_inode"], pod.ns.inode().unwrap(), "{status}");
     assert!(status["build"]["warning"].is_null(), "{status}");
-    assert!(status["counters"]["outbound_redirected"].as_u64() >= Some(1), "{status}");
+    assert!(
+        status["counters"]["outbound_redirected"].as_u64() >= Some(1),
+        "{status}"
+    );
 
     // The version it reports is this build's (the image's binary is a
     // stripped copy: the same embedded object).

@@ -49,7 +49,10 @@ fn no_ambpf_state_is_an_error_that_says_why() {
     for args in [&[][..], &["-o", "json"], &["--check"]] {
         let (ok, _, stderr) = status(&empty, args);
         assert!(!ok, "{args:?}");
-        assert!(stderr.contains("holds no ambpf state"), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("holds no ambpf state"),
+            "{args:?}: {stderr}"
+        );
     }
 }
 
@@ -82,7 +85,10 @@ fn pods_are_named_and_another_builds_programs_are_flagged() {
     }
     assert_eq!(entries_of(&json, "ambpf_pods"), 1);
     assert_eq!(entries_of(&json, "ambpf_pod_names"), 1);
-    assert_eq!(entries_of(&json, "ambpf_pod_ips"), enrolled.addresses.len() as u64);
+    assert_eq!(
+        entries_of(&json, "ambpf_pod_ips"),
+        enrolled.addresses.len() as u64
+    );
     assert!(json["counters"].is_object(), "{json}");
 
     let (ok, text, _) = status(pins.root(), &[]);

@@ -534,8 +534,10 @@ fn the_cni_plugin_is_unchained_so_pods_start_again() {
     assert!(kept.status.success());
     let text = stdout(&kept);
     assert!(
-        text.contains(&format!("ambpf-cni is not chained in {}", conf_dir.display()))
-            && !text.contains("left chained"),
+        text.contains(&format!(
+            "ambpf-cni is not chained in {}",
+            conf_dir.display()
+        )) && !text.contains("left chained"),
         "{text}"
     );
 }
@@ -553,7 +555,10 @@ fn a_pin_root_at_the_bpffs_mount_point_is_refused() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains(&format!("{} is the root of a mounted filesystem", bpffs.path().display())),
+        stderr.contains(&format!(
+            "{} is the root of a mounted filesystem",
+            bpffs.path().display()
+        )),
         "{stderr}"
     );
     assert!(stdout(&out).is_empty(), "nothing is done: {}", stdout(&out));

@@ -116,7 +116,13 @@ pub fn build(spec: &ImageSpec<'_>) -> Result<Image> {
         }
     }
     // Mount points the chart's volumes use, and a writable /run and /tmp.
-    for dir in ["run/netns", "var/run/ztunnel", "var/run/ambpf", "sys/fs/bpf", "tmp"] {
+    for dir in [
+        "run/netns",
+        "var/run/ztunnel",
+        "var/run/ambpf",
+        "sys/fs/bpf",
+        "tmp",
+    ] {
         std::fs::create_dir_all(rootfs.join(dir))?;
     }
     let rootfs_bytes = tree_bytes(&rootfs)?;
@@ -124,7 +130,9 @@ pub fn build(spec: &ImageSpec<'_>) -> Result<Image> {
     let layout = spec.work.join(format!("{name}.oci"));
     remove_if_present(&layout)?;
     let image = format!("{}:{tag}", layout.display());
-    run(Command::new("umoci").args(["init", "--layout"]).arg(&layout))?;
+    run(Command::new("umoci")
+        .args(["init", "--layout"])
+        .arg(&layout))?;
     run(Command::new("umoci").args(["new", "--image", &image]))?;
     run(Command::new("umoci")
         .args(["insert", "--image", &image])
@@ -208,7 +216,9 @@ fn debian_tree(work: &Path) -> Result<PathBuf> {
 /// `repository:tag`, split at the tag's colon (a registry may have a port).
 pub fn split_reference(reference: &str) -> Result<(&str, &str)> {
     match reference.rsplit_once(':') {
-        Some((repository, tag)) if !repository.is_empty() && !tag.is_empty() && !tag.contains('/') => {
+        Some((repository, tag))
+            if !repository.is_empty() && !tag.is_empty() && !tag.contains('/') =>
+        {
             Ok((repository, tag))
         }
         _ => bail!("image reference {reference:?} is not repository:tag"),
@@ -233,7 +243,13 @@ pub fn chart_repository(values_yaml: &str) -> Result<String> {
 fn file_safe(reference: &str) -> String {
     reference
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 

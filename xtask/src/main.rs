@@ -11,8 +11,8 @@
 //! - `image`: build the release binaries and the OCI image (`image.rs`).
 
 mod ebpf_build;
-mod image;
 mod host_state;
+mod image;
 
 use std::{
     path::{Path, PathBuf},

@@ -153,6 +153,10 @@ mod tests {
             ..pod
         };
         let cut = Record::new(&long).identity();
-        assert_eq!(cut.namespace, "é".repeat(31), "63 bytes hold 31 two-byte characters");
+        assert_eq!(
+            cut.namespace,
+            "é".repeat(31),
+            "63 bytes hold 31 two-byte characters"
+        );
     }
 }

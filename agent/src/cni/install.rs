@@ -252,7 +252,11 @@ pub fn chained_in(conf_dir: &Path) -> Vec<PathBuf> {
             fs::read(path)
                 .ok()
                 .and_then(|text| serde_json::from_slice::<Value>(&text).ok())
-                .and_then(|list| list.get("plugins")?.as_array().map(|p| p.iter().any(is_ours)))
+                .and_then(|list| {
+                    list.get("plugins")?
+                        .as_array()
+                        .map(|p| p.iter().any(is_ours))
+                })
                 .unwrap_or(false)
         })
         .collect()

@@ -10,7 +10,9 @@
 //!    pod's netns and opens ztunnel's listeners inside it;
 //! 3. sends traffic: the pod's app to the remote server (captured to 15001),
 //!    the remote client to the app (captured to 15006, source kept), and the
-//!    node to the app (a kubelet probe: not captured);
+//!    node to the app (a kubelet probe: not captured), and a DNS query over
+//!    UDP to a resolver address nothing serves (captured to ztunnel's DNS
+//!    proxy on 15053, which answers);
 //! 4. prints what ztunnel proxied, `ambpf status` and `bpftool`'s view (the
 //!    programs, and the pods map with its BTF field names), holds
 //!    so you can look around, then stops and removes everything (also on
@@ -18,7 +20,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command},
@@ -29,7 +31,7 @@ use std::{
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
-    ztunnel::{ZtunnelConfig, ZtunnelDouble},
+    ztunnel::{ZtunnelConfig, ZtunnelDouble, dns},
 };
 use clap::Parser;
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, kill, sigaction};
@@ -110,9 +112,13 @@ async fn main() -> Result<(), Error> {
 
     // The agent's log (and the kernel programs' records it forwards) goes to
     // a file, kept after the demo, so the narration stays readable.
-    let log_path = std::env::temp_dir().join(format!("ambpf-demo-agent-{}.log", std::process::id()));
+    let log_path =
+        std::env::temp_dir().join(format!("ambpf-demo-agent-{}.log", std::process::id()));
     let log = std::fs::File::create(&log_path)?;
-    println!("== agent log: {} (tail -f it in another terminal)", log_path.display());
+    println!(
+        "== agent log: {} (tail -f it in another terminal)",
+        log_path.display()
+    );
     let mut agent = spawn_agent(
         &args.agent,
         &cluster.node,
@@ -181,6 +187,10 @@ async fn demo(
     exchange(&cluster.remote.ns, app)?;
     println!("== node (kubelet probe) -> pod app {app}");
     exchange(&cluster.node, app)?;
+    // Nothing serves DNS at the remote's address: only the capture answers.
+    let resolver = SocketAddr::new(remote.ip(), 53);
+    println!("== pod app -> DNS resolver {resolver} (UDP, A demo.ambpf.test)");
+    resolve(&pod.ns, resolver, "demo.ambpf.test")?;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     println!("== what ztunnel proxied");
@@ -191,6 +201,13 @@ async fn demo(
         );
     }
     println!("   (the probe is absent: host traffic reaches the app directly)");
+    println!("== what ztunnel's DNS proxy answered");
+    for query in ztunnel.dns_queries() {
+        println!(
+            "   {:?} {} from {} on {}",
+            query.transport, query.name, query.client, query.server
+        );
+    }
 
     println!("== ambpf status");
     run_agent_cli(&args.agent, pin_root, &["status"]);
@@ -198,7 +215,10 @@ async fn demo(
         // This demo's programs only: the ids its pins and its pod's filter
         // run (other ambpf agents on the machine have their own).
         let ids = own_program_ids(&args.agent, pin_root);
-        println!("== bpftool prog show id <id> (the {} programs of this demo's agent)", ids.len());
+        println!(
+            "== bpftool prog show id <id> (the {} programs of this demo's agent)",
+            ids.len()
+        );
         for id in ids {
             let out = Command::new("bpftool")
                 .args(["prog", "show", "id", &id.to_string()])
@@ -305,6 +325,26 @@ fn exchange(ns: &NetnsGuard, to: SocketAddr) -> Result<(), Error> {
         );
         Ok(())
     })??;
+    Ok(())
+}
+
+/// One A query over unconnected UDP from inside `ns`, as a stub resolver
+/// sends it; prints the answer and where the app saw it come from.
+fn resolve(ns: &NetnsGuard, resolver: SocketAddr, name: &str) -> Result<(), Error> {
+    let (from, addresses) = ns.run(|| -> Result<_, String> {
+        let udp = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+        udp.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        let query = dns::encode_query(0x00de, name, dns::TYPE_A)?;
+        udp.send_to(&query, resolver).map_err(|e| e.to_string())?;
+        let mut buffer = [0u8; 512];
+        let (len, from) = udp
+            .recv_from(&mut buffer)
+            .map_err(|e| format!("no DNS answer from {resolver}: {e}"))?;
+        let answer = dns::Response::parse(&buffer[..len])?;
+        Ok((from, answer.addresses()))
+    })??;
+    println!("   answer {addresses:?}, the app saw it come from {from}");
     Ok(())
 }
 
