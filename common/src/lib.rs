@@ -37,6 +37,11 @@ pub mod programs {
     /// cgroup sock_ops: records redirected connections' tuples, and marks
     /// ztunnel's connections to local apps so that replies return to it.
     pub const SOCK_OPS: &str = "ambpf_sockops";
+    /// cgroup sock_create: tags the raw sockets opened in enrolled pods.
+    pub const RAW_SOCK_CREATE: &str = "ambpf_rawsock";
+    /// cgroup_skb egress: drops TCP that a tagged raw socket sends around
+    /// the capture.
+    pub const RAW_EGRESS: &str = "ambpf_rawguard";
 
     /// TC programs, in load order.
     pub const TC: &[&str] = &[IFACE_COUNT_INGRESS, IFACE_COUNT_EGRESS, POD_INGRESS];
@@ -51,7 +56,10 @@ pub mod programs {
         GETPEERNAME4,
         GETPEERNAME6,
     ];
-    /// Every program the agent loads.
+    /// The raw-socket guard: optional, loaded only where the kernel has
+    /// what it needs.
+    pub const RAW_GUARD: &[&str] = &[RAW_SOCK_CREATE, RAW_EGRESS];
+    /// Every program in the object.
     pub const ALL: &[&str] = &[
         IFACE_COUNT_INGRESS,
         IFACE_COUNT_EGRESS,
@@ -66,6 +74,8 @@ pub mod programs {
         GETPEERNAME6,
         GETSOCKOPT,
         SOCK_OPS,
+        RAW_SOCK_CREATE,
+        RAW_EGRESS,
     ];
 }
 
@@ -108,6 +118,10 @@ pub mod maps {
     pub const TRACE_GATE: &str = "ambpf_trace_on";
     /// Per-CPU count of trace records the ring buffer had no room for.
     pub const TRACE_LOST: &str = "ambpf_trc_lost";
+    /// Socket-local storage on the raw sockets opened in enrolled pods: the
+    /// pod's netns cookie. Pinned so that a restarted agent's guard still
+    /// knows the sockets tagged before.
+    pub const RAW_SOCKS: &str = "ambpf_raw_socks";
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
@@ -124,6 +138,7 @@ pub mod maps {
         TRACE_RING,
         TRACE_GATE,
         TRACE_LOST,
+        RAW_SOCKS,
     ];
 }
 
@@ -245,11 +260,14 @@ pub enum Counter {
     ReplyMarked = 5,
     /// SYNs to an enrolled pod with no ztunnel listener to take them.
     InboundNoListener = 6,
+    /// TCP segments from raw sockets in enrolled pods, dropped: Istio's nat
+    /// rules would have sent them to ztunnel, the socket hooks never see them.
+    RawTcpDropped = 7,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 7;
-    pub const ALL: [Counter; 7] = [
+    pub const COUNT: u32 = 8;
+    pub const ALL: [Counter; 8] = [
         Counter::OutboundRedirected,
         Counter::InboundRedirected,
         Counter::DnsRedirected,
@@ -257,6 +275,7 @@ impl Counter {
         Counter::OriginalDstAnswered,
         Counter::ReplyMarked,
         Counter::InboundNoListener,
+        Counter::RawTcpDropped,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -268,6 +287,7 @@ impl Counter {
             Counter::OriginalDstAnswered => "original_dst_answered",
             Counter::ReplyMarked => "reply_marked",
             Counter::InboundNoListener => "inbound_no_listener",
+            Counter::RawTcpDropped => "raw_tcp_dropped",
         }
     }
 }
