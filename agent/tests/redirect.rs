@@ -734,12 +734,13 @@ fn syn_arrives(ns: &NetnsGuard, from: IpAddr, port: u16, send: impl FnOnce() + S
 }
 
 in_both_modes!(
-    a_raw_socket_syn_from_the_pod_is_redirected_by_iptables_and_not_by_the_socket_hooks,
+    a_raw_socket_syn_from_the_pod_does_not_leave_it_uncaptured,
     |f| {
         // CAP_NET_RAW, which container runtimes grant by default, opens a
         // raw socket. Istio's nat rules see every packet the pod sends, a
-        // raw socket's included; ambpf's outbound capture is a socket hook
-        // (connect), which a raw socket never calls.
+        // raw socket's included, and send its SYN to ztunnel; ambpf's
+        // outbound capture is a socket hook (connect), which a raw socket
+        // never calls, so its raw-socket guard drops the SYN at egress.
         let IpAddr::V4(pod) = f.pod_ip(false) else {
             unreachable!()
         };
@@ -747,33 +748,61 @@ in_both_modes!(
             unreachable!()
         };
         let to = SocketAddrV4::new(remote, 9123);
+        // Whether the SYN arrived, and what the sender's send_to said.
         let raw_syn_from = |ns: &NetnsGuard, ip: std::net::Ipv4Addr| {
             tokio::task::block_in_place(|| {
-                syn_arrives(&f.cluster.remote.ns, ip.into(), to.port(), || {
-                    ns.run(|| {
-                        drop_thread_privileges(Privileges::Only(&[CAP_NET_RAW])).unwrap();
-                        let raw = socket2::Socket::new(
-                            socket2::Domain::IPV4,
-                            socket2::Type::RAW,
-                            Some(socket2::Protocol::TCP),
-                        )
-                        .unwrap();
-                        raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into())
+                let mut sent = None;
+                let arrived = syn_arrives(&f.cluster.remote.ns, ip.into(), to.port(), || {
+                    sent = ns
+                        .run(|| {
+                            drop_thread_privileges(Privileges::Only(&[CAP_NET_RAW])).unwrap();
+                            let raw = socket2::Socket::new(
+                                socket2::Domain::IPV4,
+                                socket2::Type::RAW,
+                                Some(socket2::Protocol::TCP),
+                            )
                             .unwrap();
-                    })
+                            raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into())
+                                .map(drop)
+                                .map_err(|e| e.raw_os_error())
+                        })
+                        .ok();
+                });
+                (arrived, sent.expect("the sender ran"))
+            })
+        };
+        let dropped = || {
+            f.bpffs.as_ref().map(|bpffs| {
+                let pins = PinLayout::new(bpffs.path().join("ambpf"));
+                let counters = ambpf::bpf::inspect::read_counters(&pins).unwrap();
+                counters
+                    .iter()
+                    .find(|(name, _)| *name == "raw_tcp_dropped")
                     .unwrap()
-                })
+                    .1
             })
         };
         // The non-enrolled neighbour's raw SYN arrives in either mode.
         let neighbour = &f.cluster.pods[1];
-        assert!(raw_syn_from(&neighbour.ns, neighbour.addrs.v4));
-        let arrived = raw_syn_from(f.pod(), pod);
+        assert_eq!(
+            raw_syn_from(&neighbour.ns, neighbour.addrs.v4),
+            (true, Ok(()))
+        );
+        assert_eq!(dropped(), f.bpffs.as_ref().map(|_| 0));
+        let (arrived, sent) = raw_syn_from(f.pod(), pod);
+        assert!(!arrived, "the raw SYN left the pod uncaptured");
         match f.mode {
-            RedirectMode::Iptables => assert!(!arrived, "the raw SYN left the pod uncaptured"),
-            // The gap, as it stands: see README, "Least privilege".
-            RedirectMode::Ebpf => assert!(arrived, "the raw SYN did not reach the remote"),
+            // nat OUTPUT sends it to ztunnel's 15001.
+            RedirectMode::Iptables => assert_eq!(sent, Ok(())),
+            // The egress drop is the sender's EPERM, and counted.
+            RedirectMode::Ebpf => {
+                assert_eq!(sent, Err(Some(libc::EPERM)));
+                assert_eq!(dropped(), Some(1));
+            }
         }
+        // The pod's ordinary connections are untouched by the guard.
+        let dst = SocketAddr::new(f.remote_ip(false), PEER_PORT);
+        assert_eq!(echo_once(f.pod(), dst, None, None), dst);
     }
 );
 

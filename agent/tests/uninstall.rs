@@ -27,7 +27,7 @@ use ambpf::{
     sources::kube::rules::REDIRECTION_ANNOTATION,
 };
 use ambpf_common::{PodConfig, maps};
-use ambpf_testbed::{BpffsMount, NetnsGuard, apiserver::ApiServer, cluster::Cluster};
+use ambpf_testbed::{BpffsMount, CgroupGuard, NetnsGuard, apiserver::ApiServer, cluster::Cluster};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use serde_json::{Value, json};
 
@@ -214,8 +214,10 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
     let cluster = Cluster::create(2).unwrap();
     let (pod, half_removed) = (&cluster.pods[0].ns, &cluster.pods[1].ns);
     let netns = open(pod);
+    let cgroup = CgroupGuard::create().unwrap();
     {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
+        dataplane.attach_cgroup(cgroup.path()).unwrap();
         dataplane.enroll_pod(&netns, true).unwrap();
         // An agent that died while removing this pod: its map entry is
         // gone, its steering filter is not.
@@ -226,6 +228,11 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
         pods.remove(&half.netns_cookie).unwrap();
     }
     assert!(routing::reply_routing_installed(&netns).unwrap());
+    // The socket programs and the raw-socket guard are on the cgroup.
+    let attached = cgroup_programs(&cgroup);
+    for program in ["ambpf_connect4", "ambpf_rawsock", "ambpf_rawguard"] {
+        assert!(attached.contains(program), "{program}: {attached}");
+    }
     for ns in [pod, half_removed] {
         assert!(
             tc_filters(ns).contains("ambpf_pod_in"),
@@ -264,10 +271,26 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
         "the clsact ambpf made stays: {qdiscs}"
     );
     assert!(!pins.root().exists());
+    let attached = cgroup_programs(&cgroup);
+    assert!(
+        !attached.contains("ambpf_"),
+        "left on the cgroup: {attached}"
+    );
 
     let again = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
     assert!(again.status.success());
     assert!(stdout(&again).contains("nothing pinned under"));
+}
+
+/// What `bpftool cgroup show` lists on `cgroup`.
+fn cgroup_programs(cgroup: &CgroupGuard) -> String {
+    let out = Command::new("bpftool")
+        .args(["cgroup", "show"])
+        .arg(cgroup.path())
+        .output()
+        .expect("bpftool must be installed (apt install bpftool)");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn ns_output(ns: &NetnsGuard, command: &[&str]) -> String {

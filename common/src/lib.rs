@@ -37,6 +37,11 @@ pub mod programs {
     /// cgroup sock_ops: records redirected connections' tuples, and marks
     /// ztunnel's connections to local apps so that replies return to it.
     pub const SOCK_OPS: &str = "ambpf_sockops";
+    /// cgroup sock_create: tags the raw sockets opened in enrolled pods.
+    pub const RAW_SOCK_CREATE: &str = "ambpf_rawsock";
+    /// cgroup_skb egress: drops TCP that a tagged raw socket sends around
+    /// the capture.
+    pub const RAW_EGRESS: &str = "ambpf_rawguard";
 
     /// TC programs, in load order.
     pub const TC: &[&str] = &[IFACE_COUNT_INGRESS, IFACE_COUNT_EGRESS, POD_INGRESS];
@@ -51,7 +56,10 @@ pub mod programs {
         GETPEERNAME4,
         GETPEERNAME6,
     ];
-    /// Every program the agent loads.
+    /// The raw-socket guard: optional, loaded only where the kernel has
+    /// what it needs.
+    pub const RAW_GUARD: &[&str] = &[RAW_SOCK_CREATE, RAW_EGRESS];
+    /// Every program in the object.
     pub const ALL: &[&str] = &[
         IFACE_COUNT_INGRESS,
         IFACE_COUNT_EGRESS,
@@ -66,6 +74,8 @@ pub mod programs {
         GETPEERNAME6,
         GETSOCKOPT,
         SOCK_OPS,
+        RAW_SOCK_CREATE,
+        RAW_EGRESS,
     ];
 }
 
@@ -123,6 +133,11 @@ pub mod maps {
     /// redirected connections remembered at once (LRU).
     pub const DEFAULT_MAX_REDIRECTED: u32 = 65536;
 
+    /// Socket-local storage on the raw sockets opened in enrolled pods: the
+    /// pod's netns cookie. Pinned so that a restarted agent's guard still
+    /// knows the sockets tagged before.
+    pub const RAW_SOCKS: &str = "ambpf_raw_socks";
+
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
     pub const PINNED: &[&str] = &[
@@ -139,6 +154,7 @@ pub mod maps {
         TRACE_GATE,
         TRACE_LOST,
         MISSES,
+        RAW_SOCKS,
     ];
 }
 
@@ -260,11 +276,14 @@ pub enum Counter {
     ReplyMarked = 5,
     /// SYNs to an enrolled pod with no ztunnel listener to take them.
     InboundNoListener = 6,
+    /// TCP segments from raw sockets in enrolled pods, dropped: Istio's nat
+    /// rules would have sent them to ztunnel, the socket hooks never see them.
+    RawTcpDropped = 7,
 }
 
 impl Counter {
-    pub const COUNT: u32 = 7;
-    pub const ALL: [Counter; 7] = [
+    pub const COUNT: u32 = 8;
+    pub const ALL: [Counter; 8] = [
         Counter::OutboundRedirected,
         Counter::InboundRedirected,
         Counter::DnsRedirected,
@@ -272,6 +291,7 @@ impl Counter {
         Counter::OriginalDstAnswered,
         Counter::ReplyMarked,
         Counter::InboundNoListener,
+        Counter::RawTcpDropped,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -283,6 +303,7 @@ impl Counter {
             Counter::OriginalDstAnswered => "original_dst_answered",
             Counter::ReplyMarked => "reply_marked",
             Counter::InboundNoListener => "inbound_no_listener",
+            Counter::RawTcpDropped => "raw_tcp_dropped",
         }
     }
 }

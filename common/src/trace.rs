@@ -85,10 +85,12 @@ pub enum Verdict {
     NoListener = 10,
     /// ztunnel asked SO_ORIGINAL_DST for a connection ambpf has no record of.
     OrigDstMissing = 11,
+    /// Outbound TCP from a raw socket in the pod, dropped.
+    RawTcpDropped = 12,
 }
 
 impl Verdict {
-    pub const ALL: [Verdict; 12] = [
+    pub const ALL: [Verdict; 13] = [
         Verdict::Captured,
         Verdict::DnsCaptured,
         Verdict::ExemptLoopback,
@@ -101,6 +103,7 @@ impl Verdict {
         Verdict::Hbone,
         Verdict::NoListener,
         Verdict::OrigDstMissing,
+        Verdict::RawTcpDropped,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -117,6 +120,7 @@ impl Verdict {
             Verdict::Hbone => "hbone",
             Verdict::NoListener => "no_listener",
             Verdict::OrigDstMissing => "orig_dst_missing",
+            Verdict::RawTcpDropped => "raw_tcp_dropped",
         }
     }
 

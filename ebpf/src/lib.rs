@@ -11,6 +11,7 @@ mod iface_counter;
 mod maps;
 mod orig_dst;
 mod pod_ingress;
+mod raw_guard;
 mod sock_redirect;
 mod trace;
 

@@ -35,6 +35,13 @@ pub const HOOKS: &[(&str, CgroupHook)] = &[
     (programs::SOCK_OPS, CgroupHook::SockOps),
 ];
 
+/// The raw-socket guard's programs and hooks, attached with [`HOOKS`] where
+/// the kernel could load them.
+pub const RAW_GUARD_HOOKS: &[(&str, CgroupHook)] = &[
+    (programs::RAW_SOCK_CREATE, CgroupHook::InetSockCreate),
+    (programs::RAW_EGRESS, CgroupHook::InetEgress),
+];
+
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
     #[error("cgroup {path}: {source} (ambpf needs a cgroup v2 directory)")]
@@ -90,7 +97,12 @@ impl Dataplane {
             source,
         })?;
 
-        for &(program, hook) in HOOKS {
+        let guard: &[_] = if self.raw_guard() {
+            RAW_GUARD_HOOKS
+        } else {
+            &[]
+        };
+        for &(program, hook) in HOOKS.iter().chain(guard) {
             let pin = links_dir.join(program);
             let attach_err = |source| CgroupError::Attach {
                 program,
@@ -119,7 +131,15 @@ impl Dataplane {
                 }
             }
         }
-        info!("socket programs attached to cgroup {}", cgroup.display());
+        info!(
+            "socket programs attached to cgroup {}{}",
+            cgroup.display(),
+            if guard.is_empty() {
+                " (without the raw-socket guard)"
+            } else {
+                ", with the raw-socket guard"
+            }
+        );
         Ok(())
     }
 }
@@ -129,7 +149,7 @@ impl Dataplane {
 pub fn detach_cgroup(pins: &PinLayout, cgroup_inode: u64) -> io::Result<usize> {
     let dir = pins.cgroup_links_dir(cgroup_inode);
     let mut removed = 0;
-    for &(program, _) in HOOKS {
+    for &(program, _) in HOOKS.iter().chain(RAW_GUARD_HOOKS) {
         match fs::remove_file(dir.join(program)) {
             Ok(()) => removed += 1,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -145,6 +165,8 @@ fn program_fd(program: &Program) -> io::Result<std::os::fd::OwnedFd> {
         Program::CgroupSockAddr(p) => p.fd(),
         Program::CgroupSockopt(p) => p.fd(),
         Program::SockOps(p) => p.fd(),
+        Program::CgroupSkb(p) => p.fd(),
+        Program::CgroupSock(p) => p.fd(),
         _ => return Err(io::Error::other("not a cgroup socket program")),
     }
     .map_err(|e| io::Error::other(e.to_string()))?;

@@ -128,6 +128,26 @@ pub const REQUIRED: &[Feature] = &[
     },
 ];
 
+/// What the raw-socket guard needs (optional: without it the agent warns
+/// and runs without the guard, as before it existed).
+pub const RAW_GUARD: &[Feature] = &[
+    Feature {
+        name: "socket-local storage maps (the raw-socket guard)",
+        since: "5.2",
+        probe: || is_map_supported(MapType::SkStorage).map_err(|e| e.to_string()),
+    },
+    Feature {
+        name: "bpf_sk_storage_get in cgroup_skb programs (the raw-socket guard)",
+        since: "5.2",
+        probe: || helper(ProgramType::CgroupSkb, BpfHelper::BPF_FUNC_sk_storage_get),
+    },
+    Feature {
+        name: "bpf_sk_storage_get in cgroup sock programs (the raw-socket guard)",
+        since: "5.9",
+        probe: || helper(ProgramType::CgroupSock, BpfHelper::BPF_FUNC_sk_storage_get),
+    },
+];
+
 /// TCX links, for the interface counters only.
 pub const TCX: Feature = Feature {
     name: "TCX links (tc attachment with bpf_link, for the interface counters)",
@@ -177,6 +197,11 @@ pub fn check_kernel() -> Result<(), FeatureError> {
     REQUIRED.iter().try_for_each(check)
 }
 
+/// Whether the raw-socket guard can load, or why not.
+pub fn raw_guard_supported() -> Result<(), FeatureError> {
+    RAW_GUARD.iter().try_for_each(check)
+}
+
 /// Whether the interface counters can attach (TCX), or why not.
 pub fn tcx_supported() -> Result<(), FeatureError> {
     check(&TCX)
@@ -188,7 +213,7 @@ mod tests {
 
     #[test]
     fn this_kernel_has_every_feature_and_tcx() {
-        for feature in REQUIRED {
+        for feature in REQUIRED.iter().chain(RAW_GUARD) {
             assert_eq!((feature.probe)(), Ok(true), "{}", feature.name);
         }
         tcx_supported().unwrap();

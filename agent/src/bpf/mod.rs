@@ -61,6 +61,9 @@ pub struct Dataplane {
     capacities: Capacities,
     /// Pinned maps adopted with another capacity than asked.
     capacities_kept: Vec<compat::CapacityKept>,
+    /// The raw-socket guard's programs are loaded (the kernel has what they
+    /// need).
+    raw_guard: bool,
 }
 
 /// Pins the steering program (replacing an earlier agent's pin), so that
@@ -119,11 +122,25 @@ impl Dataplane {
             .iter()
             .map(|name| (*name, pins.map(name)))
             .collect();
+        let raw_guard = match features::raw_guard_supported() {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(
+                    "running without the raw-socket guard: {e}; TCP sent through raw sockets \
+                     in pods (CAP_NET_RAW) leaves them uncaptured"
+                );
+                false
+            }
+        };
         let mut loader = EbpfLoader::new();
         for (name, path) in &map_pins {
             loader.map_pin_path(name, path.as_path());
         }
         capacities.apply(&mut loader);
+        if !raw_guard {
+            // Its socket-storage map, too, is what such a kernel lacks.
+            loader.allow_unsupported_maps();
+        }
         let mut ebpf = loader.load(object::OBJECT)?;
         for name in ambpf_common::programs::ALL {
             if ebpf.program(name).is_none() {
@@ -131,11 +148,16 @@ impl Dataplane {
             }
         }
         for (name, program) in ebpf.programs_mut() {
+            if !raw_guard && ambpf_common::programs::RAW_GUARD.contains(&name) {
+                continue;
+            }
             let loaded = match program {
                 Program::SchedClassifier(p) => p.load(),
                 Program::CgroupSockAddr(p) => p.load(),
                 Program::CgroupSockopt(p) => p.load(),
                 Program::SockOps(p) => p.load(),
+                Program::CgroupSkb(p) => p.load(),
+                Program::CgroupSock(p) => p.load(),
                 other => {
                     return Err(LoadError::Program {
                         name: name.to_owned(),
@@ -162,6 +184,7 @@ impl Dataplane {
             held: std::collections::HashMap::new(),
             capacities,
             capacities_kept,
+            raw_guard,
         })
     }
 
@@ -173,6 +196,12 @@ impl Dataplane {
     /// Pinned maps adopted with another capacity than asked.
     pub fn capacities_kept(&self) -> &[compat::CapacityKept] {
         &self.capacities_kept
+    }
+
+    /// Whether the raw-socket guard is loaded (and attached with the socket
+    /// programs).
+    pub fn raw_guard(&self) -> bool {
+        self.raw_guard
     }
 
     pub fn pins(&self) -> &PinLayout {

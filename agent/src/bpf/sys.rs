@@ -27,6 +27,8 @@ const BPF_LINK_UPDATE: libc::c_long = 29;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub enum CgroupHook {
+    InetEgress = 1,
+    InetSockCreate = 2,
     SockOps = 3,
     Inet4Connect = 10,
     Inet6Connect = 11,
