@@ -102,12 +102,24 @@ impl Trace {
 
     /// Waits for a record with `verdict` of the pod `cookie` and returns it.
     async fn wait_for(&self, verdict: &str, cookie: u64) -> Value {
+        self.wait_for_matching(verdict, cookie, |_| true).await
+    }
+
+    /// The first record of that verdict in that pod that `matches` accepts:
+    /// one pod's decisions of the same verdict (ztunnel's upstream and its
+    /// delivery to the app, say) arrive in no fixed order.
+    async fn wait_for_matching(
+        &self,
+        verdict: &str,
+        cookie: u64,
+        matches: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = tokio::time::Instant::now() + PATIENCE;
         loop {
             if let Some(record) = self
                 .records()
                 .into_iter()
-                .find(|r| r["verdict"] == verdict && r["netns_cookie"] == cookie)
+                .find(|r| r["verdict"] == verdict && r["netns_cookie"] == cookie && matches(r))
             {
                 return record;
             }
@@ -313,8 +325,13 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         captured["src"].as_str().unwrap().split(':').next(),
         Some("10.244.1.2")
     );
-    let upstream = trace.wait_for("exempt_ztunnel", cookie0).await;
-    assert_eq!(upstream["original_dst"], remote.to_string());
+    // ztunnel's upstream connection for the captured one, which carries its
+    // original destination.
+    trace
+        .wait_for_matching("exempt_ztunnel", cookie0, |r| {
+            r["original_dst"] == remote.to_string()
+        })
+        .await;
     let own = trace.wait_for("exempt_own_address", cookie0).await;
     assert_eq!(own["dst"], to_app(web0_ip).to_string());
     trace.wait_for("exempt_loopback", cookie0).await;
