@@ -27,6 +27,7 @@ use nix::{
 pub mod apiserver;
 pub mod bench;
 pub mod cluster;
+pub mod node;
 pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
