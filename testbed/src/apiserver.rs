@@ -404,7 +404,12 @@ pub struct ApiServer {
 impl ApiServer {
     /// Starts serving on a free port of 127.0.0.1. Needs a tokio runtime.
     pub async fn start() -> io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(TcpListener::bind("127.0.0.1:0").await?)
+    }
+
+    /// Starts serving on `listener` (e.g. one bound inside a test node's
+    /// network namespace, where the agent runs). Needs a tokio runtime.
+    pub fn start_on(listener: TcpListener) -> io::Result<Self> {
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State {
             rv: 1,
