@@ -41,7 +41,8 @@ enum Cmd {
     /// Build the agent and the benchmarks, and run one benchmark suite (e.g.
     /// `enroll`), writing `target/bench/<suite>.json`. Needs root.
     Bench {
-        /// The suite: `zds`, `redirect`, `enroll`, `control` or `attach` (see
+        /// The suite: `zds`, `redirect`, `enroll`, `control`, `attach` or
+        /// `podstart` (see
         /// `target/release/ambpf-bench --help`, and `<suite> --help` for its
         /// arguments).
         suite: String,

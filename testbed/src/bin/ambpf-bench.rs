@@ -19,7 +19,9 @@
 //!   eBPF against iptables (`testbed/src/bench/suite_control.rs`);
 //! - `attach`: the kernel's cost of attaching the inbound steering program to
 //!   N fresh pods, TCX link against clsact + cls_bpf, an sk_lookup netns link
-//!   and TCX without a link (`testbed/src/bench/suite_attach.rs`).
+//!   and TCX without a link (`testbed/src/bench/suite_attach.rs`);
+//! - `podstart`: CRI RunPodSandbox latency on a containerd node with no
+//!   ambpf, iptables and eBPF mode (`testbed/src/bench/suite_podstart.rs`).
 //!
 //! Further suites become variants of [`Suite`], each with its own arguments
 //! and [`Common`] ones, using the helpers of `ambpf_testbed::bench`.
@@ -85,6 +87,9 @@ enum Suite {
     /// clsact + cls_bpf, sk_lookup netns link, TCX without a link; per attach,
     /// replace and detach, side by side.
     Attach(attach::AttachArgs),
+    /// A pod's start as kubelet sees it: CRI RunPodSandbox on a containerd
+    /// node with no ambpf, with ambpf in iptables mode and in eBPF mode.
+    Podstart(podstart::PodstartArgs),
 }
 
 /// Arguments every suite takes.
@@ -134,6 +139,7 @@ async fn run(cli: Cli) -> Result<()> {
         Suite::Enroll(args) => enroll::run(args).await,
         Suite::Control(args) => control::run(args).await,
         Suite::Attach(args) => attach::run(args).await,
+        Suite::Podstart(args) => podstart::run(args).await,
     }
 }
 
@@ -229,6 +235,9 @@ mod control;
 
 #[path = "../bench/suite_attach.rs"]
 mod attach;
+
+#[path = "../bench/suite_podstart.rs"]
+mod podstart;
 
 mod zds {
     //! The `zds` suite: ZDS snapshot time, agent against floor.
