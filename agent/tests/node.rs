@@ -9,7 +9,7 @@
 use std::{
     net::SocketAddr,
     os::{fd::AsFd as _, unix::process::CommandExt as _},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
     sync::{Arc, Mutex},
     time::Duration,
@@ -19,7 +19,7 @@ use ambpf::bpf::{PinLayout, inspect};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
     apiserver::ApiServer,
-    node::{Cri, Node, NodeConfig, PodSpec, RunningPod},
+    node::{Cri, Node, NodeConfig, PodSpec, RunningPod, namespace_object},
     unique_name,
     ztunnel::{ConnectionOutcome, ZdsEvent, ZtunnelConfig, ZtunnelDouble},
 };
@@ -240,17 +240,13 @@ impl Setup {
 
     /// `ambpf cni-install` once, chaining the plugin as on a node.
     fn cni_install(&self) {
-        let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
-            .arg("cni-install")
-            .arg("--conf-dir")
-            .arg(self.node.cni_conf_dir())
-            .arg("--bin-dir")
-            .arg(self.node.cni_bin_dir())
-            .arg("--plugin-binary")
-            .arg(env!("CARGO_BIN_EXE_ambpf-cni"))
-            .arg("--agent-socket")
-            .arg(self.cni_socket())
-            .output()
+        let out = self
+            .node
+            .cni_install(
+                Path::new(env!("CARGO_BIN_EXE_ambpf")),
+                Path::new(env!("CARGO_BIN_EXE_ambpf-cni")),
+                &self.cni_socket(),
+            )
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(chained(&self.node), ["bridge", "ambpf-cni"]);
@@ -338,15 +334,6 @@ impl Drop for Setup {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn namespace_object(name: &str, ambient: bool) -> Value {
-    let labels = if ambient {
-        json!({ "istio.io/dataplane-mode": "ambient" })
-    } else {
-        json!({ "team": "x" })
-    };
-    json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name, "labels": labels } })
 }
 
 /// The plugin types of the node's conflist, in order.

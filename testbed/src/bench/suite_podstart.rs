@@ -17,7 +17,7 @@ use std::ffi::OsStr;
 
 use ambpf_testbed::{
     apiserver::ApiServer,
-    node::{Cri, Node, NodeConfig, PodSpec},
+    node::{Cri, Node, NodeConfig, PodSpec, namespace_object},
 };
 use serde_json::json;
 
@@ -85,11 +85,7 @@ impl Lane {
             .run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
         listener.set_nonblocking(true)?;
         let api = ApiServer::start_on(tokio::net::TcpListener::from_std(listener)?)?;
-        api.apply(
-            "namespaces",
-            json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": {
-                "name": NAMESPACE, "labels": { "istio.io/dataplane-mode": "ambient" } } }),
-        );
+        api.apply("namespaces", namespace_object(NAMESPACE, true));
         let mut lane = Self {
             mode,
             agent: None,
@@ -133,17 +129,7 @@ impl Lane {
         )?;
         wait_for_socket(&mut agent.process, &cni_socket, SOCKET_TIMEOUT).await?;
         let plugin = binary.with_file_name("ambpf-cni");
-        let out = Command::new(binary)
-            .arg("cni-install")
-            .arg("--conf-dir")
-            .arg(self.node.cni_conf_dir())
-            .arg("--bin-dir")
-            .arg(self.node.cni_bin_dir())
-            .arg("--plugin-binary")
-            .arg(&plugin)
-            .arg("--agent-socket")
-            .arg(&cni_socket)
-            .output()?;
+        let out = self.node.cni_install(binary, &plugin, &cni_socket)?;
         ensure!(
             out.status.success(),
             "ambpf cni-install: {}",

@@ -74,6 +74,16 @@ impl PodSpec {
     }
 }
 
+/// A namespace object, labelled `istio.io/dataplane-mode=ambient` or not.
+pub fn namespace_object(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({ "istio.io/dataplane-mode": "ambient" })
+    } else {
+        json!({ "team": "x" })
+    };
+    json!({ "apiVersion": "v1", "kind": "Namespace", "metadata": { "name": name, "labels": labels } })
+}
+
 /// A started pod: its sandbox and app container.
 #[derive(Clone, Debug)]
 pub struct RunningPod {

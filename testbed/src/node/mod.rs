@@ -42,7 +42,7 @@ use nix::mount::{MntFlags, umount2};
 use serde_json::json;
 
 use crate::{CGROUP2_ROOT, NetnsGuard, unique_name};
-pub use cri::{Cri, PodSpec, RunningPod};
+pub use cri::{Cri, PodSpec, RunningPod, namespace_object};
 
 /// Where Debian's `containernetworking-plugins` installs the plugins.
 pub const CNI_PLUGIN_DIR: &str = "/usr/lib/cni";
@@ -146,6 +146,28 @@ impl Node {
     /// The host-local IPAM store.
     pub fn ipam_dir(&self) -> PathBuf {
         self.dir.join("ipam")
+    }
+
+    /// Runs `ambpf cni-install` once on this node, as the chart's installer
+    /// does: `plugin` copied to the bin dir and chained into the conflist,
+    /// pointing at `agent_socket`.
+    pub fn cni_install(
+        &self,
+        ambpf: &Path,
+        plugin: &Path,
+        agent_socket: &Path,
+    ) -> io::Result<std::process::Output> {
+        Command::new(ambpf)
+            .arg("cni-install")
+            .arg("--conf-dir")
+            .arg(self.cni_conf_dir())
+            .arg("--bin-dir")
+            .arg(self.cni_bin_dir())
+            .arg("--plugin-binary")
+            .arg(plugin)
+            .arg("--agent-socket")
+            .arg(agent_socket)
+            .output()
     }
 
     /// containerd's log.
