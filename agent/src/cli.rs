@@ -73,6 +73,10 @@ pub enum Command {
     /// remove both if this pod's DaemonSet is gone or being deleted (an
     /// uninstall), else leave them for the next pod (an upgrade or restart).
     CniInstall(CniInstallArgs),
+    /// Print the kernel programs' redirect decisions live, one line each:
+    /// pod, direction, tuple, original destination, verdict (why a
+    /// connection was or was not captured).
+    Trace(crate::trace::TraceArgs),
 }
 
 #[derive(Debug, Args)]
@@ -353,6 +357,7 @@ pub fn execute(cli: Cli) -> Result<()> {
             })
         }
         Command::CniInstall(args) => cni_install(args),
+        Command::Trace(args) => crate::trace::run(&pins, args),
     }
 }
 
@@ -652,7 +657,8 @@ fn raise_fd_limit() {
     };
     // SAFETY: getrlimit/setrlimit read and write the struct passed.
     unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
             limit.rlim_cur = limit.rlim_max;
             if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
                 log::warn!(

@@ -198,6 +198,7 @@ impl Controller {
             }
             match self.redirection.enroll(&netns, options) {
                 Ok(done) => {
+                    self.stats.record_enrol_steps(&done.steps);
                     let name = format!("{}/{}", pod.workload.namespace, pod.workload.name);
                     self.report_conflicts(&name, uid, &done);
                     wanted_cookies.insert(done.netns_cookie);
@@ -278,6 +279,14 @@ impl Controller {
         stats
             .pods_removed
             .fetch_add(report.removed as u64, Ordering::Relaxed);
+        *stats.pod_names.lock().unwrap_or_else(|e| e.into_inner()) = self
+            .enrolled
+            .values()
+            .filter_map(|e| {
+                let (namespace, name) = e.name.split_once('/')?;
+                Some((e.key.netns_cookie, (namespace.to_owned(), name.to_owned())))
+            })
+            .collect();
         report
     }
 
@@ -293,7 +302,11 @@ impl Controller {
                 Some((other_uid, other)) => {
                     let this = format!("{name} ({uid})");
                     let that = format!("{} ({other_uid})", other.name);
-                    if conflict.won { (this, that) } else { (that, this) }
+                    if conflict.won {
+                        (this, that)
+                    } else {
+                        (that, this)
+                    }
                 }
                 None => {
                     // A pod no source reports (left pinned by an earlier
@@ -320,11 +333,8 @@ impl Controller {
     /// forgets the pods that must be enrolled again (the next pass does).
     /// Returns the violations found.
     pub fn check_state(&mut self, scope: CheckScope) -> Vec<Violation> {
-        let known: Vec<(PodKey, &Netns)> = self
-            .enrolled
-            .values()
-            .map(|e| (e.key, &e.netns))
-            .collect();
+        let known: Vec<(PodKey, &Netns)> =
+            self.enrolled.values().map(|e| (e.key, &e.netns)).collect();
         let violations = self.redirection.check(&known, scope);
         if violations.is_empty() {
             return violations;
@@ -546,6 +556,7 @@ mod tests {
                 interfaces: vec![],
                 dns_capture: options.dns_capture,
                 conflicts: vec![],
+                steps: Default::default(),
             })
         }
 

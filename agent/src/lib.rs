@@ -16,6 +16,7 @@ pub mod netns;
 pub mod observe;
 pub mod redirect;
 pub mod sources;
+pub mod trace;
 pub mod uninstall;
 pub mod unix_socket;
 pub mod zds;

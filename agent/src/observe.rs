@@ -28,8 +28,8 @@ use tokio::{io::AsyncWriteExt, net::TcpListener};
 
 use crate::{
     bpf::{PinLayout, inspect},
-    redirect::ViolationKind,
     cni::CniStats,
+    redirect::{EnrolSteps, ViolationKind},
     zds::{ZdsHandle, ZdsStats},
 };
 
@@ -47,6 +47,22 @@ pub struct ControllerStats {
     pub address_conflicts: AtomicU64,
     /// Violations the state checks found, by [`ViolationKind::index`].
     pub state_violations: [AtomicU64; ViolationKind::ALL.len()],
+    /// Enrolment time by step ([`EnrolSteps`]): (times, total seconds).
+    pub enrol_steps: std::sync::Mutex<std::collections::BTreeMap<&'static str, (u64, f64)>>,
+    /// `(namespace, name)` of each pod this agent enrolled, by netns cookie:
+    /// the labels of the per-pod series.
+    pub pod_names: std::sync::Mutex<std::collections::HashMap<u64, (String, String)>>,
+}
+
+impl ControllerStats {
+    pub fn record_enrol_steps(&self, steps: &EnrolSteps) {
+        let mut totals = self.enrol_steps.lock().unwrap_or_else(|p| p.into_inner());
+        for (step, took) in &steps.0 {
+            let total = totals.entry(step).or_default();
+            total.0 += 1;
+            total.1 += took.as_secs_f64();
+        }
+    }
 }
 
 /// Everything `/metrics` reports, gathered at scrape time.
@@ -118,6 +134,37 @@ impl Collector for AgentCollector {
                 let value = get(&self.controller.state_violations[kind.index()]);
                 ConstCounter::new(value)
                     .encode(family.encode_family(&[("kind", kind.as_str())])?)?;
+            }
+        }
+        {
+            let steps = self
+                .controller
+                .enrol_steps
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            for (name, help, value) in [
+                (
+                    "enrol_step_seconds",
+                    "Time spent enrolling pods, by step (divide by ambpf_enrol_steps_total for \
+                     the mean).",
+                    (|&(_, s): &(u64, f64)| ConstCounter::new(s)) as fn(&(u64, f64)) -> _,
+                ),
+                (
+                    "enrol_steps",
+                    "Enrolment steps completed, by step.",
+                    |&(n, _): &(u64, f64)| ConstCounter::new(n as f64),
+                ),
+            ] {
+                let mut family = encoder.encode_descriptor(
+                    name,
+                    help,
+                    None,
+                    ConstCounter::new(0.0).metric_type(),
+                )?;
+                for (step, totals) in &steps {
+                    value(totals).encode(family.encode_family(&[("step", *step)])?)?;
+                }
             }
         }
         gauge(
@@ -214,8 +261,79 @@ impl Collector for AgentCollector {
             }
             Err(e) => warn!("metrics: reading the kernel counters: {e}"),
         }
+        match crate::bpf::pod_counters::read(pins) {
+            Ok(counters) => {
+                let names = self
+                    .controller
+                    .pod_names
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                encode_pod_counters(&mut encoder, &counters, &names)?;
+            }
+            Err(e) => warn!("metrics: reading the per-pod counters: {e}"),
+        }
         Ok(())
     }
+}
+
+/// One series per enrolled pod (and direction) that this agent knows by
+/// name; a pod's series go with its map entry, when it is removed.
+fn encode_pod_counters(
+    encoder: &mut DescriptorEncoder,
+    counters: &std::collections::HashMap<u64, crate::bpf::pod_counters::PodCounts>,
+    names: &std::collections::HashMap<u64, (String, String)>,
+) -> Result<(), std::fmt::Error> {
+    let mut pods: Vec<_> = counters
+        .iter()
+        .filter_map(|(cookie, counts)| Some((names.get(cookie)?, counts.0)))
+        .collect();
+    pods.sort_by(|a, b| a.0.cmp(b.0));
+    /// A series of a family: its `direction` label (none if empty) and its count.
+    type Series = (&'static str, fn(&ambpf_common::PodCounters) -> u64);
+    let families: [(&str, &str, &[Series]); 3] = [
+        (
+            "pod_connections_redirected",
+            "Connections of the pod sent to ztunnel, by direction.",
+            &[
+                ("outbound", |c| c.outbound_redirected),
+                ("inbound", |c| c.inbound_redirected),
+            ],
+        ),
+        (
+            "pod_dns_redirected",
+            "DNS of the pod sent to ztunnel's DNS proxy (UDP queries, TCP connections).",
+            &[("", |c| c.dns_redirected)],
+        ),
+        (
+            "pod_probes_bypassed",
+            "Connections from the node's own addresses (kubelet probes) let through to the pod.",
+            &[("", |c| c.probes_bypassed)],
+        ),
+    ];
+    for (name, help, series) in families {
+        let mut family = encoder.encode_descriptor(
+            name,
+            help,
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for ((namespace, pod), counts) in &pods {
+            for (direction, value) in series.iter() {
+                let metric = ConstCounter::new(value(counts));
+                let labels: &[(&str, &str)] = if direction.is_empty() {
+                    &[("namespace", namespace), ("pod", pod)]
+                } else {
+                    &[
+                        ("namespace", namespace),
+                        ("pod", pod),
+                        ("direction", direction),
+                    ]
+                };
+                metric.encode(family.encode_family(&labels)?)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A registry with every ambpf metric, prefixed `ambpf_`.

@@ -38,9 +38,13 @@ fn bpftool_prints_pinned_map_entries_with_named_fields() {
     let mut dataplane = Dataplane::load(pins.clone()).unwrap();
     let enrolled = dataplane.enroll_pod(&netns, true).unwrap();
 
-    // Every pinned map was created with BTF for its key and value.
+    // Every pinned map with a key and value was created with BTF for them
+    // (a ring buffer has neither: its records are read by `ambpf trace`).
     for name in maps::PINNED {
         let show = bpftool(&["map", "show", "pinned"], &pins.map(name));
+        if show["type"] == "ringbuf" {
+            continue;
+        }
         assert!(
             show["btf_id"].as_u64().is_some_and(|id| id > 0),
             "{name} has no BTF: {show}"

@@ -21,6 +21,7 @@ use ambpf::{
     cli::{Cli, CniInstallArgs, Command as AgentCommand, RunArgs},
     redirect::{RedirectMode, iptables::IptablesBackend},
 };
+use ambpf_testbed::privileges::{CHART_AGENT_CAPABILITIES, capability_name};
 use clap::{CommandFactory as _, Parser as _, ValueEnum as _};
 use k8s_openapi::{
     api::{
@@ -629,9 +630,13 @@ fn check(values: &Values, rendered: &Rendered) {
     );
     assert_eq!(agent.resources.as_ref(), Some(&values.resources));
 
-    // Exactly the documented capabilities (README, "Deploying").
+    // Exactly the documented capabilities (README, "Deploying"), those the
+    // agent runs with in `restart.rs` and `cni.rs`.
     let (added, dropped) = capabilities(agent);
-    let mut minimum = set(&["BPF", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"]);
+    let mut minimum: BTreeSet<String> = CHART_AGENT_CAPABILITIES
+        .iter()
+        .map(|&cap| capability_name(cap).to_owned())
+        .collect();
     if mode == RedirectMode::Iptables {
         minimum.insert("NET_RAW".into());
     }

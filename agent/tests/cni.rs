@@ -23,7 +23,13 @@ use ambpf::{
     zds::{ZdsConfig, ZdsHandle},
 };
 use ambpf_common::NodeConfig;
-use ambpf_testbed::{BpffsMount, CgroupGuard, apiserver::ApiServer, cluster::Cluster, unique_name};
+use ambpf_testbed::{
+    BpffsMount, CgroupGuard,
+    apiserver::ApiServer,
+    cluster::Cluster,
+    privileges::{CHART_AGENT_CAPABILITIES, exec_with_only},
+    unique_name,
+};
 use serde_json::{Value, json};
 
 struct TempDir(PathBuf);
@@ -349,7 +355,7 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
     let bpffs = BpffsMount::create().unwrap();
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
     let dir = TempDir::new("kube");
-    let mut api = ApiServer::start().await.unwrap();
+    let mut api = ApiServer::start_in(&cluster.node.path()).await.unwrap();
     api.apply("namespaces", namespace_object("mesh", true));
     api.apply("namespaces", namespace_object("plain", false));
     api.apply("namespaces", namespace_object("kube-system", true));
@@ -358,11 +364,13 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
     let kubeconfig = dir.0.join("kubeconfig");
     std::fs::write(&kubeconfig, api.kubeconfig()).unwrap();
 
-    // In the host namespace, where the API server listens: the agent reads
-    // the host's addresses from there, and touches nothing else of it.
+    // In the node's namespace, as its host, where the API server listens,
+    // with only the capabilities the chart grants in eBPF mode.
     let socket = dir.0.join("pluginevent.sock");
     let log = dir.0.join("agent.log");
-    let child = Command::new(env!("CARGO_BIN_EXE_ambpf"))
+    let mut command = cluster.node.command(env!("CARGO_BIN_EXE_ambpf")).unwrap();
+    exec_with_only(&mut command, CHART_AGENT_CAPABILITIES).unwrap();
+    let child = command
         .arg("--pin-root")
         .arg(pins.root())
         .args(["run", "--pod-source", "kube", "--node-name", "node-1"])

@@ -20,8 +20,8 @@ use ambpf::{
     controller::{Controller, EnrollRequest, SourcePods},
     netns::Netns,
     redirect::{
-        CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection,
-        RedirectMode, Violation,
+        CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection, RedirectMode,
+        Violation,
     },
     sources::kube::{
         KubeSource, KubeSourceConfig, KubeSourceError, KubeSourceHandle, PodQuery,
@@ -818,6 +818,7 @@ impl PodRedirection for Recorder {
             interfaces: vec![],
             dns_capture: options.dns_capture,
             conflicts: vec![],
+            steps: Default::default(),
         })
     }
 

@@ -141,14 +141,7 @@ impl Setup {
         std::fs::create_dir_all(&dir).unwrap();
         // The API server listens on the node namespace's loopback, where
         // the agent runs.
-        let listener = node
-            .netns
-            .run(|| std::net::TcpListener::bind("127.0.0.1:0"))
-            .unwrap()
-            .unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let api =
-            ApiServer::start_on(tokio::net::TcpListener::from_std(listener).unwrap()).unwrap();
+        let api = ApiServer::start_in(&node.netns.path()).await.unwrap();
         std::fs::write(dir.join("kubeconfig"), api.kubeconfig()).unwrap();
         api.apply("namespaces", namespace_object("mesh", true));
         api.apply("namespaces", namespace_object("plain", false));

@@ -13,19 +13,22 @@
 
 use std::{
     io::{Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    os::{fd::AsFd, unix::process::CommandExt},
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    net::{SocketAddr, TcpStream},
+    path::Path,
+    process::{Child, Command},
     time::Duration,
 };
 
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
+    privileges::{CHART_AGENT_CAPABILITIES, exec_with_only},
     ztunnel::{ZtunnelConfig, ZtunnelDouble},
 };
 use serde_json::Value;
+
+mod common;
+use common::agent::{TempDir, agent_command, serve_echo, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 const POD_UID: &str = "restart-pod-uid";
@@ -39,34 +42,21 @@ impl Drop for Agent {
     }
 }
 
+/// The agent in the node's namespace with the chart's capabilities only.
 fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Agent {
-    let node_ns = std::fs::File::open(node.path()).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambpf"));
-    cmd.arg("--pin-root")
-        .arg(pins)
-        .arg("run")
-        .arg("--pods-file")
-        .arg(pods)
-        .arg("--zds-socket")
-        .arg(socket)
-        .arg("--cgroup")
-        .arg(cgroup)
-        .args([
-            "--health-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null());
-    // SAFETY: setns is async-signal-safe; the fd outlives the spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sched::setns(node_ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(std::io::Error::from)
-        });
-    }
-    Agent(cmd.spawn().unwrap())
+    let mut cmd = agent_command(node, pins, socket, pods, cgroup, "127.0.0.1:0");
+    exec_with_only(&mut cmd, CHART_AGENT_CAPABILITIES).unwrap();
+    let agent = Agent(cmd.spawn().unwrap());
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.0.id())).unwrap();
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|hex| u64::from_str_radix(hex.trim(), 16).unwrap());
+    let chart = CHART_AGENT_CAPABILITIES
+        .iter()
+        .fold(0u64, |mask, cap| mask | 1 << cap);
+    assert_eq!(effective, Some(chart), "the agent's effective capabilities");
+    agent
 }
 
 fn status(pins: &Path) -> Value {
@@ -116,34 +106,6 @@ fn connect(ns: &NetnsGuard, to: SocketAddr) -> TcpStream {
         .unwrap();
     conn.set_read_timeout(Some(PATIENCE)).unwrap();
     conn
-}
-
-fn serve_echo(ns: &NetnsGuard, addr: SocketAddr) {
-    let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut conn = conn;
-                let mut buf = [0u8; 256];
-                while let Ok(n) = conn.read(&mut buf) {
-                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-    });
-}
-
-async fn wait_for(mut check: impl FnMut() -> bool, what: &str) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !check() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -253,7 +215,11 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
         assert_eq!(filters[0]["program_name"], "ambpf_pod_in", "{status}");
         filters[0]["program_id"].as_u64().unwrap()
     };
-    assert_ne!(steering(&before), steering(&after), "the steering program was not replaced");
+    assert_ne!(
+        steering(&before),
+        steering(&after),
+        "the steering program was not replaced"
+    );
     tokio::task::block_in_place(|| {
         echo(&mut outbound, b"agent back");
         echo(&mut inbound, b"agent back");
@@ -316,7 +282,10 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
     std::fs::create_dir_all(&orphan).unwrap();
     let (consistent, said) = check(&pins);
     assert!(!consistent, "{said}");
-    assert!(said.contains("steering_orphan") && said.contains("4026530000"), "{said}");
+    assert!(
+        said.contains("steering_orphan") && said.contains("4026530000"),
+        "{said}"
+    );
     std::fs::write(&pods_file, r#"{"pods": [], "note": "a pass"}"#).unwrap();
     wait_for(|| !orphan.exists(), "the agent to repair the orphan").await;
     assert!(check(&pins).0);
@@ -339,10 +308,3 @@ fn check(pins: &Path) -> (bool, String) {
     (out.status.success(), said)
 }
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}

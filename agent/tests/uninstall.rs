@@ -227,14 +227,21 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
     }
     assert!(routing::reply_routing_installed(&netns).unwrap());
     for ns in [pod, half_removed] {
-        assert!(tc_filters(ns).contains("ambpf_pod_in"), "steering in {}", ns.name());
+        assert!(
+            tc_filters(ns).contains("ambpf_pod_in"),
+            "steering in {}",
+            ns.name()
+        );
     }
 
     let out = uninstall_on(&cluster.node, &[pod, half_removed], &[], pins.root(), &[]);
     assert!(out.status.success(), "{}", stdout(&out));
     let text = stdout(&out);
     for said in [
-        format!("removed the steering and reply routing of {}", pod.path().display()),
+        format!(
+            "removed the steering and reply routing of {}",
+            pod.path().display()
+        ),
         format!("removed the steering in {}", half_removed.path().display()),
         format!("removed {}", pins.root().display()),
     ] {
@@ -243,12 +250,19 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
     assert!(!routing::reply_routing_installed(&netns).unwrap());
     for ns in [pod, half_removed] {
         let filters = tc_filters(ns);
-        assert!(!filters.contains("ambpf_pod_in"), "{}: {filters}", ns.name());
+        assert!(
+            !filters.contains("ambpf_pod_in"),
+            "{}: {filters}",
+            ns.name()
+        );
     }
     // The qdisc ambpf made for the enrolled pod goes too (for the other,
     // whose record is gone, nothing says whose it is: it stays).
     let qdiscs = ns_output(pod, &["tc", "qdisc", "show", "dev", "eth0"]);
-    assert!(!qdiscs.contains("clsact"), "the clsact ambpf made stays: {qdiscs}");
+    assert!(
+        !qdiscs.contains("clsact"),
+        "the clsact ambpf made stays: {qdiscs}"
+    );
     assert!(!pins.root().exists());
 
     let again = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);

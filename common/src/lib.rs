@@ -7,6 +7,9 @@
 //! enforce.
 #![no_std]
 
+pub mod trace;
+pub use trace::{TraceDirection, TraceGate, TraceRecord, Verdict};
+
 /// Program names as the kernel knows them (the eBPF function symbols).
 pub mod programs {
     /// TC program counting packets that enter an interface (TCX ingress).
@@ -93,6 +96,18 @@ pub mod maps {
     pub const ORIG_BY_TUPLE: &str = "ambpf_orig_tpl";
     /// Per-CPU event counters, indexed by [`crate::Counter`].
     pub const COUNTERS: &str = "ambpf_counters";
+    /// Per-CPU counters of each enrolled pod, by netns cookie
+    /// ([`crate::PodCounters`]); the agent adds the entry at enrolment and
+    /// deletes it with the pod.
+    pub const POD_COUNTERS: &str = "ambpf_pod_cnt";
+    /// Trace records ([`crate::TraceRecord`]), a ring buffer read by
+    /// `ambpf trace`.
+    pub const TRACE_RING: &str = "ambpf_trace";
+    /// One [`crate::TraceGate`]: records are written only while a reader
+    /// holds its lease.
+    pub const TRACE_GATE: &str = "ambpf_trace_on";
+    /// Per-CPU count of trace records the ring buffer had no room for.
+    pub const TRACE_LOST: &str = "ambpf_trc_lost";
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
@@ -105,6 +120,10 @@ pub mod maps {
         ORIG_BY_COOKIE,
         ORIG_BY_TUPLE,
         COUNTERS,
+        POD_COUNTERS,
+        TRACE_RING,
+        TRACE_GATE,
+        TRACE_LOST,
     ];
 }
 
@@ -253,6 +272,36 @@ impl Counter {
     }
 }
 
+/// Value of [`maps::POD_COUNTERS`], one per CPU: what the programs did for
+/// one pod.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodCounters {
+    /// Outbound TCP connections sent to ztunnel's 15001.
+    pub outbound_redirected: u64,
+    /// Inbound connections (SYNs) handed to ztunnel's 15006.
+    pub inbound_redirected: u64,
+    /// DNS sent to ztunnel's DNS proxy: unconnected UDP queries, and
+    /// connections (TCP, connected UDP).
+    pub dns_redirected: u64,
+    /// Inbound connections from the node's own addresses let through.
+    pub probes_bypassed: u64,
+}
+
+impl PodCounters {
+    /// Adds another CPU's share.
+    pub fn accumulate(&mut self, other: &PodCounters) {
+        self.outbound_redirected = self
+            .outbound_redirected
+            .wrapping_add(other.outbound_redirected);
+        self.inbound_redirected = self
+            .inbound_redirected
+            .wrapping_add(other.inbound_redirected);
+        self.dns_redirected = self.dns_redirected.wrapping_add(other.dns_redirected);
+        self.probes_bypassed = self.probes_bypassed.wrapping_add(other.probes_bypassed);
+    }
+}
+
 /// Kernel object names are at most `BPF_OBJ_NAME_LEN - 1` bytes.
 pub const BPF_OBJ_NAME_MAX: usize = 15;
 
@@ -315,6 +364,9 @@ mod user {
     unsafe impl aya::Pod for super::NodeConfig {}
     unsafe impl aya::Pod for super::SockAddr {}
     unsafe impl aya::Pod for super::TupleKey {}
+    unsafe impl aya::Pod for super::PodCounters {}
+    unsafe impl aya::Pod for super::TraceRecord {}
+    unsafe impl aya::Pod for super::TraceGate {}
 }
 
 #[cfg(test)]
@@ -340,6 +392,7 @@ mod tests {
         assert_eq!(size_of::<PodConfig>(), 24 + 32);
         assert_eq!(size_of::<SockAddr>(), 24);
         assert_eq!(size_of::<TupleKey>(), 8 + 48);
+        assert_eq!(size_of::<PodCounters>(), 32);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Maps shared by the redirection programs; all pinned by the agent.
 
-use ambpf_common::{Counter, IpKey, NodeConfig, PodConfig, SockAddr, TupleKey};
+use ambpf_common::{
+    Counter, IpKey, NodeConfig, PodConfig, PodCounters, SockAddr, TraceGate, TraceRecord, TupleKey,
+};
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
     macros::btf_map,
 };
 
@@ -33,6 +35,22 @@ pub static ORIG_BY_TUPLE: LruHashMap<TupleKey, SockAddr, { MAX_REDIRECTED }> = L
 
 #[btf_map(name = "ambpf_counters")]
 pub static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
+
+#[btf_map(name = "ambpf_pod_cnt")]
+pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters, { MAX_PODS }> = PerCpuHashMap::new();
+
+/// Bytes of trace records held for a reader: about 3,000 records of 80
+/// bytes (a power of two of pages, as the kernel requires).
+const TRACE_RING_BYTES: usize = 256 * 1024;
+
+#[btf_map(name = "ambpf_trace")]
+pub static TRACE_RING: RingBuf<TraceRecord, { TRACE_RING_BYTES }> = RingBuf::new();
+
+#[btf_map(name = "ambpf_trace_on")]
+pub static TRACE_GATE: Array<TraceGate, 1> = Array::new();
+
+#[btf_map(name = "ambpf_trc_lost")]
+pub static TRACE_LOST: PerCpuArray<u64, 1> = PerCpuArray::new();
 
 #[inline(always)]
 pub fn count(counter: Counter) {

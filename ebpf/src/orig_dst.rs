@@ -10,7 +10,10 @@
 //!   routes its replies, SYN-ACK included, back to ztunnel's transparent
 //!   socket instead of out of the pod (Istio: connmark 0x111).
 
-use ambpf_common::{Counter, IpKey, SockAddr, TupleKey, ztunnel};
+use ambpf_common::{
+    Counter, IpKey, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict, trace::IPPROTO_TCP,
+    ztunnel,
+};
 use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
@@ -26,6 +29,7 @@ use core::mem::offset_of;
 use crate::{
     addr::{SockaddrIn, SockaddrIn6, load_field, load_ip6, v4, v4_be, v6, v6_be},
     maps::{ORIG_BY_COOKIE, ORIG_BY_TUPLE, PODS_BY_NETNS, count, is_pod_ip},
+    trace::trace,
 };
 
 const AF_INET: u32 = 2;
@@ -239,6 +243,24 @@ fn answer_original_dst(ctx: &SockoptContext) {
         },
     };
     let Some(orig) = (unsafe { ORIG_BY_TUPLE.get(&key) }) else {
+        // Only ambpf's to answer on ztunnel's outbound listener in an
+        // enrolled pod (inbound, the local address is the original
+        // destination: nothing is missing).
+        let outbound = u16::from_be(key.local.port_be) == ztunnel::OUTBOUND_PORT;
+        if outbound && unsafe { PODS_BY_NETNS.get(&netns) }.is_some() {
+            trace(|| TraceRecord {
+                netns_cookie: netns,
+                src: key.peer.ip,
+                dst: key.local.ip,
+                orig_dst: IpKey::default(),
+                src_port_be: key.peer.port_be,
+                dst_port_be: key.local.port_be,
+                protocol: IPPROTO_TCP,
+                direction: TraceDirection::Outbound as u8,
+                verdict: Verdict::OrigDstMissing as u32,
+                ..TraceRecord::default()
+            });
+        }
         return;
     };
     // Answer the family that was asked: ztunnel asks IPv4 first, then IPv6.

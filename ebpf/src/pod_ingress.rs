@@ -11,7 +11,9 @@
 //! where kubelet probes come from). With no ztunnel listener the SYN is
 //! dropped, never passed to the app: the client retries until ztunnel is up.
 
-use ambpf_common::{Counter, IpKey, ztunnel};
+use ambpf_common::{
+    Counter, IpKey, TraceDirection, TraceRecord, Verdict, ztunnel,
+};
 use aya_ebpf::{
     bindings::{
         BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple, tcx_action_base::TCX_NEXT,
@@ -24,6 +26,7 @@ use aya_ebpf::{
 use crate::{
     addr::{v4, v6},
     maps::{HOST_ADDRS, PODS_BY_IP, count},
+    trace::{PodEvent, count_pod, trace},
 };
 
 const ETH_HLEN: usize = 14;
@@ -50,7 +53,28 @@ struct Syn {
     dst: IpKey,
     /// Host order.
     dport: u16,
+    /// Network order.
+    sport_be: u16,
     tuple: bpf_sock_tuple,
+}
+
+/// Reports an inbound decision on a SYN to the pod `netns`; `to_port`:
+/// where it goes (ztunnel's listener, or where it was sent).
+#[inline(always)]
+fn report(syn: &Syn, netns: u64, to_port: u16, verdict: Verdict) {
+    trace(|| TraceRecord {
+        netns_cookie: netns,
+        src: syn.src,
+        dst: syn.dst,
+        orig_dst: syn.dst,
+        src_port_be: syn.sport_be,
+        dst_port_be: to_port.to_be(),
+        orig_port_be: syn.dport.to_be(),
+        protocol: IPPROTO_TCP,
+        direction: TraceDirection::Inbound as u8,
+        verdict: verdict as u32,
+        ..TraceRecord::default()
+    });
 }
 
 /// Sizes of `bpf_sock_tuple`'s IPv4 and IPv6 variants.
@@ -62,54 +86,65 @@ fn steer(ctx: &TcContext) -> Result<i32, i64> {
     let Some(syn) = parse_syn(ctx)? else {
         return Ok(TCX_NEXT);
     };
-    if unsafe { PODS_BY_IP.get(&syn.dst) }.is_none() {
+    let Some(pod) = (unsafe { PODS_BY_IP.get(&syn.dst) }) else {
         return Ok(TCX_NEXT); // not (or no longer) enrolled
-    }
+    };
+    let netns = pod.netns_cookie;
     if syn.dport == ztunnel::HBONE_PORT {
+        report(&syn, netns, syn.dport, Verdict::Hbone);
         return Ok(TCX_NEXT);
     }
     if unsafe { HOST_ADDRS.get(&syn.src) }.is_some() {
         count(Counter::ProbeBypassed);
+        count_pod(netns, PodEvent::Probe);
+        report(&syn, netns, syn.dport, Verdict::ProbeBypassed);
         return Ok(TCX_NEXT);
     }
-    Ok(assign_to_inbound_listener(ctx, syn))
+    let (action, verdict) = assign_to_inbound_listener(ctx, &syn);
+    match verdict {
+        Verdict::InboundSteered => {
+            count(Counter::InboundRedirected);
+            count_pod(netns, PodEvent::Inbound);
+        }
+        _ => count(Counter::InboundNoListener),
+    }
+    report(&syn, netns, ztunnel::INBOUND_PORT, verdict);
+    Ok(action)
 }
 
 #[inline(always)]
-fn assign_to_inbound_listener(ctx: &TcContext, mut syn: Syn) -> i32 {
+fn assign_to_inbound_listener(ctx: &TcContext, syn: &Syn) -> (i32, Verdict) {
+    let mut tuple = syn.tuple;
     // Look up ztunnel's listener on the same destination address, port 15006.
     // (Writing a union field is safe; reading one is not.)
     if syn.dst.is_v4() {
-        syn.tuple.__bindgen_anon_1.ipv4.dport = ztunnel::INBOUND_PORT.to_be();
+        tuple.__bindgen_anon_1.ipv4.dport = ztunnel::INBOUND_PORT.to_be();
     } else {
-        syn.tuple.__bindgen_anon_1.ipv6.dport = ztunnel::INBOUND_PORT.to_be();
+        tuple.__bindgen_anon_1.ipv6.dport = ztunnel::INBOUND_PORT.to_be();
     }
     let skb = ctx.skb.skb.cast();
     // The tuple size must be a constant the verifier can see at the call.
     let netns = BPF_F_CURRENT_NETNS as u64;
     let sk = unsafe {
         if syn.dst.is_v4() {
-            bpf_skc_lookup_tcp(skb, &raw mut syn.tuple, TUPLE_V4_LEN, netns, 0)
+            bpf_skc_lookup_tcp(skb, &raw mut tuple, TUPLE_V4_LEN, netns, 0)
         } else {
-            bpf_skc_lookup_tcp(skb, &raw mut syn.tuple, TUPLE_V6_LEN, netns, 0)
+            bpf_skc_lookup_tcp(skb, &raw mut tuple, TUPLE_V6_LEN, netns, 0)
         }
     };
     if sk.is_null() {
-        count(Counter::InboundNoListener);
-        return TC_ACT_SHOT;
+        return (TC_ACT_SHOT, Verdict::NoListener);
     }
     if unsafe { (*sk).state } != BPF_TCP_LISTEN {
         unsafe { bpf_sk_release(sk.cast()) };
-        count(Counter::InboundNoListener);
-        return TC_ACT_SHOT;
+        return (TC_ACT_SHOT, Verdict::NoListener);
     }
     let assigned = unsafe { bpf_sk_assign(skb, sk.cast(), 0) };
     unsafe { bpf_sk_release(sk.cast()) };
     if assigned != 0 {
-        return TC_ACT_SHOT;
+        return (TC_ACT_SHOT, Verdict::NoListener);
     }
-    count(Counter::InboundRedirected);
-    TC_ACT_OK
+    (TC_ACT_OK, Verdict::InboundSteered)
 }
 
 /// The packet as a TCP SYN (without ACK), or `None` for anything else.
@@ -173,6 +208,7 @@ fn parse_syn(ctx: &TcContext) -> Result<Option<Syn>, i64> {
         src,
         dst,
         dport: u16::from_be(dport),
+        sport_be: sport,
         tuple,
     }))
 }

@@ -16,7 +16,11 @@
 //! The original destination is kept by socket cookie; `orig_dst` turns it
 //! into ztunnel's SO_ORIGINAL_DST answer.
 
-use ambpf_common::{Counter, IpKey, PodConfig, SockAddr, ztunnel};
+use ambpf_common::{
+    Counter, IpKey, PodConfig, SockAddr, TraceDirection, TraceRecord, Verdict,
+    trace::{IPPROTO_TCP, IPPROTO_UDP},
+    ztunnel,
+};
 use aya_ebpf::{
     bindings::{bpf_sock, bpf_sock_addr, sockaddr},
     helpers::{bpf_bind, bpf_get_netns_cookie, bpf_get_socket_cookie},
@@ -30,6 +34,7 @@ use crate::{
         store_ip6, v4, v4_be, v6, v6_be,
     },
     maps::{ORIG_BY_COOKIE, PODS_BY_NETNS, count, dns_capture, is_pod_ip},
+    trace::{PodEvent, count_pod, trace},
 };
 
 const SOCK_STREAM: u32 = 1;
@@ -42,6 +47,8 @@ const ALLOW: i32 = 1;
 struct Capture {
     port: u16,
     counter: Counter,
+    pod_event: PodEvent,
+    verdict: Verdict,
     /// The pod's address of the destination's family (none: the pod has
     /// none of that family).
     source: Option<IpKey>,
@@ -154,40 +161,120 @@ fn target(sa: *mut bpf_sock_addr, capture: &Capture, v6: bool, loopback: IpKey) 
     }
 }
 
+/// The enrolled pod the socket's namespace belongs to, with its cookie.
 #[inline(always)]
-fn enrolled_pod(sa: *mut bpf_sock_addr) -> Option<&'static PodConfig> {
+fn enrolled_pod(sa: *mut bpf_sock_addr) -> Option<(u64, &'static PodConfig)> {
     let netns = unsafe { bpf_get_netns_cookie(sa.cast()) };
     let pod = unsafe { PODS_BY_NETNS.get(&netns) }?;
-    // SAFETY: the kernel always provides the socket in sock_addr programs.
-    let mark = unsafe { (*(*sa).__bindgen_anon_1.sk).mark };
-    if mark & ztunnel::MARK_MASK == ztunnel::MARK {
-        return None; // ztunnel's own socket
-    }
-    Some(pod)
+    Some((netns, pod))
 }
 
+/// Whether the socket is ztunnel's own (SO_MARK 0x539).
 #[inline(always)]
-fn capture(sa: *mut bpf_sock_addr, dst: &IpKey, dst_port_be: u16, tcp: bool) -> Option<Capture> {
-    let pod = enrolled_pod(sa)?;
-    if is_loopback(dst) || is_pod_ip(pod, dst) {
-        return None;
+fn is_ztunnel(sa: *mut bpf_sock_addr) -> bool {
+    // SAFETY: the kernel always provides the socket in sock_addr programs.
+    let mark = unsafe { (*(*sa).__bindgen_anon_1.sk).mark };
+    mark & ztunnel::MARK_MASK == ztunnel::MARK
+}
+
+/// Where a socket of the enrolled `pod` goes, or why it is left alone.
+#[inline(always)]
+fn decide(
+    sa: *mut bpf_sock_addr,
+    pod: &PodConfig,
+    dst: &IpKey,
+    dst_port_be: u16,
+    tcp: bool,
+) -> Result<Capture, Verdict> {
+    if is_ztunnel(sa) {
+        return Err(Verdict::ExemptZtunnel);
+    }
+    if is_loopback(dst) {
+        return Err(Verdict::ExemptLoopback);
+    }
+    if is_pod_ip(pod, dst) {
+        return Err(Verdict::ExemptOwnAddress);
     }
     let source = pod_address_for(pod, dst);
-    if u16::from_be(dst_port_be) == DNS_PORT && dns_capture(pod) {
-        return Some(Capture {
+    let dns = u16::from_be(dst_port_be) == DNS_PORT;
+    if dns && dns_capture(pod) {
+        return Ok(Capture {
             port: ztunnel::DNS_PORT,
             counter: Counter::DnsRedirected,
+            pod_event: PodEvent::Dns,
+            verdict: Verdict::DnsCaptured,
             source,
         });
     }
     if tcp {
-        return Some(Capture {
+        return Ok(Capture {
             port: ztunnel::OUTBOUND_PORT,
             counter: Counter::OutboundRedirected,
+            pod_event: PodEvent::Outbound,
+            verdict: Verdict::Captured,
             source,
         });
     }
-    None
+    Err(if dns {
+        Verdict::ExemptDnsOff
+    } else {
+        Verdict::ExemptNotTcp
+    })
+}
+
+/// The socket's own address and port (network order) as bound so far.
+#[inline(always)]
+fn source_of(sa: *mut bpf_sock_addr, v6: bool) -> (IpKey, u16) {
+    // SAFETY: the kernel always provides the socket in sock_addr programs.
+    let sk: *const bpf_sock = unsafe { (*sa).__bindgen_anon_1.sk };
+    let port: u32 = unsafe { load_field(sk, core::mem::offset_of!(bpf_sock, src_port)) };
+    let ip = if v6 {
+        crate::addr::v6(unsafe { load_ip6(sk, core::mem::offset_of!(bpf_sock, src_ip6)) })
+    } else {
+        crate::addr::v4(unsafe { load_field(sk, core::mem::offset_of!(bpf_sock, src_ip4)) })
+    };
+    (ip, (port as u16).to_be())
+}
+
+/// Accounts for a decision on an enrolled pod's socket: counters when
+/// captured, and a trace record. Unconnected UDP (`sendmsg`) is traced for
+/// DNS only: every datagram passes here.
+#[inline(always)]
+fn report(
+    sa: *mut bpf_sock_addr,
+    netns: u64,
+    decision: &Result<Capture, Verdict>,
+    (to, to_port_be): (IpKey, u16),
+    (dst, dst_port_be): (IpKey, u16),
+    (tcp, connect, v6): (bool, bool, bool),
+) {
+    if let Ok(capture) = decision {
+        count(capture.counter);
+        count_pod(netns, capture.pod_event);
+    }
+    if !connect && u16::from_be(dst_port_be) != DNS_PORT {
+        return;
+    }
+    let verdict = match decision {
+        Ok(capture) => capture.verdict,
+        Err(verdict) => *verdict,
+    };
+    trace(|| {
+        let (src, src_port_be) = source_of(sa, v6);
+        TraceRecord {
+            netns_cookie: netns,
+            src,
+            dst: to,
+            orig_dst: dst,
+            src_port_be,
+            dst_port_be: to_port_be,
+            orig_port_be: dst_port_be,
+            protocol: if tcp { IPPROTO_TCP } else { IPPROTO_UDP },
+            direction: TraceDirection::Outbound as u8,
+            verdict: verdict as u32,
+            ..TraceRecord::default()
+        }
+    });
 }
 
 #[inline(always)]
@@ -205,29 +292,40 @@ fn remember(sa: *mut bpf_sock_addr, dst: IpKey, port_be: u16) {
 #[inline(always)]
 fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) {
     let sa = ctx.sock_addr;
+    let Some((netns, pod)) = enrolled_pod(sa) else {
+        return;
+    };
     let (ip_be, port_be) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16) };
     let dst = v4(ip_be);
-    if let Some(capture) = capture(sa, &dst, port_be, tcp) {
+    let decision = decide(sa, pod, &dst, port_be, tcp);
+    let mut to = (dst, port_be);
+    if let Ok(capture) = &decision {
         remember(sa, dst, port_be);
-        let to = if connect {
-            target(sa, &capture, false, LOOPBACK_V4)
+        let ip = if connect {
+            target(sa, capture, false, LOOPBACK_V4)
         } else {
             LOOPBACK_V4
         };
+        to = (ip, capture.port.to_be());
         unsafe {
-            (*sa).user_ip4 = v4_be(&to);
-            (*sa).user_port = u32::from(capture.port.to_be());
+            (*sa).user_ip4 = v4_be(&ip);
+            (*sa).user_port = u32::from(to.1);
         }
-        count(capture.counter);
     }
+    report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, false));
 }
 
 #[inline(always)]
 fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) {
     let sa = ctx.sock_addr;
+    let Some((netns, pod)) = enrolled_pod(sa) else {
+        return;
+    };
     let (ip_be, port_be) = unsafe { (load_ip6(sa, USER_IP6), (*sa).user_port as u16) };
     let dst = v6(ip_be);
-    if let Some(capture) = capture(sa, &dst, port_be, tcp) {
+    let decision = decide(sa, pod, &dst, port_be, tcp);
+    let mut to = (dst, port_be);
+    if let Ok(capture) = &decision {
         remember(sa, dst, port_be);
         // A v4-mapped destination stays v4: ztunnel's listeners are dual-stack.
         let loopback = if dst.is_v4() {
@@ -235,17 +333,18 @@ fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) {
         } else {
             LOOPBACK_V6
         };
-        let to = if connect {
-            target(sa, &capture, true, loopback)
+        let ip = if connect {
+            target(sa, capture, true, loopback)
         } else {
             loopback
         };
+        to = (ip, capture.port.to_be());
         unsafe {
-            store_ip6(sa, USER_IP6, v6_be(&to));
-            (*sa).user_port = u32::from(capture.port.to_be());
+            store_ip6(sa, USER_IP6, v6_be(&ip));
+            (*sa).user_port = u32::from(to.1);
         }
-        count(capture.counter);
     }
+    report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, true));
 }
 
 #[cgroup_sock_addr(connect4)]

@@ -33,7 +33,8 @@
 //! [`ApiServer::send_raw_watch_line`]; [`ApiServer::deny`] a verb on a
 //! resource (403, as RBAC answers); [`ApiServer::shutdown`] and
 //! [`ApiServer::restart`] on the same port (the objects survive). A process
-//! of its own reaches it through [`ApiServer::kubeconfig`].
+//! of its own reaches it through [`ApiServer::kubeconfig`]; one in a test
+//! node's namespace when it listens there ([`ApiServer::start_in`]).
 //!
 //! Not served: pagination (`limit` is ignored, lists come whole), creation,
 //! deletion and update through the API, other patch types (415), TLS and
@@ -45,6 +46,7 @@ use std::{
     future::Future as _,
     io,
     net::SocketAddr,
+    path::{Path, PathBuf},
     pin::Pin,
     sync::{Arc, Mutex, MutexGuard},
     task::{Context, Poll},
@@ -394,22 +396,55 @@ impl State {
     }
 }
 
+/// A listener on `addr` in the network namespace at `netns` (the caller's
+/// when `None`): a socket stays in the namespace it was made in.
+fn bind_in(netns: Option<&Path>, addr: SocketAddr) -> io::Result<TcpListener> {
+    let bind = || {
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        Ok::<_, io::Error>(listener)
+    };
+    let listener = match netns {
+        None => bind()?,
+        Some(path) => {
+            let file = std::fs::File::open(path)?;
+            std::thread::scope(|scope| {
+                scope
+                    .spawn(|| {
+                        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+                        bind()
+                    })
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })?
+        }
+    };
+    TcpListener::from_std(listener)
+}
+
 /// A running (or shut down) test API server. Dropping it stops serving.
 pub struct ApiServer {
     state: Arc<Mutex<State>>,
     addr: SocketAddr,
+    /// The network namespace it listens in; `None`: the caller's.
+    netns: Option<PathBuf>,
     task: Option<JoinHandle<()>>,
 }
 
 impl ApiServer {
     /// Starts serving on a free port of 127.0.0.1. Needs a tokio runtime.
     pub async fn start() -> io::Result<Self> {
-        Self::start_on(TcpListener::bind("127.0.0.1:0").await?)
+        Self::start_listening(None)
     }
 
-    /// Starts serving on `listener` (e.g. one bound inside a test node's
-    /// network namespace, where the agent runs). Needs a tokio runtime.
-    pub fn start_on(listener: TcpListener) -> io::Result<Self> {
+    /// [`Self::start`] on the loopback of the network namespace at `netns`
+    /// (a test node's), so that an agent running there reaches it.
+    pub async fn start_in(netns: &Path) -> io::Result<Self> {
+        Self::start_listening(Some(netns.to_owned()))
+    }
+
+    fn start_listening(netns: Option<PathBuf>) -> io::Result<Self> {
+        let listener = bind_in(netns.as_deref(), SocketAddr::from(([127, 0, 0, 1], 0)))?;
         let addr = listener.local_addr()?;
         let state = Arc::new(Mutex::new(State {
             rv: 1,
@@ -420,6 +455,7 @@ impl ApiServer {
         Ok(Self {
             state,
             addr,
+            netns,
             task: Some(task),
         })
     }
@@ -457,7 +493,7 @@ impl ApiServer {
     /// Serves again on the same port, with the same objects and versions.
     pub async fn restart(&mut self) -> io::Result<()> {
         self.shutdown().await;
-        let listener = TcpListener::bind(self.addr).await?;
+        let listener = bind_in(self.netns.as_deref(), self.addr)?;
         self.task = Some(tokio::spawn(serve(listener, self.state.clone())));
         Ok(())
     }

@@ -96,6 +96,34 @@ impl Stats {
 
 /// The median of sorted samples (the mean of the middle two for an even
 /// count). Panics on an empty slice.
+/// The order two modes are measured in for run `run` (0-based): alternated,
+/// so neither always meets the machine's state the other left (page cache,
+/// kernel slabs, namespaces being freed).
+pub fn alternated<T: Copy>(modes: [T; 2], run: usize) -> [T; 2] {
+    if run.is_multiple_of(2) {
+        modes
+    } else {
+        [modes[1], modes[0]]
+    }
+}
+
+/// Which runs make the steady figures: every run after the first, which is
+/// reported apart (a first run meets cold caches and binaries), or the one
+/// run there was.
+pub fn steady_run(run: usize, runs: usize) -> bool {
+    run > 0 || runs == 1
+}
+
+/// A group of runs a suite summarises on its own: its label and which runs
+/// (0-based run, runs) belong to it.
+pub type RunGroup = (&'static str, fn(usize, usize) -> bool);
+
+/// The steady runs ([`steady_run`]) and, with more than one run, the first.
+pub const RUN_GROUPS: [RunGroup; 2] = [
+    ("steady", steady_run),
+    ("first", |run, runs| run == 0 && runs > 1),
+];
+
 pub fn median(sorted: &[f64]) -> f64 {
     let n = sorted.len();
     assert!(n > 0, "median of no samples");

@@ -39,22 +39,32 @@ impl Pod {
 
 #[derive(Debug)]
 pub struct Cluster {
-    // Field order is drop order: leaves before the node.
+    // Field order is drop order: leaves before the node (and `Drop` deletes
+    // the pods' namespaces first, all at once).
     pub pods: Vec<Pod>,
     pub remote: Pod,
     pub node: NetnsGuard,
     _links: Vec<Link>,
 }
 
-/// Pod `n`'s (1-based) addresses and its gateway's (the node side).
-fn pod_addrs(n: u8) -> (Addrs, Addrs) {
+/// The most pods a cluster holds: what [`pod_addrs`] can number.
+pub const MAX_PODS: usize = 2559;
+
+/// Pod `n`'s (1-based, at most [`MAX_PODS`]) addresses and its gateway's (the
+/// node side): `10.244.n.0/24` for the first 255, then `10.246.0.0/16`
+/// onwards, 256 pods a block (10.245/16 is the remote client's).
+fn pod_addrs(n: u16) -> (Addrs, Addrs) {
+    assert!((1..=MAX_PODS as u16).contains(&n), "pod number {n}");
+    let block = (n >> 8) as u8;
+    let second = if block == 0 { 244 } else { 245 + block };
+    let third = (n & 0xff) as u8;
     let pod = Addrs {
-        v4: Ipv4Addr::new(10, 244, n, 2),
-        v6: Ipv6Addr::new(0xfd00, 0xa, u16::from(n), 0, 0, 0, 0, 2),
+        v4: Ipv4Addr::new(10, second, third, 2),
+        v6: Ipv6Addr::new(0xfd00, 0xa, n, 0, 0, 0, 0, 2),
     };
     let gw = Addrs {
-        v4: Ipv4Addr::new(10, 244, n, 1),
-        v6: Ipv6Addr::new(0xfd00, 0xa, u16::from(n), 0, 0, 0, 0, 1),
+        v4: Ipv4Addr::new(10, second, third, 1),
+        v6: Ipv6Addr::new(0xfd00, 0xa, n, 0, 0, 0, 0, 1),
     };
     (pod, gw)
 }
@@ -69,10 +79,26 @@ const REMOTE_GW: Addrs = Addrs {
 };
 
 impl Cluster {
-    /// A node with `pods` pods (at most 200) and one remote client.
-    pub fn create(pods: u8) -> io::Result<Self> {
+    /// A node with `pods` pods (at most [`MAX_PODS`]) and one remote client.
+    ///
+    /// Pods are made in bulk, a few `ip` processes for all of them plus one
+    /// per pod, so a thousand pods take seconds, not minutes.
+    pub fn create(pods: u16) -> io::Result<Self> {
+        if usize::from(pods) > MAX_PODS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{pods} pods: a cluster holds at most {MAX_PODS}"),
+            ));
+        }
         let node = NetnsGuard::create("node")?;
-        for sysctl in ["net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"] {
+        for sysctl in [
+            "net.ipv4.ip_forward=1",
+            "net.ipv6.conf.all.forwarding=1",
+            // No duplicate address detection on the pods' link-local
+            // addresses made at link up: while tentative (about 2 s) they
+            // hold up neighbour discovery for the traffic the node forwards.
+            "net.ipv6.conf.default.accept_dad=0",
+        ] {
             node.sysctl(sysctl)?;
         }
         let mut links = Vec::new();
@@ -92,48 +118,82 @@ impl Cluster {
             node,
             _links: links,
         };
-        for n in 1..=pods {
-            let ns = NetnsGuard::create("pod")?;
-            cluster.connect_pod(n, &ns, None)?;
-            let (addrs, _) = pod_addrs(n);
+        for (i, ns) in NetnsGuard::create_many("pod", pods.into())?
+            .into_iter()
+            .enumerate()
+        {
+            let (addrs, _) = pod_addrs(i as u16 + 1);
             cluster.pods.push(Pod { ns, addrs });
         }
+        let numbered: Vec<(u16, &NetnsGuard)> = cluster
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, pod)| (i as u16 + 1, &pod.ns))
+            .collect();
+        cluster.connect_pods(&numbered)?;
         Ok(cluster)
     }
 
-    /// Joins `ns` to the node as pod `n` (1-based): `eth0` (at `ifindex` if
-    /// given) with the pod's addresses, `vpod<n>` on the node, default routes
-    /// through it.
-    fn connect_pod(&mut self, n: u8, ns: &NetnsGuard, ifindex: Option<u32>) -> io::Result<()> {
-        let (addrs, gw) = pod_addrs(n);
-        let host_iface = format!("vpod{n}");
-        self._links.push(match ifindex {
-            Some(index) => {
-                Link::veth_at_index(ns, "eth0", index, addrs, &self.node, &host_iface, gw)?
-            }
-            None => Link::veth(ns, "eth0", addrs, &self.node, &host_iface, gw)?,
-        });
-        route_via(ns, gw)
+    /// Joins each `(n, ns)` to the node as pod `n` (1-based), as a CNI
+    /// plugin does: `eth0` made inside the pod's namespace (so it has the
+    /// same interface index in every pod) with the pod's addresses, its peer
+    /// `vpod<n>` on the node, default routes through it.
+    fn connect_pods(&self, pods: &[(u16, &NetnsGuard)]) -> io::Result<()> {
+        let mut links = Vec::new();
+        let mut node_side = Vec::new();
+        for &(n, ns) in pods {
+            ns.sysctl("net.ipv6.conf.default.accept_dad=0")?;
+            let (_, gw) = pod_addrs(n);
+            links.push(format!(
+                "link add eth0 netns {} type veth peer name vpod{n} netns {}",
+                ns.name(),
+                self.node.name()
+            ));
+            node_side.extend([
+                format!("addr add {}/24 dev vpod{n}", gw.v4),
+                format!("addr add {}/64 dev vpod{n} nodad", gw.v6),
+                format!("link set vpod{n} up"),
+            ]);
+        }
+        crate::ip_batch(None, &links)?;
+        crate::ip_batch(Some(self.node.name()), &node_side)?;
+        for &(n, ns) in pods {
+            let (addrs, gw) = pod_addrs(n);
+            crate::ip_batch(
+                Some(ns.name()),
+                &[
+                    "link set lo up".to_owned(),
+                    format!("addr add {}/24 dev eth0", addrs.v4),
+                    format!("addr add {}/64 dev eth0 nodad", addrs.v6),
+                    "link set eth0 up".to_owned(),
+                    format!("route add default via {}", gw.v4),
+                    format!("route add default via {}", gw.v6),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
-    /// Pod `i` (0-based) as `connect_pod` numbers it, and its `eth0` index.
-    fn pod_number_and_ifindex(&self, i: usize) -> io::Result<(u8, u32)> {
-        let pod = self
-            .pods
-            .get(i)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("no pod {i}")))?;
-        let n = u8::try_from(i + 1).expect("at most 200 pods");
-        Ok((n, pod.ns.ifindex("eth0")?))
+    /// Pod `i` (0-based) as `connect_pods` numbers it.
+    fn pod_number(&self, i: usize) -> io::Result<u16> {
+        if i >= self.pods.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("no pod {i}"),
+            ));
+        }
+        Ok(i as u16 + 1)
     }
 
     /// Removes pod `i`'s network, as a runtime tearing down its sandbox
     /// does: deleting `vpod<i+1>` deletes its peer `eth0` and the routes
     /// with them, and frees the addresses (one address cannot be routed to
-    /// two veths). Returns what `connect_pod` needs to rebuild it.
-    fn tear_down_network(&self, i: usize) -> io::Result<(u8, u32)> {
-        let (n, ifindex) = self.pod_number_and_ifindex(i)?;
+    /// two veths). Returns the pod's number, for `connect_pods`.
+    fn tear_down_network(&self, i: usize) -> io::Result<u16> {
+        let n = self.pod_number(i)?;
         self.node.ip(&["link", "del", &format!("vpod{n}")])?;
-        Ok((n, ifindex))
+        Ok(n)
     }
 
     /// Gives pod `i`'s addresses to a new pod, as a node's IPAM does once
@@ -150,9 +210,9 @@ impl Cluster {
     /// new pod got its addresses, but nobody has deleted the old pod yet.
     /// Returns the old namespace; dropping it deletes it.
     pub fn recycle_pod_keeping_old(&mut self, i: usize) -> io::Result<NetnsGuard> {
-        let (n, ifindex) = self.tear_down_network(i)?;
+        let n = self.tear_down_network(i)?;
         let ns = NetnsGuard::create("pod")?;
-        self.connect_pod(n, &ns, Some(ifindex))?;
+        self.connect_pods(&[(n, &ns)])?;
         Ok(std::mem::replace(&mut self.pods[i].ns, ns))
     }
 
@@ -174,7 +234,7 @@ impl Cluster {
     /// recycled into a namespace with another number and this returns an
     /// error saying so.
     pub fn recycle_pod_reusing_inode(&mut self, i: usize, within: Duration) -> io::Result<()> {
-        let (n, ifindex) = self.tear_down_network(i)?;
+        let n = self.tear_down_network(i)?;
         let old = self.pods[i].ns.inode()?;
         // Until the new namespace is in place, pods[i] holds one made while
         // the old still lives, which therefore has another number.
@@ -208,8 +268,7 @@ impl Cluster {
             Some(ns) => ns,
             None => NetnsGuard::create_bare("pod")?,
         };
-        ns.ip(&["link", "set", "lo", "up"])?;
-        self.connect_pod(n, &ns, Some(ifindex))?;
+        self.connect_pods(&[(n, &ns)])?;
         drop(std::mem::replace(&mut self.pods[i].ns, ns));
         if !reused_inode {
             return Err(io::Error::new(
@@ -228,11 +287,23 @@ impl Cluster {
     /// The node's own addresses (what a node agent sees in the host netns).
     pub fn node_addresses(&self) -> Vec<IpAddr> {
         let mut out: Vec<IpAddr> = vec![IpAddr::V4(REMOTE_GW.v4), IpAddr::V6(REMOTE_GW.v6)];
-        for n in 1..=self.pods.len() as u8 {
+        for n in 1..=self.pods.len() as u16 {
             let (_, gw) = pod_addrs(n);
             out.extend([IpAddr::V4(gw.v4), IpAddr::V6(gw.v6)]);
         }
         out
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // One `ip` process for every pod namespace (their veths go with them).
+        NetnsGuard::delete_many(
+            std::mem::take(&mut self.pods)
+                .into_iter()
+                .map(|p| p.ns)
+                .collect(),
+        );
     }
 }
 

@@ -11,9 +11,10 @@
 //! agent hands pods to.
 
 use std::{
+    ffi::OsStr,
     fs::{self, File},
     io,
-    os::fd::AsFd,
+    os::{fd::AsFd, unix::process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     sync::atomic::{AtomicU32, Ordering},
@@ -28,6 +29,7 @@ pub mod apiserver;
 pub mod bench;
 pub mod cluster;
 pub mod node;
+pub mod privileges;
 pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
@@ -73,6 +75,31 @@ pub fn ip(args: &[&str]) -> io::Result<()> {
     )))
 }
 
+/// Runs `ip -batch -` (inside `netns` if given) with one command per line,
+/// failing with its stderr: one process for many requests, which is what
+/// makes a thousand-pod cluster quick to build.
+pub fn ip_batch(netns: Option<&str>, lines: &[String]) -> io::Result<()> {
+    if lines.is_empty() {
+        return Ok(());
+    }
+    let mut cmd = Command::new("ip");
+    if let Some(netns) = netns {
+        cmd.args(["-n", netns]);
+    }
+    cmd.args(["-batch", "-"]);
+    let out = output_with_stdin(&mut cmd, lines.join("\n").as_bytes())?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "ip -batch ({} commands{}, the first `{}`): {}",
+        lines.len(),
+        netns.map(|n| format!(" in {n}")).unwrap_or_default(),
+        lines[0],
+        String::from_utf8_lossy(&out.stderr).trim()
+    )))
+}
+
 /// A named network namespace (`/run/netns/<name>`), deleted on drop.
 #[derive(Debug)]
 pub struct NetnsGuard {
@@ -94,6 +121,41 @@ impl NetnsGuard {
         let name = format!("ambpf-{role}-{}", unique_name(""));
         ip(&["netns", "add", &name])?;
         Ok(Self { name })
+    }
+
+    /// `count` namespaces `ambpf-<role>-<unique>` made by one `ip` process,
+    /// loopback down (as [`NetnsGuard::create_bare`] makes them).
+    pub fn create_many(role: &str, count: usize) -> io::Result<Vec<Self>> {
+        let names: Vec<String> = (0..count)
+            .map(|_| format!("ambpf-{role}-{}", unique_name("")))
+            .collect();
+        let lines: Vec<String> = names.iter().map(|n| format!("netns add {n}")).collect();
+        let made = ip_batch(None, &lines);
+        // Guard whatever was made, so a failure part way cleans up too.
+        let guards: Vec<Self> = names
+            .into_iter()
+            .filter(|name| Path::new(NETNS_DIR).join(name).exists())
+            .map(|name| Self { name })
+            .collect();
+        made.map(|()| guards)
+    }
+
+    /// Deletes `namespaces` with one `ip` process (dropping each would run
+    /// one per namespace); any it could not delete are dropped one by one.
+    pub fn delete_many(namespaces: Vec<Self>) {
+        let lines: Vec<String> = namespaces
+            .iter()
+            .map(|ns| format!("netns del {}", ns.name))
+            .collect();
+        if let Err(e) = ip_batch(None, &lines) {
+            eprintln!("testbed: deleting {} namespaces at once: {e}", lines.len());
+        }
+        for mut ns in namespaces {
+            if !ns.path().exists() {
+                // Deleted: disarm the guard.
+                ns.name.clear();
+            }
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -132,6 +194,20 @@ impl NetnsGuard {
         })
     }
 
+    /// A command for `program` that runs in this namespace (entered between
+    /// fork and exec), as an agent runs in its node's.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> io::Result<Command> {
+        let file = File::open(self.path())?;
+        let mut command = Command::new(program);
+        // SAFETY: setns is async-signal-safe; the closure owns the fd.
+        unsafe {
+            command.pre_exec(move || {
+                setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(io::Error::from)
+            });
+        }
+        Ok(command)
+    }
+
     /// Runs `ip -n <ns> args...`.
     pub fn ip(&self, args: &[&str]) -> io::Result<()> {
         let mut full = vec!["-n", self.name.as_str()];
@@ -154,6 +230,9 @@ impl NetnsGuard {
 
 impl Drop for NetnsGuard {
     fn drop(&mut self) {
+        if self.name.is_empty() {
+            return; // deleted by `delete_many`
+        }
         // Deleting the namespace also removes every interface inside it.
         if let Err(e) = ip(&["netns", "del", &self.name]) {
             eprintln!("testbed: cannot delete netns {}: {e}", self.name);
@@ -187,53 +266,24 @@ impl Link {
         b_iface: &str,
         b_addrs: Addrs,
     ) -> io::Result<Self> {
-        Self::create(a, a_iface, None, a_addrs, b, b_iface, b_addrs)
-    }
-
-    /// [`Link::veth`] with `a_iface` at interface index `a_index`, which
-    /// must be free in the root namespace (where the pair is made) and in
-    /// `a`. A CNI plugin makes the pair inside the pod's fresh namespace, so
-    /// every pod's `eth0` has the same index; this gives a new pod the index
-    /// an old one had.
-    pub fn veth_at_index(
-        a: &NetnsGuard,
-        a_iface: &str,
-        a_index: u32,
-        a_addrs: Addrs,
-        b: &NetnsGuard,
-        b_iface: &str,
-        b_addrs: Addrs,
-    ) -> io::Result<Self> {
-        Self::create(a, a_iface, Some(a_index), a_addrs, b, b_iface, b_addrs)
+        Self::create(a, a_iface, a_addrs, b, b_iface, b_addrs)
     }
 
     fn create(
         a: &NetnsGuard,
         a_iface: &str,
-        a_index: Option<u32>,
         a_addrs: Addrs,
         b: &NetnsGuard,
         b_iface: &str,
         b_addrs: Addrs,
     ) -> io::Result<Self> {
-        // Create with temporary unique names in the root namespace's view,
-        // then move and rename, so concurrent tests never collide.
-        let tmp_a = unique_name("va");
-        let tmp_b = unique_name("vb");
-        let index = a_index.map(|i| i.to_string());
-        let mut add = vec!["link", "add", &tmp_a];
-        if let Some(index) = &index {
-            add.extend(["index", index]);
-        }
-        add.extend(["type", "veth", "peer", "name", &tmp_b]);
-        ip(&add)?;
+        // Made inside the two namespaces, never in the host's: the pair is
+        // created in `a` with its peer already in `b`.
+        a.ip(&[
+            "link", "add", a_iface, "type", "veth", "peer", "name", b_iface, "netns", b.name(),
+        ])?;
         let setup = || -> io::Result<()> {
-            ip(&["link", "set", &tmp_a, "netns", a.name()])?;
-            ip(&["link", "set", &tmp_b, "netns", b.name()])?;
-            for (ns, tmp, iface, addrs) in
-                [(a, &tmp_a, a_iface, a_addrs), (b, &tmp_b, b_iface, b_addrs)]
-            {
-                ns.ip(&["link", "set", tmp, "name", iface])?;
+            for (ns, iface, addrs) in [(a, a_iface, a_addrs), (b, b_iface, b_addrs)] {
                 ns.ip(&["addr", "add", &format!("{}/24", addrs.v4), "dev", iface])?;
                 ns.ip(&[
                     "addr",
@@ -252,9 +302,8 @@ impl Link {
             Ok(())
         };
         if let Err(e) = setup() {
-            // Whichever end is still in the root namespace takes its peer along.
-            let _ = ip(&["link", "del", &tmp_a]);
-            let _ = ip(&["link", "del", &tmp_b]);
+            // Deleting one end deletes its peer.
+            let _ = a.ip(&["link", "del", a_iface]);
             return Err(e);
         }
         Ok(Self {

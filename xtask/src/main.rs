@@ -3,11 +3,15 @@
 //! - `build-ebpf`: build the kernel programs into `target/bpf/ambpf.bpf.o`.
 //! - `demo`: run the agent against a throwaway pod namespace on this machine.
 //! - `node`: run the testbed's containerd node until Ctrl-C (needs root).
-//! - `test`: lint, then run every test, privileged ones included (needs root).
+//! - `test`: lint, then run every test, privileged ones included (needs root),
+//!   and check that the run left the host's network state and bpffs as they were.
+//! - `fuzz`: the property tests of `agent/tests/fuzz` with many more cases
+//!   than `test` runs (needs root).
 //! - `bench <suite>`: build, then run a benchmark suite of `ambpf-bench`
 //!   (needs root); results in `target/bench/<suite>.json`.
 
 mod ebpf_build;
+mod host_state;
 
 use std::{
     path::{Path, PathBuf},
@@ -60,7 +64,20 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Run clippy and every test (unit and privileged). Needs root.
+    /// Run the property tests of everything the agent reads from outside
+    /// (`agent/tests/fuzz`) with many cases; `test` runs them with 256 each.
+    /// Needs root.
+    Fuzz {
+        /// Inputs per property.
+        #[arg(long, default_value_t = 20_000)]
+        cases: u32,
+        /// Extra arguments for the test binary (e.g. a property's name).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Run clippy and every test (unit and privileged), then check that the
+    /// host's iptables, ipsets, policy rules, routes and /sys/fs/bpf are as
+    /// they were before. Needs root.
     Test {
         /// Extra arguments passed to `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -124,6 +141,15 @@ fn main() -> Result<()> {
             cmd.args(&args);
             run(&mut cmd)
         }
+        Cmd::Fuzz { cases, args } => {
+            require_root("the ZDS property creates network namespaces")?;
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+            run(Command::new(cargo)
+                .current_dir(&root)
+                .env("PROPTEST_CASES", cases.to_string())
+                .args(["test", "-p", "ambpf", "--test", "fuzz", "--"])
+                .args(&args))
+        }
         Cmd::Test { args } => {
             require_root(
                 "the privileged tests create namespaces, veths, cgroups and bpffs mounts",
@@ -144,7 +170,19 @@ fn main() -> Result<()> {
                 test.push("--");
                 test.extend(args.iter().map(String::as_str));
             }
-            cargo(&root, &test)
+            // Built first, so that the snapshots bracket only the tests.
+            let mut build = test[..3].to_vec();
+            build.push("--no-run");
+            cargo(&root, &build)?;
+            let host = host_state::Place::host();
+            let before = host_state::Snapshot::take(&host);
+            let tested = cargo(&root, &test);
+            let changed = before.report(&host_state::Snapshot::take(&host));
+            match (tested, changed) {
+                (tested, None) => tested,
+                (Ok(()), Some(report)) => bail!("{report}"),
+                (Err(e), Some(report)) => Err(e.context(report)),
+            }
         }
     }
 }

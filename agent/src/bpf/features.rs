@@ -60,7 +60,12 @@ pub const REQUIRED: &[Feature] = &[
     Feature {
         name: "bpf_skc_lookup_tcp in TC programs (finding ztunnel's inbound listener)",
         since: "5.2",
-        probe: || helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_skc_lookup_tcp),
+        probe: || {
+            helper(
+                ProgramType::SchedClassifier,
+                BpfHelper::BPF_FUNC_skc_lookup_tcp,
+            )
+        },
     },
     Feature {
         name: "bpf_sk_assign in TC programs (inbound capture)",
@@ -70,7 +75,12 @@ pub const REQUIRED: &[Feature] = &[
     Feature {
         name: "bpf_get_netns_cookie in cgroup socket-address programs (outbound capture)",
         since: "5.7",
-        probe: || helper(ProgramType::CgroupSockAddr, BpfHelper::BPF_FUNC_get_netns_cookie),
+        probe: || {
+            helper(
+                ProgramType::CgroupSockAddr,
+                BpfHelper::BPF_FUNC_get_netns_cookie,
+            )
+        },
     },
     Feature {
         name: "BPF ring buffers (kernel log records)",
@@ -109,7 +119,12 @@ pub const REQUIRED: &[Feature] = &[
     Feature {
         name: "bpf_get_netns_cookie in cgroup sockopt programs (SO_ORIGINAL_DST)",
         since: "5.15",
-        probe: || helper(ProgramType::CgroupSockopt, BpfHelper::BPF_FUNC_get_netns_cookie),
+        probe: || {
+            helper(
+                ProgramType::CgroupSockopt,
+                BpfHelper::BPF_FUNC_get_netns_cookie,
+            )
+        },
     },
 ];
 
@@ -133,7 +148,8 @@ fn refused_as_unknown(result: std::io::Result<()>) -> Result<bool, String> {
 fn tcx_probe() -> Result<bool, String> {
     // A TCX link on interface 0: a kernel with TCX looks for the device
     // (ENODEV); one without refuses the attach type (EINVAL).
-    let program = sys::load_minimal_program(sys::PROG_TYPE_SCHED_CLS, -1).map_err(|e| e.to_string())?;
+    let program =
+        sys::load_minimal_program(sys::PROG_TYPE_SCHED_CLS, -1).map_err(|e| e.to_string())?;
     match sys::link_create(program.as_fd(), 0, BPF_TCX_INGRESS) {
         Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
@@ -194,7 +210,12 @@ mod tests {
             since: "9.9",
             probe: || Err("EPERM".into()),
         };
-        assert!(check(&broken).unwrap_err().to_string().contains("probing the kernel for a feature: EPERM"));
+        assert!(
+            check(&broken)
+                .unwrap_err()
+                .to_string()
+                .contains("probing the kernel for a feature: EPERM")
+        );
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub struct EnrolledPodEntry {
     /// ambpf's steering filter on each interface of the pod, read inside
     /// its namespace (`None`: the namespace is gone or was not looked at).
     pub steering: Option<Vec<SteeringFilterEntry>>,
+    /// What the programs did for the pod, summed over CPUs (`None`: no
+    /// counters, as with pods an agent older than per-pod counters enrolled).
+    pub counters: Option<super::pod_counters::PodCounts>,
 }
 
 #[derive(Debug, Serialize)]
@@ -134,7 +137,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         maps: maps_out,
         tc_links: read_tc_links(pins)?,
         iface_stats: read_iface_stats(pins)?,
-        pods: with_steering(read_pods(pins)?),
+        pods: with_counters(with_steering(read_pods(pins)?), pins)?,
         links: read_other_links(pins)?,
         counters: read_counters(pins)?,
     })
@@ -190,9 +193,22 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             steering_qdisc_created: pod.flags & ambpf_common::pod_flags::STEERING_QDISC_CREATED
                 != 0,
             steering: None,
+            counters: None,
         });
     }
     pods.sort_by_key(|p| p.netns_inode);
+    Ok(pods)
+}
+
+/// Adds each pod's counters.
+fn with_counters(
+    mut pods: Vec<EnrolledPodEntry>,
+    pins: &PinLayout,
+) -> Result<Vec<EnrolledPodEntry>, InspectError> {
+    let mut counters = super::pod_counters::read(pins)?;
+    for pod in &mut pods {
+        pod.counters = counters.remove(&pod.netns_cookie);
+    }
     Ok(pods)
 }
 
@@ -437,6 +453,14 @@ impl fmt::Display for Status {
                 p.dns_capture,
                 addrs.join(" ")
             )?;
+            if let Some(counters) = &p.counters {
+                let counts: Vec<String> = counters
+                    .named()
+                    .iter()
+                    .map(|(name, value)| format!("{name} {value}"))
+                    .collect();
+                writeln!(f, "    counters: {}", counts.join(", "))?;
+            }
             match &p.steering {
                 None => writeln!(f, "    steering: (namespace not found)")?,
                 Some(filters) => {

@@ -7,6 +7,7 @@ pub mod features;
 pub mod inspect;
 pub mod object;
 pub mod pins;
+pub mod pod_counters;
 pub mod sys;
 pub mod tc;
 

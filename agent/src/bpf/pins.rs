@@ -96,7 +96,11 @@ impl PinLayout {
 
     /// What ambpf pins directly under the root; all of it is ambpf's.
     pub fn top_level_dirs(&self) -> [PathBuf; 3] {
-        [self.maps_dir(), self.root.join("links"), self.root.join("progs")]
+        [
+            self.maps_dir(),
+            self.root.join("links"),
+            self.root.join("progs"),
+        ]
     }
 
     /// Checks that the root lies on bpffs, below its mount point (the root
@@ -108,7 +112,11 @@ impl PinLayout {
                 path: self.root.clone(),
             });
         }
-        for dir in [self.maps_dir(), self.tc_links_dir(), self.root.join("progs")] {
+        for dir in [
+            self.maps_dir(),
+            self.tc_links_dir(),
+            self.root.join("progs"),
+        ] {
             std::fs::create_dir_all(&dir).map_err(|source| PinError::Io { path: dir, source })?;
         }
         Ok(())
@@ -247,7 +255,10 @@ mod tests {
             })
         };
         let wait = std::time::Duration::from_millis(300);
-        assert!(rx.recv_timeout(wait).is_err(), "the second took a held lock");
+        assert!(
+            rx.recv_timeout(wait).is_err(),
+            "the second took a held lock"
+        );
         drop(first);
         rx.recv_timeout(std::time::Duration::from_secs(10))
             .expect("the second gets the lock once the first is gone");

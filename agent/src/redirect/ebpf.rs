@@ -18,7 +18,7 @@
 //! the newer ([`super::claims`]); removing a pod deletes only the entries
 //! that still hold its cookie.
 
-use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf};
+use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf, time::Instant};
 
 use ambpf_common::{IpKey, NodeConfig, PodConfig, maps, pod_flags, programs};
 use aya::maps::{Array, HashMap, MapData};
@@ -81,6 +81,9 @@ pub struct EnrolledPod {
     pub dns_capture: bool,
     /// Addresses another enrolled pod claims too ([`super::claims`]).
     pub conflicts: Vec<AddressConflict>,
+    /// Where the enrolment's time went.
+    #[serde(skip)]
+    pub steps: super::EnrolSteps,
 }
 
 impl EnrolledPod {
@@ -189,14 +192,21 @@ impl Dataplane {
         // routing and its steering filters.
         let program = self.steering_program()?;
         let path = netns.path();
-        let (net, qdisc_created) = netns.run(|| -> Result<_, EnrollError> {
-            let net = podnet::inspect_here(path)?;
+        let visit = Instant::now();
+        let (net, qdisc_created, mut steps) = netns.run(|| -> Result<_, EnrollError> {
+            let mut steps = super::EnrolSteps::default();
+            let net = steps.time("inspect", || podnet::inspect_here(path))?;
             // Addresses first: a pod without any gets nothing installed.
             super::pod_addresses(&net, netns)?;
-            routing::install_reply_routing_here(path)?;
-            let qdisc_created = attach_steering_here(path, &net.interfaces, program.as_fd())?;
-            Ok((net, qdisc_created))
+            steps.time("routing", || routing::install_reply_routing_here(path))?;
+            let qdisc_created = steps.time("steering", || {
+                attach_steering_here(path, &net.interfaces, program.as_fd())
+            })?;
+            Ok((net, qdisc_created, steps))
         })??;
+        // Entering the namespace (a thread and setns) is what the steps leave.
+        steps.rest("enter netns", visit.elapsed());
+        let maps_started = Instant::now();
         let cookie = net.netns_cookie;
         let mut config = PodConfig {
             netns_cookie: cookie,
@@ -220,6 +230,9 @@ impl Dataplane {
             config.flags |= pod_flags::STEERING_QDISC_CREATED;
         }
         self.held.insert(cookie, keep(netns)?);
+        // Its counters first, so its first redirected connection is counted.
+        self.add_pod_counters(cookie)
+            .map_err(map_err(maps::POD_COUNTERS))?;
 
         // From here on, new connections of the pod are redirected.
         self.pods_by_netns()?
@@ -232,6 +245,7 @@ impl Dataplane {
                 return Err(e);
             }
         };
+        steps.0.push(("maps", maps_started.elapsed()));
         info!(
             "enrolled pod in {} (cookie {cookie}, {addresses:?}, dns capture {dns_capture})",
             netns.path().display(),
@@ -244,6 +258,7 @@ impl Dataplane {
             interfaces: net.interfaces.iter().map(|i| i.name.clone()).collect(),
             dns_capture,
             conflicts,
+            steps,
         })
     }
 
@@ -305,7 +320,12 @@ impl Dataplane {
     /// write can come between the two: the agent is the maps' only writer,
     /// it writes from one task, one pod at a time, and a second agent on the
     /// same pin root waits for the first to exit ([`crate::bpf::pins::PinRootLock`]).
-    fn apply_release(&mut self, ip: IpKey, cookie: u64, release: Release) -> Result<(), EnrollError> {
+    fn apply_release(
+        &mut self,
+        ip: IpKey,
+        cookie: u64,
+        release: Release,
+    ) -> Result<(), EnrollError> {
         match release {
             Release::NotOwner => Ok(()),
             Release::Delete => {
@@ -356,12 +376,16 @@ impl Dataplane {
                 Err(e) => return Err(map_err(maps::PODS_BY_NETNS)(e)),
             }
         }
+        self.remove_pod_counters(cookie)
+            .map_err(map_err(maps::POD_COUNTERS))?;
         // New connections go direct from here; the steering filter goes
         // with the namespace if that is gone already.
         let netns = match self.held.remove(&cookie) {
             Some(netns) => Some(netns),
             None => found.and_then(|config| {
-                super::check::locate_pods(&[config], &[]).remove(&cookie).flatten()
+                super::check::locate_pods(&[config], &[])
+                    .remove(&cookie)
+                    .flatten()
             }),
         };
         if let Some(netns) = netns {
@@ -409,7 +433,10 @@ impl Dataplane {
             .map(|pod| (pod.netns_cookie, pod))
             .collect();
         for ip in addresses.iter().map(|ip| ip_key(*ip)) {
-            let owner = self.claims()?.owner(&ip).and_then(|c| pods.get(&c).copied());
+            let owner = self
+                .claims()?
+                .owner(&ip)
+                .and_then(|c| pods.get(&c).copied());
             let mut by_ip = self.pods_by_ip()?;
             let result = match owner {
                 Some(owner) => by_ip.insert(ip, owner, 0),

@@ -38,6 +38,29 @@ pub struct EnrollOptions {
     pub dns_capture: bool,
 }
 
+/// How long each step of one pod's enrolment took, in order (e.g.
+/// `inspect`, `routing`, `steering`, `maps`): the agent sums them per step
+/// for `/metrics` (`ambpf_enrol_step_seconds_total`), and the `enroll`
+/// benchmark prints the breakdown.
+#[derive(Clone, Debug, Default)]
+pub struct EnrolSteps(pub Vec<(&'static str, std::time::Duration)>);
+
+impl EnrolSteps {
+    /// Runs `f` as step `name`.
+    pub fn time<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let started = std::time::Instant::now();
+        let out = f();
+        self.0.push((name, started.elapsed()));
+        out
+    }
+
+    /// Records step `name` as what is left of `total` after the steps so far.
+    pub fn rest(&mut self, name: &'static str, total: std::time::Duration) {
+        let spent: std::time::Duration = self.0.iter().map(|(_, d)| *d).sum();
+        self.0.push((name, total.saturating_sub(spent)));
+    }
+}
+
 /// An enrolled pod's identity in the redirection.
 ///
 /// Every per-pod record is owned by the netns cookie: the kernel hands out

@@ -102,7 +102,8 @@ pub fn attach(
         NLM_F_CREATE | NLM_F_EXCL,
     )? == Applied::Changed;
     let mut msg = filter(ifindex);
-    msg.attributes.push(TcAttribute::Kind(TcFilterBpf::KIND.into()));
+    msg.attributes
+        .push(TcAttribute::Kind(TcFilterBpf::KIND.into()));
     msg.attributes.push(TcAttribute::Options(vec![
         TcOption::Bpf(TcFilterBpfOption::ProgFd(program.as_raw_fd() as u32)),
         TcOption::Bpf(TcFilterBpfOption::ProgName(name.into())),
@@ -202,7 +203,10 @@ pub fn detach(rtnl: &mut Rtnl, ifindex: u32, qdisc_created: bool) -> Result<Appl
         Err(e) if e.errno() == Some(Errno::EINVAL) => return Ok(Applied::AlreadyInPlace),
         other => other?,
     };
-    if qdisc_created && ingress_filters(rtnl, ifindex)?.is_empty() && !has_egress_filters(rtnl, ifindex)? {
+    if qdisc_created
+        && ingress_filters(rtnl, ifindex)?.is_empty()
+        && !has_egress_filters(rtnl, ifindex)?
+    {
         rtnl.delete(RouteNetlinkMessage::DelQueueDiscipline(clsact(ifindex)))?;
     }
     Ok(removed)
@@ -243,12 +247,17 @@ mod tests {
             .args(args.split_whitespace())
             .output()
             .unwrap();
-        assert!(out.status.success(), "tc {args}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "tc {args}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     fn eth0(ns: &NetnsGuard) -> u32 {
-        ns.run(|| nix::net::if_::if_nametoindex("eth0").unwrap()).unwrap()
+        ns.run(|| nix::net::if_::if_nametoindex("eth0").unwrap())
+            .unwrap()
     }
 
     #[test]
@@ -261,23 +270,41 @@ mod tests {
                 let mut rtnl = Rtnl::open().unwrap();
                 assert_eq!(find(&mut rtnl, ifindex).unwrap(), None);
                 let done = attach(&mut rtnl, ifindex, first.as_fd(), "ambpf_pod_in").unwrap();
-                assert_eq!(done, Attached { qdisc_created: true, replaced: false });
+                assert_eq!(
+                    done,
+                    Attached {
+                        qdisc_created: true,
+                        replaced: false
+                    }
+                );
                 let found = find(&mut rtnl, ifindex).unwrap().unwrap();
                 assert_eq!(found.name, "ambpf_pod_in");
                 assert!(found.direct_action);
                 let first_id = found.prog_id.unwrap();
 
                 let again = attach(&mut rtnl, ifindex, second.as_fd(), "ambpf_pod_in").unwrap();
-                assert_eq!(again, Attached { qdisc_created: false, replaced: true });
+                assert_eq!(
+                    again,
+                    Attached {
+                        qdisc_created: false,
+                        replaced: true
+                    }
+                );
                 let second_id = find(&mut rtnl, ifindex).unwrap().unwrap().prog_id.unwrap();
                 assert_ne!(first_id, second_id, "the program was replaced in place");
 
                 assert_eq!(detach(&mut rtnl, ifindex, true).unwrap(), Applied::Changed);
                 assert_eq!(find(&mut rtnl, ifindex).unwrap(), None);
-                assert_eq!(detach(&mut rtnl, ifindex, true).unwrap(), Applied::AlreadyInPlace);
+                assert_eq!(
+                    detach(&mut rtnl, ifindex, true).unwrap(),
+                    Applied::AlreadyInPlace
+                );
             })
             .unwrap();
-        assert!(!tc(&pn.pod, "qdisc show dev eth0").contains("clsact"), "the qdisc ambpf made is gone");
+        assert!(
+            !tc(&pn.pod, "qdisc show dev eth0").contains("clsact"),
+            "the qdisc ambpf made is gone"
+        );
     }
 
     #[test]
@@ -285,7 +312,10 @@ mod tests {
         let pn = PodAndNode::create().unwrap();
         let ifindex = eth0(&pn.pod);
         tc(&pn.pod, "qdisc add dev eth0 clsact");
-        tc(&pn.pod, "filter add dev eth0 ingress prio 100 protocol all u32 match u32 0 0 flowid 1:1");
+        tc(
+            &pn.pod,
+            "filter add dev eth0 ingress prio 100 protocol all u32 match u32 0 0 flowid 1:1",
+        );
         let program = pass_program();
         pn.pod
             .run(|| {
@@ -308,7 +338,10 @@ mod tests {
         let pn = PodAndNode::create().unwrap();
         let ifindex = eth0(&pn.pod);
         tc(&pn.pod, "qdisc add dev eth0 clsact");
-        tc(&pn.pod, "filter add dev eth0 ingress prio 1 protocol all u32 match u32 0 0 flowid 1:1");
+        tc(
+            &pn.pod,
+            "filter add dev eth0 ingress prio 1 protocol all u32 match u32 0 0 flowid 1:1",
+        );
         let program = pass_program();
         let err = pn
             .pod
@@ -319,6 +352,9 @@ mod tests {
             .unwrap();
         assert!(err.errno().is_some(), "{err}");
         let filters = tc(&pn.pod, "filter show dev eth0 ingress");
-        assert!(filters.contains("u32") && !filters.contains("ambpf"), "{filters}");
+        assert!(
+            filters.contains("u32") && !filters.contains("ambpf"),
+            "{filters}"
+        );
     }
 }

@@ -80,14 +80,27 @@ pub struct Parsed {
 }
 
 pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
-    let file: PodsFile = serde_json::from_str(text).map_err(|source| LocalSourceError::Parse {
+    let parse_error = |source| LocalSourceError::Parse {
         path: path.to_owned(),
         source,
-    })?;
+    };
+    // Objects only: serde also reads a struct from an array of its fields,
+    // so `[[]]` would otherwise be a file with no pods.
+    let value: serde_json::Value = serde_json::from_str(text).map_err(parse_error)?;
+    if !value.is_object() {
+        return Err(parse_error(serde::de::Error::custom(
+            "expected an object with a `pods` array",
+        )));
+    }
+    let file: PodsFile = serde_json::from_value(value).map_err(parse_error)?;
     let mut pods = Vec::new();
     let mut skipped = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for (index, entry) in file.pods.into_iter().enumerate() {
+        if !entry.is_object() {
+            skipped.push(format!("pods[{index}]: not an object"));
+            continue;
+        }
         let pod = match serde_json::from_value::<LocalPod>(entry) {
             Ok(pod) => pod,
             Err(e) => {
@@ -235,6 +248,23 @@ mod tests {
         assert_eq!(uids, ["a"]);
         assert_eq!(parsed.skipped.len(), 4, "{:?}", parsed.skipped);
         assert!(parsed.skipped[0].starts_with("pods[1]"));
+    }
+
+    /// Found by the property tests (`tests/fuzz`): serde reads a struct
+    /// from an array of its fields, so `[[]]` was a file with no pods (and
+    /// the agent removed every pod), and an array an entry.
+    #[test]
+    fn arrays_are_neither_a_pods_file_nor_an_entry() {
+        let path = Path::new("/etc/ambpf/pods.json");
+        let err = parse("[[]]", path).err().unwrap();
+        assert!(err.to_string().contains("expected an object"), "{err}");
+        let parsed = parse(
+            r#"{"pods": [["a", "web", "shop", "sa", "ns", null, null]]}"#,
+            path,
+        )
+        .unwrap();
+        assert!(parsed.pods.is_empty());
+        assert_eq!(parsed.skipped, ["pods[0]: not an object"]);
     }
 
     #[test]

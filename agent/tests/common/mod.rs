@@ -5,6 +5,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod agent;
+
 pub use std::{
     os::{fd::OwnedFd, unix::fs::MetadataExt},
     path::{Path, PathBuf},
@@ -120,7 +122,12 @@ impl Peer {
     }
 
     pub async fn send(&self, bytes: &[u8]) {
-        self.socket.send(bytes).await.unwrap();
+        self.try_send(bytes).await.unwrap();
+    }
+
+    /// Sends one message; fails once the server has closed the connection.
+    pub async fn try_send(&self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.socket.send(bytes).await
     }
 
     pub async fn ack(&self) {

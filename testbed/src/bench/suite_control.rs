@@ -31,24 +31,24 @@
 //! the same period. Events trigger work at once, so the resync bounds none of
 //! these numbers unless something failed.
 //!
-//! At most 200 pods (the testbed cluster's limit): discovery wants a pod's IP
-//! inside its namespace, so pods cannot share one.
+//! Every measurement gets a fresh node, pods and API server (no mode meets a
+//! namespace another measurement enrolled), the order of the modes
+//! alternates from run to run, and the snapshot's first run is reported
+//! apart. Churn latencies are pooled over the runs.
 
 use std::{ffi::OsStr, io::Write as _, net::IpAddr, process::Child};
 
-use ambpf_testbed::{apiserver::ApiServer, bench::sys};
+use ambpf_testbed::{apiserver::ApiServer, bench::sys, cluster};
 use serde_json::{Value, json};
 
 use super::{
-    redirect::{Agent, Mode, named_runtime},
+    redirect::{Agent, Mode, OwnRuntime, named_runtime},
     *,
 };
 
 /// A hang, not a slow result.
 const TIMEOUT: Duration = Duration::from_secs(120);
 const NODE: &str = "bench-node";
-/// The testbed cluster stops at 200 pods.
-const MAX_PODS: usize = 200;
 /// Pods are spread over this many ambient namespaces.
 const NAMESPACES: usize = 8;
 /// The kube source's resync period (`KubeSourceConfig::new`; not a flag).
@@ -62,10 +62,10 @@ pub(super) struct ControlArgs {
     /// Pods created, then deleted, one at a time per mode.
     #[arg(long, default_value_t = 50)]
     churn: usize,
-    /// Pods in the API server before the agent starts (at most 127).
+    /// Pods in the API server before the agent starts (at most 2559).
     #[arg(long, default_value_t = 125)]
     snapshot: usize,
-    /// Snapshot measurements per mode (churn runs once per mode).
+    /// Measurements per mode (churn and snapshot each).
     #[arg(long, default_value_t = 3)]
     runs: usize,
 }
@@ -83,6 +83,7 @@ struct Config {
 #[derive(Clone, Debug, Serialize)]
 struct Churn {
     mode: Mode,
+    run: usize,
     /// Applied → the double's Add.
     add_ms: Vec<f64>,
     /// Applied → the annotation patch at the API server.
@@ -127,6 +128,8 @@ struct ChurnSummary {
 #[derive(Clone, Debug, Serialize)]
 struct SnapshotSummary {
     mode: Mode,
+    /// `steady` or `first` (see [`summarize_snapshots`]).
+    runs: &'static str,
     pods: usize,
     programmed_ms: Stats,
     ztunnel_ms: Stats,
@@ -140,76 +143,48 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
     preflight(&args.common)?;
     ensure!(args.runs > 0, "--runs must be at least 1");
     ensure!(
-        (1..=MAX_PODS).contains(&args.churn) && (1..=MAX_PODS).contains(&args.snapshot),
-        "--churn and --snapshot: between 1 and {MAX_PODS} pods (the eBPF agent's host address map \
-         overflows with more pods on the testbed node)"
+        (1..=cluster::MAX_PODS).contains(&args.churn)
+            && (1..=cluster::MAX_PODS).contains(&args.snapshot),
+        "--churn and --snapshot: between 1 and {} pods (the testbed cluster's limit)",
+        cluster::MAX_PODS
     );
     let suite = SuiteRun::start("control");
     let agent = std::path::absolute(&args.common.agent)?;
-    let n = args.churn.max(args.snapshot);
-    let created = Instant::now();
-    let cluster = Cluster::create(n as u8).context("creating the pod namespaces")?;
-    let pods_cgroup = CgroupGuard::create().context("creating the pods' cgroup")?;
-    let pods: Vec<BenchPod> = cluster
-        .pods
-        .iter()
-        .enumerate()
-        .map(|(i, p)| BenchPod::start(i, &p.ns.path(), p.ips(), pods_cgroup.path()))
-        .collect::<Result<_>>()
-        .context("starting the pods' processes")?;
-    eprintln!(
-        "control: {n} pods (namespace, cgroup, process) in {:.1} s",
-        created.elapsed().as_secs_f64()
-    );
     let work = TempDir::create("ambpf-bench-control")?;
     let cgroup = CgroupGuard::create().context("creating the agent's cgroup")?;
-    // The API server listens on the node namespace's loopback, where the
-    // agent runs; the bench drives it in-process.
-    let (api_runtime, failed) = named_runtime("apiserver", 1, Some(&cluster.node.path()))?;
-    let server = api_runtime
-        .spawn(ApiServer::start())
-        .await?
-        .context("starting the API server")?;
-    ensure!(
-        !failed.load(std::sync::atomic::Ordering::SeqCst),
-        "the API server's thread could not enter the node namespace"
+    eprintln!(
+        "control: churn {} pods, snapshot {} pods, {} runs of each mode (order alternating), a fresh node, pods and API server for every measurement",
+        args.churn, args.snapshot, args.runs
     );
-    let kubeconfig = work.join("kubeconfig");
-    std::fs::write(&kubeconfig, server.kubeconfig())?;
-    for i in 0..NAMESPACES {
-        server.apply("namespaces", namespace_object(i));
-    }
-    let env = Env {
-        agent: &agent,
-        work: &work,
-        cgroup: &cgroup,
-        cluster: &cluster,
-        server: &server,
-        kubeconfig: &kubeconfig,
-    };
 
     let mut churns = Vec::new();
-    for mode in [Mode::Iptables, Mode::Ebpf] {
-        let churn = churn(&env, &pods[..args.churn], mode)
-            .await
-            .with_context(|| format!("churn, {}", mode.name()))?;
-        eprintln!(
-            "control: churn {:<8} add p50 {:.1} ms, annotate p50 {:.1} ms, del p50 {:.1} ms",
-            mode.name(),
-            Stats::of(&churn.add_ms).map_or(f64::NAN, |s| s.median),
-            Stats::of(&churn.annotate_ms).map_or(f64::NAN, |s| s.median),
-            Stats::of(&churn.del_ms).map_or(f64::NAN, |s| s.median),
-        );
-        churns.push(churn);
-    }
     let mut snapshots = Vec::new();
     for run in 0..args.runs {
-        for mode in [Mode::Iptables, Mode::Ebpf] {
-            let snapshot = snapshot(&env, &pods[..args.snapshot], mode, run)
+        for mode in bench::alternated([Mode::Iptables, Mode::Ebpf], run) {
+            let world = World::create(args.churn).await?;
+            let env = world.env(&agent, &work, &cgroup);
+            let mut churn = churn(&env, &world.pods, mode, run)
+                .await
+                .with_context(|| format!("churn run {}, {}", run + 1, mode.name()))?;
+            churn.run = run;
+            eprintln!(
+                "control: churn run {} {:<8} add p50 {:.1} ms, annotate p50 {:.1} ms, del p50 {:.1} ms",
+                run + 1,
+                mode.name(),
+                Stats::of(&churn.add_ms).map_or(f64::NAN, |s| s.median),
+                Stats::of(&churn.annotate_ms).map_or(f64::NAN, |s| s.median),
+                Stats::of(&churn.del_ms).map_or(f64::NAN, |s| s.median),
+            );
+            churns.push(churn);
+            drop(world);
+
+            let world = World::create(args.snapshot).await?;
+            let env = world.env(&agent, &work, &cgroup);
+            let snapshot = snapshot(&env, &world.pods, mode, run)
                 .await
                 .with_context(|| format!("snapshot run {}, {}", run + 1, mode.name()))?;
             eprintln!(
-                "control: snapshot {} pods run {} {:<8} programmed {:.0} ms, ztunnel {:.0} ms, annotated {:.0} ms, cpu {:.0} ms, HWM {} KiB",
+                "control: snapshot {} pods run {} {:<8} programmed {:.0} ms, ztunnel {:.0} ms, annotated {:.0} ms, cpu {:.0} ms, RSS {} KiB, HWM {} KiB",
                 snapshot.pods,
                 run + 1,
                 mode.name(),
@@ -217,17 +192,15 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
                 snapshot.ztunnel_ms,
                 snapshot.annotated_ms,
                 snapshot.agent_cpu_ms,
+                snapshot.memory.vm_rss_kib,
                 snapshot.memory.vm_hwm_kib,
             );
             snapshots.push(snapshot);
         }
     }
-    drop(server);
-    drop(api_runtime);
-    drop(pods);
 
     let churn_summary = summarize_churn(&churns);
-    let snapshot_summary = summarize_snapshots(&snapshots);
+    let snapshot_summary = summarize_snapshots(&snapshots, args.runs);
     let ratios = print_tables(&churn_summary, &snapshot_summary, &args);
     suite.write_report(
         args.common.out.as_deref(),
@@ -247,6 +220,77 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
         }),
     )?;
     Ok(())
+}
+
+/// What one measurement runs against, made fresh for each: a node with `n`
+/// pods (namespaces, cgroups, processes) and an API server on the node's
+/// loopback holding the ambient namespaces.
+struct World {
+    // Field order is drop order: the pods' processes and the server before
+    // the namespaces.
+    pods: Vec<BenchPod>,
+    server: ApiServer,
+    _api_runtime: OwnRuntime,
+    kubeconfig: PathBuf,
+    _kubeconfig_dir: TempDir,
+    _pods_cgroup: CgroupGuard,
+    cluster: Cluster,
+}
+
+impl World {
+    async fn create(n: usize) -> Result<Self> {
+        let created = Instant::now();
+        let cluster = Cluster::create(n as u16).context("creating the pod namespaces")?;
+        let pods_cgroup = CgroupGuard::create().context("creating the pods' cgroup")?;
+        let pods: Vec<BenchPod> = cluster
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| BenchPod::start(i, &p.ns.path(), p.ips(), pods_cgroup.path()))
+            .collect::<Result<_>>()
+            .context("starting the pods' processes")?;
+        // The API server listens on the node namespace's loopback, where the
+        // agent runs; the bench drives it in-process.
+        let (api_runtime, failed) = named_runtime("apiserver", 1, Some(&cluster.node.path()))?;
+        let server = api_runtime
+            .spawn(ApiServer::start())
+            .await?
+            .context("starting the API server")?;
+        ensure!(
+            !failed.load(std::sync::atomic::Ordering::SeqCst),
+            "the API server's thread could not enter the node namespace"
+        );
+        let kubeconfig_dir = TempDir::create("ambpf-bench-kubeconfig")?;
+        let kubeconfig = kubeconfig_dir.join("kubeconfig");
+        std::fs::write(&kubeconfig, server.kubeconfig())?;
+        for i in 0..NAMESPACES {
+            server.apply("namespaces", namespace_object(i));
+        }
+        eprintln!(
+            "control: {n} pods (namespace, cgroup, process) and the API server in {:.1} s",
+            created.elapsed().as_secs_f64()
+        );
+        Ok(Self {
+            pods,
+            server,
+            _api_runtime: api_runtime,
+            kubeconfig,
+            _kubeconfig_dir: kubeconfig_dir,
+            _pods_cgroup: pods_cgroup,
+            cluster,
+        })
+    }
+
+    fn env<'a>(&'a self, agent: &'a Path, work: &'a TempDir, cgroup: &'a CgroupGuard) -> Env<'a> {
+        Env {
+            agent,
+            work,
+            cgroup,
+            cluster: &self.cluster,
+            server: &self.server,
+            kubeconfig: &self.kubeconfig,
+        }
+    }
 }
 
 struct Env<'a> {
@@ -470,9 +514,11 @@ fn socket_exists(path: &Path) -> bool {
 // ---------------------------------------------------------------------------
 // Measurements
 
-async fn churn(env: &Env<'_>, pods: &[BenchPod], mode: Mode) -> Result<Churn> {
-    let socket = env.work.join(format!("churn-{}.sock", mode.name()));
-    let log = env.work.join(format!("agent-churn-{}.log", mode.name()));
+async fn churn(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: usize) -> Result<Churn> {
+    let socket = env.work.join(format!("churn-{}-{run}.sock", mode.name()));
+    let log = env
+        .work
+        .join(format!("agent-churn-{}-{run}.log", mode.name()));
     let mut agent = spawn_kube_agent(env, mode, &socket, &log)?;
     let double = connect_double(&mut agent, &socket).await?;
     let pid = agent.pid();
@@ -546,6 +592,7 @@ async fn churn(env: &Env<'_>, pods: &[BenchPod], mode: Mode) -> Result<Churn> {
     agent.stop()?;
     Ok(Churn {
         mode,
+        run,
         add_ms,
         annotate_ms,
         del_ms,
@@ -624,43 +671,58 @@ async fn snapshot(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: usize) -> R
 // ---------------------------------------------------------------------------
 // Results
 
+/// Each mode's churn, pooled over the runs.
 fn summarize_churn(churns: &[Churn]) -> Vec<ChurnSummary> {
-    churns
-        .iter()
-        .filter_map(|c| {
-            let n = c.add_ms.len().max(1) as f64;
+    [Mode::Iptables, Mode::Ebpf]
+        .into_iter()
+        .filter_map(|mode| {
+            let of: Vec<&Churn> = churns.iter().filter(|c| c.mode == mode).collect();
+            let pooled = |f: fn(&Churn) -> &Vec<f64>| -> Vec<f64> {
+                of.iter().flat_map(|c| f(c).iter().copied()).collect()
+            };
+            let pods = pooled(|c| &c.add_ms).len().max(1) as f64;
             Some(ChurnSummary {
-                mode: c.mode,
-                add_ms: Stats::of(&c.add_ms)?,
-                annotate_ms: Stats::of(&c.annotate_ms)?,
-                del_ms: Stats::of(&c.del_ms)?,
-                create_cpu_ms_per_pod: c.create_cpu_ms / n,
-                delete_cpu_ms_per_pod: c.delete_cpu_ms / n,
-                vm_hwm_kib: c.memory_after.vm_hwm_kib,
+                mode,
+                add_ms: Stats::of(&pooled(|c| &c.add_ms))?,
+                annotate_ms: Stats::of(&pooled(|c| &c.annotate_ms))?,
+                del_ms: Stats::of(&pooled(|c| &c.del_ms))?,
+                create_cpu_ms_per_pod: of.iter().map(|c| c.create_cpu_ms).sum::<f64>() / pods,
+                delete_cpu_ms_per_pod: of.iter().map(|c| c.delete_cpu_ms).sum::<f64>() / pods,
+                vm_hwm_kib: of.iter().map(|c| c.memory_after.vm_hwm_kib).max()?,
             })
         })
         .collect()
 }
 
-fn summarize_snapshots(snapshots: &[Snapshot]) -> Vec<SnapshotSummary> {
-    [Mode::Iptables, Mode::Ebpf]
-        .into_iter()
-        .filter_map(|mode| {
-            let of: Vec<&Snapshot> = snapshots.iter().filter(|s| s.mode == mode).collect();
+/// Each mode's snapshots: the steady runs (all after the first, or the
+/// only one) and, with more than one run, the first apart.
+fn summarize_snapshots(snapshots: &[Snapshot], runs: usize) -> Vec<SnapshotSummary> {
+    let mut out = Vec::new();
+    for (label, in_group) in bench::RUN_GROUPS {
+        for mode in [Mode::Iptables, Mode::Ebpf] {
+            let of: Vec<&Snapshot> = snapshots
+                .iter()
+                .filter(|s| s.mode == mode && in_group(s.run, runs))
+                .collect();
             let stats =
                 |f: fn(&Snapshot) -> f64| Stats::of(&of.iter().map(|s| f(s)).collect::<Vec<_>>());
-            Some(SnapshotSummary {
-                mode,
-                pods: of.first()?.pods,
-                programmed_ms: stats(|s| s.programmed_ms)?,
-                ztunnel_ms: stats(|s| s.ztunnel_ms)?,
-                annotated_ms: stats(|s| s.annotated_ms)?,
-                agent_cpu_ms: stats(|s| s.agent_cpu_ms)?,
-                vm_rss_kib: of.iter().map(|s| s.memory.vm_rss_kib).max()?,
-                vm_hwm_kib: of.iter().map(|s| s.memory.vm_hwm_kib).max()?,
-            })
-        })
-        .collect()
+            let summary = (|| {
+                Some(SnapshotSummary {
+                    mode,
+                    runs: label,
+                    pods: of.first()?.pods,
+                    programmed_ms: stats(|s| s.programmed_ms)?,
+                    ztunnel_ms: stats(|s| s.ztunnel_ms)?,
+                    annotated_ms: stats(|s| s.annotated_ms)?,
+                    agent_cpu_ms: stats(|s| s.agent_cpu_ms)?,
+                    vm_rss_kib: of.iter().map(|s| s.memory.vm_rss_kib).max()?,
+                    vm_hwm_kib: of.iter().map(|s| s.memory.vm_hwm_kib).max()?,
+                })
+            })();
+            out.extend(summary);
+        }
+    }
+    out
 }
 
 /// ebpf / iptables for each named figure.
@@ -670,7 +732,10 @@ fn ratios(
 ) -> std::collections::BTreeMap<&'static str, f64> {
     let c = |mode: Mode, f: fn(&ChurnSummary) -> f64| churn.iter().find(|s| s.mode == mode).map(f);
     let s = |mode: Mode, f: fn(&SnapshotSummary) -> f64| {
-        snapshot.iter().find(|s| s.mode == mode).map(f)
+        snapshot
+            .iter()
+            .find(|s| s.mode == mode && s.runs == "steady")
+            .map(f)
     };
     let rc = |f: fn(&ChurnSummary) -> f64| sys::ratio(c(Mode::Ebpf, f), c(Mode::Iptables, f));
     let rs = |f: fn(&SnapshotSummary) -> f64| sys::ratio(s(Mode::Ebpf, f), s(Mode::Iptables, f));
@@ -702,8 +767,8 @@ fn print_tables(
     let mib = |kib: u64| format!("{:.1}", kib as f64 / 1024.0);
     println!();
     println!(
-        "Churn: {} pods created, then deleted, one at a time (ms from the API event; kube resync {KUBE_RESYNC_S} s)",
-        args.churn
+        "Churn: {} pods created, then deleted, one at a time, per run (ms from the API event, pooled over {} runs; kube resync {KUBE_RESYNC_S} s)",
+        args.churn, args.runs
     );
     let mut table = Table::new([
         "mode",
@@ -734,10 +799,16 @@ fn print_tables(
     print!("{table}");
     println!();
     println!(
-        "Snapshot: pods in the API server before the agent starts (ms from spawn, median of {} runs)",
-        args.runs
+        "Snapshot: pods in the API server before the agent starts (ms from spawn; `steady`: median of {} run(s){}",
+        if args.runs > 1 { args.runs - 1 } else { 1 },
+        if args.runs > 1 {
+            ", the first run apart)"
+        } else {
+            ")"
+        }
     );
     let mut table = Table::new([
+        "runs",
         "mode",
         "pods",
         "programmed",
@@ -750,6 +821,7 @@ fn print_tables(
     ]);
     for s in snapshot {
         table.row([
+            s.runs.to_owned(),
             s.mode.name().to_owned(),
             s.pods.to_string(),
             f1(s.programmed_ms.median),
@@ -764,7 +836,7 @@ fn print_tables(
     print!("{table}");
     let ratios = ratios(churn, snapshot);
     println!();
-    println!("Ratios ebpf/iptables (lower is better)");
+    println!("Ratios ebpf/iptables (lower is better; snapshot figures from the steady runs)");
     let mut table = Table::new(["figure", "ebpf/iptables"]);
     for (name, r) in &ratios {
         let cell = if r.is_nan() {

@@ -2,14 +2,12 @@
 //! with `#[path]`; not part of the library).
 //!
 //! Time for the agent to enrol N pods and to remove them, in the iptables
-//! and the eBPF mode, interleaved (iptables, ebpf, repeat); the iptables mode
-//! measured in the same run is the baseline.
-//!
-//! Each pod is its own network namespace of a testbed [`Cluster`] (an
-//! `eth0` with IPv4 and IPv6 addresses, veth'd to the node). The cluster is
-//! limited to 200 pods (its addressing), so 1,000 pods are not measured: the
-//! tables give the per-pod time of the largest N and an extrapolation to
-//! 1,000, labelled as such.
+//! and the eBPF mode; the iptables mode measured in the same run is the
+//! baseline. As a user meets them: every measurement gets a fresh testbed
+//! [`Cluster`] (each pod its own network namespace, an `eth0` with IPv4 and
+//! IPv6 addresses, veth'd to the node), so no mode enrols a namespace
+//! another measurement enrolled before; the order of the modes alternates
+//! from run to run; and the first run is reported apart from the rest.
 //!
 //! One measurement: the agent starts with an empty pods file and the ztunnel
 //! double connects (ready, no pods). The bench writes the file with N pods;
@@ -24,8 +22,17 @@
 //! checked afterwards (not timed) to list N pods. Removal: the file is
 //! emptied; read → the double has none left (every Del received). The agent's
 //! CPU time over each phase (schedstat) is the steadier figure.
+//!
+//! After the enrolment the agent's `/metrics` gives where its time went, per
+//! step (`ambpf_enrol_step_seconds_total`: namespace inspection, reply
+//! routing, steering filter, map writes; iptables mode: inspection, rules).
 
-use ambpf_testbed::bench::sys::{self, OpenWatcher};
+use std::collections::BTreeMap;
+
+use ambpf_testbed::{
+    bench::sys::{self, OpenWatcher},
+    cluster,
+};
 
 use super::{
     redirect::{Agent, Mode, write_pods_file},
@@ -35,14 +42,14 @@ use super::{
 /// A hang, not a slow result.
 const TIMEOUT: Duration = Duration::from_secs(120);
 const PODS_FILE: &str = "pods.json";
-/// The testbed cluster's limit.
-const MAX_PODS: usize = 200;
+/// Where the agent serves `/metrics` (its default), in the node namespace.
+const METRICS: &str = "127.0.0.1:15014";
 
 #[derive(Args)]
 pub(super) struct EnrollArgs {
     #[command(flatten)]
     common: Common,
-    /// Pod counts (each pod its own network namespace; at most 200).
+    /// Pod counts (each pod its own network namespace; at most 2559).
     #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
     pods: Vec<usize>,
     /// Measurements per pod count and mode.
@@ -78,6 +85,10 @@ struct Sample {
     pods: usize,
     enrol: Phase,
     remove: Phase,
+    /// The agent's enrolment time per pod by step (ms), from its metrics.
+    enrol_steps_ms_per_pod: BTreeMap<String, f64>,
+    /// Creating the measurement's fresh pod namespaces (s).
+    cluster_create_s: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -94,13 +105,18 @@ struct PhaseSummary {
 struct ModeSummary {
     pods: usize,
     mode: Mode,
+    /// `steady` (every run after the first, or the only one) or `first`.
+    runs: &'static str,
     enrol: PhaseSummary,
     remove: PhaseSummary,
+    /// Median per-pod time of each enrolment step (ms).
+    enrol_steps_ms_per_pod: BTreeMap<String, f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
 struct Ratio {
     pods: usize,
+    runs: &'static str,
     enrol_ebpf_over_iptables: f64,
     enrol_cpu_ebpf_over_iptables: f64,
     remove_ebpf_over_iptables: f64,
@@ -111,13 +127,18 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
     preflight(&args.common)?;
     ensure!(args.runs > 0, "--runs must be at least 1");
     ensure!(
-        !args.pods.is_empty() && args.pods.iter().all(|&n| (1..=MAX_PODS).contains(&n)),
-        "--pods: counts between 1 and {MAX_PODS} (the testbed cluster's limit)"
+        !args.pods.is_empty()
+            && args
+                .pods
+                .iter()
+                .all(|&n| (1..=cluster::MAX_PODS).contains(&n)),
+        "--pods: counts between 1 and {} (the testbed cluster's limit)",
+        cluster::MAX_PODS
     );
     let suite = SuiteRun::start("enroll");
     let agent = std::path::absolute(&args.common.agent)?;
     eprintln!(
-        "enroll: pods {:?}, {} runs of iptables, ebpf each",
+        "enroll: pods {:?}, {} runs of each mode (order alternating), fresh pod namespaces for every measurement",
         args.pods, args.runs
     );
     let work = TempDir::create("ambpf-bench-enroll")?;
@@ -126,25 +147,25 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
 
     let mut samples = Vec::new();
     for &n in &args.pods {
-        let created = Instant::now();
-        let cluster = Cluster::create(n as u8).context("creating the pod namespaces")?;
-        eprintln!(
-            "enroll: {n} pod namespaces created in {:.1} s",
-            created.elapsed().as_secs_f64()
-        );
-        let pods: Vec<(String, PathBuf)> = cluster
-            .pods
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (format!("{n:08x}-e0e0-4000-8000-{i:012x}"), p.ns.path()))
-            .collect();
         for run in 0..args.runs {
-            for mode in [Mode::Iptables, Mode::Ebpf] {
-                let sample = measure(&agent, &work, &cgroup, &watcher, &cluster, &pods, mode, run)
-                    .await
-                    .with_context(|| format!("{n} pods, run {}, {}", run + 1, mode.name()))?;
+            for mode in bench::alternated([Mode::Iptables, Mode::Ebpf], run) {
+                let created = Instant::now();
+                let cluster = Cluster::create(n as u16).context("creating the pod namespaces")?;
+                let cluster_create_s = created.elapsed().as_secs_f64();
+                let pods: Vec<(String, PathBuf)> = cluster
+                    .pods
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (format!("{n:08x}-e0e0-4000-8000-{i:012x}"), p.ns.path()))
+                    .collect();
+                let mut sample =
+                    measure(&agent, &work, &cgroup, &watcher, &cluster, &pods, mode, run)
+                        .await
+                        .with_context(|| format!("{n} pods, run {}, {}", run + 1, mode.name()))?;
+                sample.cluster_create_s = cluster_create_s;
+                drop(cluster);
                 eprintln!(
-                    "enroll: {n:>3} pods run {} {:<8} enrol {:>8.1} ms (file→done {:>7.1}, agent cpu {:>7.1}), remove {:>8.1} ms (agent cpu {:>7.1})",
+                    "enroll: {n:>4} pods run {} {:<8} enrol {:>8.1} ms (file→done {:>7.1}, agent cpu {:>7.1}), remove {:>8.1} ms (agent cpu {:>7.1}); namespaces made in {cluster_create_s:.1} s",
                     run + 1,
                     mode.name(),
                     sample.enrol.read_to_done_ms,
@@ -157,7 +178,7 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
             }
         }
     }
-    let (modes, ratios) = summarize(&samples, &args.pods);
+    let (modes, ratios) = summarize(&samples, &args.pods, args.runs);
     print_tables(&modes, &ratios, &args);
     suite.write_report(
         args.common.out.as_deref(),
@@ -210,6 +231,11 @@ async fn measure(
     })
     .await
     .context("enrolling")?;
+    let enrol_steps_ms_per_pod = enrol_steps(&cluster.node)
+        .context("reading the agent's enrolment steps from /metrics")?
+        .into_iter()
+        .map(|(step, (count, seconds))| (step, seconds * 1000.0 / count.max(1.0)))
+        .collect();
     if mode == Mode::Ebpf {
         let listed = agent.status_pods()?;
         ensure!(listed == n, "ambpf status lists {listed} pods, not {n}");
@@ -227,7 +253,56 @@ async fn measure(
         pods: n,
         enrol,
         remove,
+        enrol_steps_ms_per_pod,
+        cluster_create_s: f64::NAN,
     })
+}
+
+/// The agent's `ambpf_enrol_steps_total` and `ambpf_enrol_step_seconds_total`
+/// by step: (times, seconds).
+fn enrol_steps(node: &ambpf_testbed::NetnsGuard) -> Result<BTreeMap<String, (f64, f64)>> {
+    use std::io::{Read as _, Write as _};
+    let body = node.run(|| -> std::io::Result<String> {
+        let mut conn = std::net::TcpStream::connect(METRICS)?;
+        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
+        let mut body = String::new();
+        conn.read_to_string(&mut body)?;
+        Ok(body)
+    })??;
+    Ok(parse_enrol_steps(&body))
+}
+
+fn parse_enrol_steps(metrics: &str) -> BTreeMap<String, (f64, f64)> {
+    let mut steps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for line in metrics.lines() {
+        let (is_count, rest) = if let Some(rest) = line.strip_prefix("ambpf_enrol_steps_total{") {
+            (true, rest)
+        } else if let Some(rest) = line.strip_prefix("ambpf_enrol_step_seconds_total{") {
+            (false, rest)
+        } else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let Some(step) = labels
+            .strip_prefix("step=\"")
+            .and_then(|l| l.strip_suffix('"'))
+        else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let entry = steps.entry(step.to_owned()).or_default();
+        if is_count {
+            entry.0 = value;
+        } else {
+            entry.1 = value;
+        }
+    }
+    steps
 }
 
 /// Writes `pods` to the file and waits until `progress(workloads, all
@@ -291,69 +366,90 @@ async fn phase(
     })
 }
 
-fn summarize(samples: &[Sample], counts: &[usize]) -> (Vec<ModeSummary>, Vec<Ratio>) {
+fn summarize(samples: &[Sample], counts: &[usize], runs: usize) -> (Vec<ModeSummary>, Vec<Ratio>) {
     let mut modes = Vec::new();
     let mut ratios = Vec::new();
     for &n in counts {
-        let mut medians = std::collections::HashMap::new();
-        for mode in [Mode::Iptables, Mode::Ebpf] {
-            let of: Vec<&Sample> = samples
-                .iter()
-                .filter(|s| s.pods == n && s.mode == mode)
-                .collect();
-            let summary = |phase: &dyn Fn(&Sample) -> &Phase| -> Option<PhaseSummary> {
-                let stats = |f: &dyn Fn(&Phase) -> f64| {
-                    Stats::of(&of.iter().map(|s| f(phase(s))).collect::<Vec<_>>())
+        for (runs_label, in_group) in bench::RUN_GROUPS {
+            let mut medians = std::collections::HashMap::new();
+            for mode in [Mode::Iptables, Mode::Ebpf] {
+                let of: Vec<&Sample> = samples
+                    .iter()
+                    .filter(|s| s.pods == n && s.mode == mode && in_group(s.run, runs))
+                    .collect();
+                let Some(summary) = summarize_mode(&of, n, mode, runs_label) else {
+                    continue;
                 };
-                let read_to_done_ms = stats(&|p| p.read_to_done_ms)?;
-                Some(PhaseSummary {
-                    per_pod_ms: read_to_done_ms.median / n as f64,
-                    read_to_done_ms,
-                    file_to_done_ms: stats(&|p| p.file_to_done_ms)?,
-                    read_to_first_ms: stats(&|p| p.read_to_first_ms)?,
-                    agent_cpu_ms: stats(&|p| p.agent_cpu_ms)?,
-                })
-            };
-            let (Some(enrol), Some(remove)) = (summary(&|s| &s.enrol), summary(&|s| &s.remove))
-            else {
+                medians.insert(
+                    mode.name(),
+                    [
+                        summary.enrol.read_to_done_ms.median,
+                        summary.enrol.agent_cpu_ms.median,
+                        summary.remove.read_to_done_ms.median,
+                        summary.remove.agent_cpu_ms.median,
+                    ],
+                );
+                modes.push(summary);
+            }
+            if medians.is_empty() {
                 continue;
+            }
+            let r = |i: usize| {
+                sys::ratio(
+                    medians.get("ebpf").map(|m: &[f64; 4]| m[i]),
+                    medians.get("iptables").map(|m: &[f64; 4]| m[i]),
+                )
             };
-            medians.insert(
-                mode.name(),
-                [
-                    enrol.read_to_done_ms.median,
-                    enrol.agent_cpu_ms.median,
-                    remove.read_to_done_ms.median,
-                    remove.agent_cpu_ms.median,
-                ],
-            );
-            modes.push(ModeSummary {
+            ratios.push(Ratio {
                 pods: n,
-                mode,
-                enrol,
-                remove,
+                runs: runs_label,
+                enrol_ebpf_over_iptables: r(0),
+                enrol_cpu_ebpf_over_iptables: r(1),
+                remove_ebpf_over_iptables: r(2),
+                remove_cpu_ebpf_over_iptables: r(3),
             });
         }
-        let r = |i: usize| {
-            sys::ratio(
-                medians.get("ebpf").map(|m: &[f64; 4]| m[i]),
-                medians.get("iptables").map(|m: &[f64; 4]| m[i]),
-            )
-        };
-        ratios.push(Ratio {
-            pods: n,
-            enrol_ebpf_over_iptables: r(0),
-            enrol_cpu_ebpf_over_iptables: r(1),
-            remove_ebpf_over_iptables: r(2),
-            remove_cpu_ebpf_over_iptables: r(3),
-        });
     }
     (modes, ratios)
+}
+
+fn summarize_mode(of: &[&Sample], n: usize, mode: Mode, runs: &'static str) -> Option<ModeSummary> {
+    let summary = |phase: &dyn Fn(&Sample) -> &Phase| -> Option<PhaseSummary> {
+        let stats = |f: &dyn Fn(&Phase) -> f64| {
+            Stats::of(&of.iter().map(|s| f(phase(s))).collect::<Vec<_>>())
+        };
+        let read_to_done_ms = stats(&|p| p.read_to_done_ms)?;
+        Some(PhaseSummary {
+            per_pod_ms: read_to_done_ms.median / n as f64,
+            read_to_done_ms,
+            file_to_done_ms: stats(&|p| p.file_to_done_ms)?,
+            read_to_first_ms: stats(&|p| p.read_to_first_ms)?,
+            agent_cpu_ms: stats(&|p| p.agent_cpu_ms)?,
+        })
+    };
+    let mut steps: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for sample in of {
+        for (step, ms) in &sample.enrol_steps_ms_per_pod {
+            steps.entry(step.clone()).or_default().push(*ms);
+        }
+    }
+    Some(ModeSummary {
+        pods: n,
+        mode,
+        runs,
+        enrol: summary(&|s| &s.enrol)?,
+        remove: summary(&|s| &s.remove)?,
+        enrol_steps_ms_per_pod: steps
+            .into_iter()
+            .filter_map(|(step, v)| Some((step, Stats::of(&v)?.median)))
+            .collect(),
+    })
 }
 
 fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
     let f1 = |v: f64| format!("{v:.1}");
     let f2 = |v: f64| format!("{v:.2}");
+    let f3 = |v: f64| format!("{v:.3}");
     let x = |v: f64| {
         if v.is_nan() {
             "-".to_owned()
@@ -361,6 +457,7 @@ fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
             format!("{v:.2}x")
         }
     };
+    let steady_runs = if args.runs > 1 { args.runs - 1 } else { 1 };
     for (title, pick) in [
         (
             "Enrol: agent reads the pods file → ztunnel double holds every pod",
@@ -372,9 +469,17 @@ fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
         ),
     ] {
         println!();
-        println!("{title} (ms, {} runs each)", args.runs);
+        println!(
+            "{title} (ms; fresh namespaces each; `steady`: median of {steady_runs} run(s){}",
+            if args.runs > 1 {
+                ", the first run apart)"
+            } else {
+                ")"
+            }
+        );
         let mut table = Table::new([
             "pods",
+            "runs",
             "mode",
             "median",
             "min",
@@ -388,6 +493,7 @@ fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
             let p = pick(m);
             table.row([
                 m.pods.to_string(),
+                m.runs.to_owned(),
                 m.mode.name().to_owned(),
                 f1(p.read_to_done_ms.median),
                 f1(p.read_to_done_ms.min),
@@ -401,11 +507,29 @@ fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
         print!("{table}");
     }
     println!();
+    println!("Where enrolment time goes, per pod (ms, the agent's own step timings, median)");
+    let mut table = Table::new(["pods", "runs", "mode", "steps"]);
+    for m in modes {
+        let steps: Vec<String> = m
+            .enrol_steps_ms_per_pod
+            .iter()
+            .map(|(step, ms)| format!("{step} {}", f3(*ms)))
+            .collect();
+        table.row([
+            m.pods.to_string(),
+            m.runs.to_owned(),
+            m.mode.name().to_owned(),
+            steps.join(", "),
+        ]);
+    }
+    print!("{table}");
+    println!();
     println!("Ratios ebpf/iptables of medians (lower is better)");
-    let mut table = Table::new(["pods", "enrol", "enrol cpu", "remove", "remove cpu"]);
+    let mut table = Table::new(["pods", "runs", "enrol", "enrol cpu", "remove", "remove cpu"]);
     for r in ratios {
         table.row([
             r.pods.to_string(),
+            r.runs.to_owned(),
             x(r.enrol_ebpf_over_iptables),
             x(r.enrol_cpu_ebpf_over_iptables),
             x(r.remove_ebpf_over_iptables),
@@ -413,18 +537,22 @@ fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
         ]);
     }
     print!("{table}");
-    if let Some(largest) = modes.iter().map(|m| m.pods).max() {
-        println!();
-        println!(
-            "1,000 pods EXTRAPOLATED (not measured: the testbed cluster stops at {MAX_PODS}) from the per-pod time at {largest} pods:"
-        );
-        for m in modes.iter().filter(|m| m.pods == largest) {
-            println!(
-                "  {:<8} enrol ≈ {:.0} ms, remove ≈ {:.0} ms",
-                m.mode.name(),
-                m.enrol.per_pod_ms * 1000.0,
-                m.remove.per_pod_ms * 1000.0
-            );
-        }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enrolment_steps_are_read_from_the_agents_metrics() {
+        let metrics = "# HELP ambpf_enrol_steps_total x\n\
+            ambpf_enrol_steps_total{step=\"inspect\"} 4.0\n\
+            ambpf_enrol_step_seconds_total{step=\"inspect\"} 0.002\n\
+            ambpf_enrol_step_seconds_total{step=\"maps\"} 0.5\n\
+            ambpf_pods_enrolled 4\n";
+        let steps = parse_enrol_steps(metrics);
+        assert_eq!(steps.len(), 2);
+        assert_eq!(steps["inspect"], (4.0, 0.002));
+        assert_eq!(steps["maps"], (0.0, 0.5));
     }
 }

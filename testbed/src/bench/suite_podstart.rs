@@ -80,11 +80,7 @@ impl Lane {
     async fn start(mode: Mode, binary: &Path, work: &TempDir) -> Result<Self> {
         let node = Node::start(NodeConfig::default()).context("starting containerd")?;
         let cri = node.cri().await?;
-        let listener = node
-            .netns
-            .run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
-        listener.set_nonblocking(true)?;
-        let api = ApiServer::start_on(tokio::net::TcpListener::from_std(listener)?)?;
+        let api = ApiServer::start_in(&node.netns.path()).await?;
         api.apply("namespaces", namespace_object(NAMESPACE, true));
         let mut lane = Self {
             mode,

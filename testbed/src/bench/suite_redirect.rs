@@ -91,6 +91,10 @@ pub(super) struct RedirectArgs {
     /// Worker threads of the load generator's runtime.
     #[arg(long, default_value_t = 2)]
     loadgen_threads: usize,
+    /// Also measure the eBPF mode with an `ambpf trace --json` reader
+    /// attached (mode `ebpf+trace`): the cost of emitting trace records.
+    #[arg(long)]
+    trace_reader: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -99,6 +103,9 @@ pub(super) enum Mode {
     Direct,
     Iptables,
     Ebpf,
+    /// eBPF with a trace reader attached.
+    #[serde(rename = "ebpf+trace")]
+    EbpfTraced,
 }
 
 impl Mode {
@@ -107,6 +114,15 @@ impl Mode {
             Mode::Direct => "direct",
             Mode::Iptables => "iptables",
             Mode::Ebpf => "ebpf",
+            Mode::EbpfTraced => "ebpf+trace",
+        }
+    }
+
+    /// The agent's `--redirect-mode`.
+    fn agent_mode(self) -> &'static str {
+        match self {
+            Mode::EbpfTraced => Mode::Ebpf.name(),
+            other => other.name(),
         }
     }
 }
@@ -181,7 +197,7 @@ impl Agent {
             .arg(&pin_root)
             .arg("run")
             .arg("--redirect-mode")
-            .arg(mode.name())
+            .arg(mode.agent_mode())
             .args(source)
             .arg("--zds-socket")
             .arg(socket)
@@ -210,6 +226,27 @@ impl Agent {
 
     pub(super) fn pid(&self) -> u32 {
         self.process.pid()
+    }
+
+    /// Attaches `ambpf trace --json` to the agent's pins, its records
+    /// written to `log`; returns once it reads.
+    async fn attach_trace_reader(&self, log: &Path) -> Result<ProcessGuard> {
+        let mut command = Command::new(&self.binary);
+        command
+            .arg("--pin-root")
+            .arg(&self.pin_root)
+            .args(["trace", "--json"]);
+        let mut reader = ProcessGuard::spawn("the trace reader", command, log)?;
+        let deadline = std::time::Instant::now() + READY_TIMEOUT;
+        while !std::fs::read_to_string(log)?.contains("reading redirect decisions") {
+            reader.check_running()?;
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the trace reader never attached"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(reader)
     }
 
     /// Pods in `ambpf status --json` (eBPF mode).
@@ -643,9 +680,18 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
     );
     let suite = SuiteRun::start("redirect");
     let agent = std::path::absolute(&args.common.agent)?;
+    let mut modes = vec![Mode::Direct, Mode::Iptables, Mode::Ebpf];
+    if args.trace_reader {
+        modes.push(Mode::EbpfTraced);
+    }
+    let names: Vec<&str> = modes.iter().map(|m| m.name()).collect();
     eprintln!(
-        "redirect: clients {:?}, {} s (+{} s warm-up) per test, {} runs of direct, iptables, ebpf",
-        args.clients, args.duration_secs, args.warmup_secs, args.runs
+        "redirect: clients {:?}, {} s (+{} s warm-up) per test, {} runs of {}",
+        args.clients,
+        args.duration_secs,
+        args.warmup_secs,
+        args.runs,
+        names.join(", ")
     );
     if sys::conntrack_count().is_none() {
         eprintln!(
@@ -658,14 +704,14 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
 
     let mut runs = Vec::new();
     for run in 0..args.runs {
-        for mode in [Mode::Direct, Mode::Iptables, Mode::Ebpf] {
+        for &mode in &modes {
             let result = measure_mode(&args, &agent, &work, &cgroup, mode, run)
                 .await
                 .with_context(|| format!("run {} mode {}", run + 1, mode.name()))?;
             runs.push(result);
         }
     }
-    let summary = summarize(&runs, &args.clients);
+    let summary = summarize(&runs, &args.clients, &modes);
     print_tables(&summary, &runs, &args);
 
     suite.write_report(
@@ -731,11 +777,18 @@ async fn measure_mode(
             )
             .await
             .map_err(|e| anyhow::anyhow!("ztunnel never got the pod: {e:?}"))?;
-        redirected = Some((agent, double, zt_runtime));
+        let reader = match mode {
+            Mode::EbpfTraced => {
+                let log = work.join(format!("trace-{run}.log"));
+                Some(agent.attach_trace_reader(&log).await?)
+            }
+            _ => None,
+        };
+        redirected = Some((agent, double, zt_runtime, reader));
     }
-    let agent_pid = redirected.as_ref().map(|(agent, _, _)| agent.pid());
+    let agent_pid = redirected.as_ref().map(|(agent, ..)| agent.pid());
     let take_proxied = || {
-        redirected.as_ref().map_or((0, 0), |(_, double, _)| {
+        redirected.as_ref().map_or((0, 0), |(_, double, ..)| {
             let taken = double.take_proxied();
             let ok = taken
                 .iter()
@@ -827,7 +880,19 @@ async fn measure_mode(
         });
     }
 
-    if let Some((agent, double, zt_runtime)) = redirected {
+    if let Some((agent, double, zt_runtime, reader)) = redirected {
+        if let Some(mut reader) = reader {
+            reader.stop()?;
+            let records = std::fs::read_to_string(reader.log_path())?
+                .lines()
+                .filter(|l| l.contains("\"verdict\""))
+                .count();
+            eprintln!(
+                "redirect: run {} the trace reader printed {records} records",
+                run + 1
+            );
+            ensure!(records > 0, "the trace reader printed no record");
+        }
         // Unenrol (ztunnel gets the Del), stop, remove the pins.
         write_pods_file(&pods_file, &[])?;
         double
@@ -921,6 +986,10 @@ struct Ratios {
     p50_ebpf_over_direct: f64,
     p99_ebpf_over_iptables: f64,
     p99_ebpf_over_direct: f64,
+    /// With a trace reader attached against without (NaN: not measured).
+    conn_rate_traced_over_ebpf: f64,
+    p50_traced_over_ebpf: f64,
+    p99_traced_over_ebpf: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -937,12 +1006,12 @@ struct Summary {
     conntrack: Vec<ConntrackSummary>,
 }
 
-fn summarize(runs: &[ModeRun], clients: &[usize]) -> Summary {
+fn summarize(runs: &[ModeRun], clients: &[usize], measured: &[Mode]) -> Summary {
     let mut modes = Vec::new();
     let mut ratios = Vec::new();
     for &c in clients {
         let mut medians = std::collections::HashMap::new();
-        for mode in [Mode::Direct, Mode::Iptables, Mode::Ebpf] {
+        for &mode in measured {
             let points: Vec<&Point> = runs
                 .iter()
                 .filter(|r| r.mode == mode)
@@ -989,11 +1058,14 @@ fn summarize(runs: &[ModeRun], clients: &[usize]) -> Summary {
             p50_ebpf_over_direct: sys::ratio(get("ebpf", 1), get("direct", 1)),
             p99_ebpf_over_iptables: sys::ratio(get("ebpf", 2), get("iptables", 2)),
             p99_ebpf_over_direct: sys::ratio(get("ebpf", 2), get("direct", 2)),
+            conn_rate_traced_over_ebpf: sys::ratio(get("ebpf+trace", 0), get("ebpf", 0)),
+            p50_traced_over_ebpf: sys::ratio(get("ebpf+trace", 1), get("ebpf", 1)),
+            p99_traced_over_ebpf: sys::ratio(get("ebpf+trace", 2), get("ebpf", 2)),
         });
     }
-    let conntrack = [Mode::Direct, Mode::Iptables, Mode::Ebpf]
-        .into_iter()
-        .map(|mode| {
+    let conntrack = measured
+        .iter()
+        .map(|&mode| {
             let median = |f: &dyn Fn(&Conntrack) -> Option<f64>| {
                 runs.iter()
                     .filter(|r| r.mode == mode)
@@ -1105,6 +1177,20 @@ fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectArgs) {
         ]);
     }
     print!("{table}");
+    if args.trace_reader {
+        println!();
+        println!("Cost of a trace reader: ebpf+trace / ebpf, ratios of medians");
+        let mut table = Table::new(["clients", "conn/s", "p50", "p99"]);
+        for r in &summary.ratios {
+            table.row([
+                r.clients.to_string(),
+                x(r.conn_rate_traced_over_ebpf),
+                x(r.p50_traced_over_ebpf),
+                x(r.p99_traced_over_ebpf),
+            ]);
+        }
+        print!("{table}");
+    }
     println!();
     println!(
         "conntrack entries created per connection ({} sequential connections; nf_conntrack_count in the pod's and the node's namespace)",

@@ -49,7 +49,7 @@ use ambpf_proto::{
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
     bench::{self, Memory, ProcessGuard, Stats, SuiteRun, Table, TempDir, ms},
-    cluster::Cluster,
+    cluster::{self, Cluster},
     ztunnel::{ZdsEvent, ZtunnelConfig, ZtunnelDouble, ZtunnelState},
 };
 use anyhow::{Context as _, Result, bail, ensure};
@@ -472,8 +472,9 @@ mod zds {
         );
         ensure!(args.runs > 0, "--runs must be at least 1");
         ensure!(
-            (1..=200).contains(&args.netns),
-            "--netns: between 1 and 200 (the testbed cluster's limit)"
+            (1..=cluster::MAX_PODS).contains(&args.netns),
+            "--netns: between 1 and {} (the testbed cluster's limit)",
+            cluster::MAX_PODS
         );
         let suite = SuiteRun::start("zds");
         let agent = std::path::absolute(&args.common.agent)?;
@@ -483,7 +484,7 @@ mod zds {
         );
 
         let work = TempDir::create("ambpf-bench-zds")?;
-        let cluster = Cluster::create(args.netns as u8)
+        let cluster = Cluster::create(args.netns as u16)
             .context("creating the pod namespaces (testbed cluster)")?;
         let cgroup = CgroupGuard::create().context("creating a throwaway cgroup")?;
         // The floor's one netns fd, re-sent with every Add.

@@ -111,9 +111,7 @@ pub fn check_records(state: &PinnedPods) -> Vec<Violation> {
         let violation = match claims.owner(ip) {
             None => Violation::new(
                 ViolationKind::AddressOrphan,
-                format!(
-                    "{address} points at netns cookie {holder}, and no enrolled pod claims it"
-                ),
+                format!("{address} points at netns cookie {holder}, and no enrolled pod claims it"),
             ),
             Some(owner) if owner != holder => Violation::new(
                 ViolationKind::AddressWrongOwner,
@@ -167,10 +165,7 @@ pub fn check_records(state: &PinnedPods) -> Vec<Violation> {
 /// Finds the namespace of each pod: from `known` (handles the caller holds),
 /// else among the host's namespaces by inode, confirmed by cookie (an inode
 /// may have been reused by a new namespace). `None`: the namespace is gone.
-pub fn locate_pods(
-    pods: &[PodConfig],
-    known: &[(PodKey, &Netns)],
-) -> HashMap<u64, Option<Netns>> {
+pub fn locate_pods(pods: &[PodConfig], known: &[(PodKey, &Netns)]) -> HashMap<u64, Option<Netns>> {
     let known: HashMap<u64, &Netns> = known.iter().map(|(k, n)| (k.netns_cookie, *n)).collect();
     let mut host: Option<HashMap<u64, Netns>> = None;
     let mut out = HashMap::new();

@@ -188,7 +188,6 @@ pub(crate) fn key_of(pod: &PodConfig) -> PodKey {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;

@@ -119,9 +119,8 @@ use self::{
     tools::{FALLBACK_DIRS, Tools, detect_backend, ipset_binary, run_in},
 };
 use super::{
-    AddressConflict, CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey,
-    PodRedirection, RedirectMode, Violation, ViolationKind, claims::AddressClaims, podnet,
-    routing,
+    AddressConflict, CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection,
+    RedirectMode, Violation, ViolationKind, claims::AddressClaims, podnet, routing,
 };
 use crate::netns::{Netns, NetnsError};
 
@@ -423,7 +422,8 @@ impl PodRedirection for IptablesRedirection {
         netns: &Netns,
         options: EnrollOptions,
     ) -> Result<EnrolledPod, EnrollError> {
-        let net = podnet::inspect(netns)?;
+        let mut steps = super::EnrolSteps::default();
+        let net = steps.time("inspect", || podnet::inspect(netns))?;
         let addresses = super::pod_addresses(&net, netns)?;
         let key = PodKey {
             netns_cookie: net.netns_cookie,
@@ -438,24 +438,26 @@ impl PodRedirection for IptablesRedirection {
             None => Some(keep_netns(netns)?),
         };
         let stale = previous.clone().unwrap_or_default();
-        let conflicts =
-            match self.apply_pod(netns, key, &addresses, &stale, options.dns_capture) {
-                Ok(conflicts) => conflicts,
-                Err(e) => {
-                    if previous.is_none() {
-                        // Leave nothing half-done behind for a pod that was
-                        // not enrolled.
-                        let _ = self.release_probe_addresses(key.netns_cookie, &addresses);
-                        if let Err(undo) = remove_pod_rules(netns) {
-                            warn!(
-                                "undoing the failed enrolment of {}: {undo}",
-                                netns.path().display()
-                            );
-                        }
+        let applied = steps.time("rules", || {
+            self.apply_pod(netns, key, &addresses, &stale, options.dns_capture)
+        });
+        let conflicts = match applied {
+            Ok(conflicts) => conflicts,
+            Err(e) => {
+                if previous.is_none() {
+                    // Leave nothing half-done behind for a pod that was
+                    // not enrolled.
+                    let _ = self.release_probe_addresses(key.netns_cookie, &addresses);
+                    if let Err(undo) = remove_pod_rules(netns) {
+                        warn!(
+                            "undoing the failed enrolment of {}: {undo}",
+                            netns.path().display()
+                        );
                     }
-                    return Err(e);
                 }
-            };
+                return Err(e);
+            }
+        };
         match kept {
             Some(netns) => {
                 self.pods.insert(
@@ -489,6 +491,7 @@ impl PodRedirection for IptablesRedirection {
             interfaces: net.interfaces.into_iter().map(|i| i.name).collect(),
             dns_capture: options.dns_capture,
             conflicts,
+            steps,
         })
     }
 

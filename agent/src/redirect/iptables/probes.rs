@@ -246,8 +246,11 @@ impl IptablesRedirection {
                     .for_pod(key),
                 ),
                 Err(e) => out.push(
-                    Violation::new(ViolationKind::Unreadable, format!("the pod with {key}: {e}"))
-                        .for_pod(key),
+                    Violation::new(
+                        ViolationKind::Unreadable,
+                        format!("the pod with {key}: {e}"),
+                    )
+                    .for_pod(key),
                 ),
             }
         }
@@ -261,8 +264,11 @@ impl IptablesRedirection {
                 .for_pod(key),
             ),
             Err(e) => out.push(
-                Violation::new(ViolationKind::Unreadable, format!("the pod with {key}: {e}"))
-                    .for_pod(key),
+                Violation::new(
+                    ViolationKind::Unreadable,
+                    format!("the pod with {key}: {e}"),
+                )
+                .for_pod(key),
             ),
         }
         out
@@ -298,6 +304,9 @@ mod tests {
             ]
         );
         let v6 = "add istio-inpod-probes-v6 fd00:a:1::2 comment \"netns cookie 7\"";
-        assert_eq!(parse_save(v6)[0].address, "fd00:a:1::2".parse::<IpAddr>().unwrap());
+        assert_eq!(
+            parse_save(v6)[0].address,
+            "fd00:a:1::2".parse::<IpAddr>().unwrap()
+        );
     }
 }

@@ -202,11 +202,7 @@ pub fn link_update(link: BorrowedFd, prog: BorrowedFd) -> io::Result<()> {
 
 /// `BPF_PROG_ATTACH` to TCX ingress of `ifindex` (in the calling thread's
 /// namespace), in place of `replace` if given.
-pub fn prog_attach(
-    ifindex: u32,
-    prog: BorrowedFd,
-    replace: Option<BorrowedFd>,
-) -> io::Result<()> {
+pub fn prog_attach(ifindex: u32, prog: BorrowedFd, replace: Option<BorrowedFd>) -> io::Result<()> {
     let mut attr = ProgAttach {
         target_ifindex: ifindex,
         attach_bpf_fd: fd(prog),
