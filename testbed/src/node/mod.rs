@@ -18,8 +18,12 @@
 //!
 //! On drop every process of that cgroup is killed (`cgroup.kill`), the mounts
 //! under the private directory are detached, the shims' sockets (which
-//! containerd 1.6 always puts in `/run/containerd/s/`) removed, and the
-//! directory, cgroups and namespace deleted.
+//! containerd 1.6 always puts in `/run/containerd/s/`) and the CNI result
+//! cache entries of the node's sandboxes (libcni always keeps them in
+//! `/var/lib/cni/results/`, containerd 1.6 has no setting for it, and a pod
+//! killed with the node gets no DEL to remove them) removed, and the
+//! directory, cgroups and namespace deleted. The network's name is unique to
+//! the node for that reason.
 //!
 //! Two settings make containerd work on these machines: `restrict_oom_score_adj`
 //! (the sandbox's `oom_score_adj` of -998 needs CAP_SYS_RESOURCE, which this
@@ -31,8 +35,7 @@ pub mod cri;
 pub mod image;
 
 use std::{
-    fs,
-    io,
+    fs, io,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -52,6 +55,11 @@ const CNI_PLUGINS: [&str; 3] = ["bridge", "host-local", "loopback"];
 const K8S_NAMESPACE: &str = "k8s.io";
 /// Where containerd 1.6's shims put their sockets, whatever its state dir.
 const SHIM_SOCKET_DIR: &str = "/run/containerd/s";
+/// Where libcni caches each attachment's result, whatever the runtime's
+/// directories: `results/<network>-<sandbox id>-<ifname>`.
+const CNI_CACHE_DIR: &str = "/var/lib/cni";
+/// The network containerd's CRI plugin adds for every sandbox's loopback.
+const CRI_LOOPBACK_NETWORK: &str = "cni-loopback";
 /// The cgroup v1 hierarchies of these machines (runc creates the pods'
 /// cgroups in each).
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -80,6 +88,8 @@ pub struct Node {
     cgroup: String,
     /// Whether `/run/containerd/s` (and which parents) existed before.
     shim_dirs_existed: Vec<(PathBuf, bool)>,
+    /// Whether `/var/lib/cni/results` (and which parents) existed before.
+    cache_dirs_existed: Vec<(PathBuf, bool)>,
     pub netns: NetnsGuard,
 }
 
@@ -92,15 +102,23 @@ impl Node {
         }
         let unique = unique_name("");
         let cgroup = format!("ambpf-node-{unique}");
-        let shim_dirs_existed = [Path::new("/run/containerd"), Path::new(SHIM_SOCKET_DIR)]
-            .map(|dir| (dir.to_owned(), dir.exists()))
-            .into();
+        let existed = |dirs: [PathBuf; 2]| {
+            dirs.map(|dir| {
+                let existed = dir.exists();
+                (dir, existed)
+            })
+            .into()
+        };
+        let shim_dirs_existed = existed(["/run/containerd".into(), SHIM_SOCKET_DIR.into()]);
+        let cache = Path::new(CNI_CACHE_DIR);
+        let cache_dirs_existed = existed([cache.to_owned(), cache.join("results")]);
         let netns = NetnsGuard::create("node")?;
         let mut node = Self {
             containerd: None,
             dir: std::env::temp_dir().join(format!("ambpf-node-{unique}")),
             cgroup,
             shim_dirs_existed,
+            cache_dirs_existed,
             netns,
         };
         fs::create_dir(Path::new(CGROUP2_ROOT).join(&node.cgroup))?;
@@ -170,6 +188,12 @@ impl Node {
             .output()
     }
 
+    /// The CNI network's name (the conflist's `name`), unique to this node:
+    /// host-local keeps its reservations in `<ipam dir>/<name>/`.
+    pub fn network_name(&self) -> &str {
+        &self.cgroup
+    }
+
     /// containerd's log.
     pub fn log(&self) -> String {
         fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default()
@@ -236,7 +260,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         // A node's network: pods on a bridge, addresses from host-local.
         let conflist = json!({
             "cniVersion": "1.0.0",
-            "name": "ambpf-node",
+            "name": self.network_name(),
             "plugins": [{
                 "type": "bridge",
                 "bridge": "cni0",
@@ -351,6 +375,37 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     }
 }
 
+impl Node {
+    /// libcni's cached results of this node's sandboxes: its own network's
+    /// and the CRI plugin's loopback network's (shared by every containerd,
+    /// so told apart by the sandbox IDs this node knows).
+    fn cni_cache_entries(&self) -> Vec<PathBuf> {
+        let sandboxes: Vec<String> =
+            fs::read_dir(self.dir.join("root/io.containerd.grpc.v1.cri/sandboxes"))
+                .map(|d| {
+                    d.flatten()
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
+        let ours = format!("{}-", self.network_name());
+        let Ok(entries) = fs::read_dir(Path::new(CNI_CACHE_DIR).join("results")) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|entry| {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                name.starts_with(&ours)
+                    || sandboxes
+                        .iter()
+                        .any(|id| name == format!("{CRI_LOOPBACK_NETWORK}-{id}-lo"))
+            })
+            .map(|entry| entry.path())
+            .collect()
+    }
+}
+
 /// Whether a cgroup v2 directory or one below it holds a process.
 fn populated(cgroup: &Path) -> bool {
     fs::read_to_string(cgroup.join("cgroup.events"))
@@ -406,6 +461,7 @@ fn which(tool: &str) -> io::Result<()> {
 impl Drop for Node {
     fn drop(&mut self) {
         let shim_sockets = self.shim_sockets();
+        let cni_cache_entries = self.cni_cache_entries();
         self.kill_everything();
         for point in mounts_below(&self.dir) {
             if let Err(e) = umount2(&point, MntFlags::MNT_DETACH) {
@@ -415,8 +471,19 @@ impl Drop for Node {
         for socket in shim_sockets {
             let _ = fs::remove_file(socket);
         }
-        // Deepest first: the shim directory, then /run/containerd.
-        for (dir, existed) in self.shim_dirs_existed.iter().rev() {
+        for entry in cni_cache_entries {
+            if let Err(e) = fs::remove_file(&entry) {
+                eprintln!("testbed: cannot remove {}: {e}", entry.display());
+            }
+        }
+        // Deepest first: the shim directory, then /run/containerd; the
+        // results directory, then /var/lib/cni.
+        for (dir, existed) in self
+            .shim_dirs_existed
+            .iter()
+            .chain(&self.cache_dirs_existed)
+            .rev()
+        {
             if !existed {
                 let _ = fs::remove_dir(dir);
             }

@@ -23,7 +23,12 @@ async fn a_kubelet_style_pod_starts_on_the_bridge_and_everything_goes_on_drop() 
     let cri = node.cri().await.unwrap();
     let version = cri.version().await.unwrap();
     assert_eq!(version.runtime_name, "containerd");
-    assert!(cri.images().await.unwrap().contains(&image::IMAGE.to_owned()));
+    assert!(
+        cri.images()
+            .await
+            .unwrap()
+            .contains(&image::IMAGE.to_owned())
+    );
 
     let pod = PodSpec::new("shop", "web");
     let running = cri
@@ -52,10 +57,30 @@ async fn a_kubelet_style_pod_starts_on_the_bridge_and_everything_goes_on_drop() 
 
     // A second pod while the first runs; removed through CRI: nothing of it stays.
     let other = PodSpec::new("shop", "db");
-    let second = cri.start_pod(&other, &["/bin/busybox", "sleep", "600"]).await.unwrap();
+    let second = cri
+        .start_pod(&other, &["/bin/busybox", "sleep", "600"])
+        .await
+        .unwrap();
     cri.remove_pod(&second.sandbox_id).await.unwrap();
     assert_eq!(cri.sandboxes().await.unwrap(), [running.sandbox_id.clone()]);
     assert_eq!(fs::read_dir(node.netns_dir()).unwrap().count(), 1);
+    // libcni cached the running pod's results on the host, outside the node
+    // (the removed pod's went with its DEL).
+    let mut cached: Vec<String> = node
+        .cni_cache_entries()
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    cached.sort();
+    let id = &running.sandbox_id;
+    assert_eq!(
+        cached,
+        [
+            format!("{}-{id}-eth0", node.network_name()),
+            format!("cni-loopback-{id}-lo")
+        ]
+    );
+    let cached = node.cni_cache_entries();
 
     drop(cri);
     drop(node); // with a pod still running
@@ -67,5 +92,8 @@ async fn a_kubelet_style_pod_starts_on_the_bridge_and_everything_goes_on_drop() 
         assert!(!left.exists(), "{} left", left.display());
     }
     assert!(mounts_below(&dir).is_empty());
+    for entry in cached {
+        assert!(!entry.exists(), "{} left", entry.display());
+    }
     assert_eq!(snapshot_host(), host_before);
 }
