@@ -73,7 +73,13 @@ impl Upstream {
 
     async fn wait_for_peer(&self, ip: &str) {
         let deadline = tokio::time::Instant::now() + PATIENCE;
-        while !self.peers.lock().unwrap().iter().any(|p| p.ip().to_string() == ip) {
+        while !self
+            .peers
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|p| p.ip().to_string() == ip)
+        {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "no connection from {ip}: {:?}",
@@ -241,7 +247,11 @@ impl Setup {
                 &self.cni_socket(),
             )
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert_eq!(chained(&self.node), ["bridge", "ambpf-cni"]);
     }
 
@@ -354,7 +364,7 @@ fn only_pod_netns(node: &Node) -> u64 {
 
 /// Whether the host-local IPAM store still reserves `ip`.
 fn reserved(node: &Node, ip: &str) -> bool {
-    node.ipam_dir().join("ambpf-node").join(ip).exists()
+    node.ipam_dir().join(node.network_name()).join(ip).exists()
 }
 
 /// The members of an ipset in the node's namespace (iptables mode).
@@ -390,7 +400,11 @@ async fn pods_from_the_runtime_are_captured_discovered_and_removed_cleanly(mode:
     setup
         .ztunnel
         .wait_until(
-            |s| s.workloads.get(&uid).is_some_and(|w| w.netns_inode == old_netns),
+            |s| {
+                s.workloads
+                    .get(&uid)
+                    .is_some_and(|w| w.netns_inode == old_netns)
+            },
             PATIENCE,
         )
         .await
@@ -401,7 +415,11 @@ async fn pods_from_the_runtime_are_captured_discovered_and_removed_cleanly(mode:
 
     // Its app restarts inside the same sandbox (a new container, attempt 1)
     // and connects at once: captured, and ztunnel is told of no change.
-    setup.cri.remove_container(&old_run.container_id).await.unwrap();
+    setup
+        .cri
+        .remove_container(&old_run.container_id)
+        .await
+        .unwrap();
     let command = setup.upstream.client_command();
     let command: Vec<&str> = command.iter().map(String::as_str).collect();
     setup
@@ -525,7 +543,10 @@ async fn without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains
         "{message}"
     );
     assert!(setup.cri.sandboxes().await.unwrap().is_empty());
-    assert_eq!(std::fs::read_dir(setup.node.netns_dir()).unwrap().count(), 0);
+    assert_eq!(
+        std::fs::read_dir(setup.node.netns_dir()).unwrap().count(),
+        0
+    );
 
     // Back: kubelet's retry succeeds and the app is captured from its first
     // connect.
