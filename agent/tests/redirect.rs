@@ -650,7 +650,11 @@ in_both_modes!(
         // CAP_NET_ADMIN marks its socket and leaves uncaptured, as under
         // Istio's rules (they exempt the mark too); so does CAP_NET_RAW on
         // Linux 5.17 and later, which container runtimes grant by default.
-        assert!(echo_trying_ztunnels_mark(&f, remote, Privileges::Only(&[CAP_NET_ADMIN])));
+        assert!(echo_trying_ztunnels_mark(
+            &f,
+            remote,
+            Privileges::Only(&[CAP_NET_ADMIN])
+        ));
         let raw_marked = echo_trying_ztunnels_mark(&f, remote, Privileges::Only(&[CAP_NET_RAW]));
         assert_eq!(raw_marked, net_raw_may_mark());
         assert_eq!(f.proxied().len(), before + usize::from(!raw_marked));
@@ -672,7 +676,12 @@ fn raw_syn(from: std::net::Ipv4Addr, to: SocketAddrV4) -> [u8; 20] {
     tcp[13] = 0x02; // SYN
     tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
     let mut sum: u32 = 6 + 20; // protocol and TCP length of the pseudo-header
-    for pair in from.octets().chunks(2).chain(to.ip().octets().chunks(2)).chain(tcp.chunks(2)) {
+    for pair in from
+        .octets()
+        .chunks(2)
+        .chain(to.ip().octets().chunks(2))
+        .chain(tcp.chunks(2))
+    {
         sum += u32::from(u16::from_be_bytes([pair[0], pair[1]]));
     }
     while sum > 0xffff {
@@ -696,14 +705,21 @@ fn syn_arrives(ns: &NetnsGuard, from: IpAddr, port: u16, send: impl FnOnce() + S
         })
         .unwrap()
         .unwrap();
-    sniffer.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    sniffer
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
     send();
     let deadline = std::time::Instant::now() + Duration::from_millis(1500);
     let mut packet = [std::mem::MaybeUninit::<u8>::uninit(); 1500];
     while std::time::Instant::now() < deadline {
-        let Ok(n) = sniffer.recv(&mut packet) else { continue };
+        let Ok(n) = sniffer.recv(&mut packet) else {
+            continue;
+        };
         // SAFETY: recv initialized the first n bytes.
-        let packet: Vec<u8> = packet[..n].iter().map(|b| unsafe { b.assume_init() }).collect();
+        let packet: Vec<u8> = packet[..n]
+            .iter()
+            .map(|b| unsafe { b.assume_init() })
+            .collect();
         let ihl = usize::from(packet[0] & 0x0f) * 4;
         if n < ihl + 14 {
             continue;
@@ -724,8 +740,12 @@ in_both_modes!(
         // raw socket. Istio's nat rules see every packet the pod sends, a
         // raw socket's included; ambpf's outbound capture is a socket hook
         // (connect), which a raw socket never calls.
-        let IpAddr::V4(pod) = f.pod_ip(false) else { unreachable!() };
-        let IpAddr::V4(remote) = f.remote_ip(false) else { unreachable!() };
+        let IpAddr::V4(pod) = f.pod_ip(false) else {
+            unreachable!()
+        };
+        let IpAddr::V4(remote) = f.remote_ip(false) else {
+            unreachable!()
+        };
         let to = SocketAddrV4::new(remote, 9123);
         let raw_syn_from = |ns: &NetnsGuard, ip: std::net::Ipv4Addr| {
             tokio::task::block_in_place(|| {
@@ -738,7 +758,8 @@ in_both_modes!(
                             Some(socket2::Protocol::TCP),
                         )
                         .unwrap();
-                        raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into()).unwrap();
+                        raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into())
+                            .unwrap();
                     })
                     .unwrap()
                 })

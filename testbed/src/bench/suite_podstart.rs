@@ -239,7 +239,15 @@ fn print_table(results: &[ModeResult], pods: usize) {
     let f1 = |v: f64| format!("{v:.1}");
     println!();
     println!("RunPodSandbox, {pods} fresh pods per mode (ms; `direct` = no ambpf)");
-    let mut table = Table::new(["mode", "p50", "p90", "p99", "mean", "added p50", "added p99"]);
+    let mut table = Table::new([
+        "mode",
+        "p50",
+        "p90",
+        "p99",
+        "mean",
+        "added p50",
+        "added p99",
+    ]);
     for r in results {
         let s = &r.run_pod_sandbox_ms;
         table.row([

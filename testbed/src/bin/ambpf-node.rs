@@ -9,7 +9,10 @@ use anyhow::{Context as _, Result};
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "ambpf-node", about = "A containerd node in a box, until Ctrl-C")]
+#[command(
+    name = "ambpf-node",
+    about = "A containerd node in a box, until Ctrl-C"
+)]
 struct Cli {
     /// The pods' subnet (host-local IPAM, inside the node's namespace).
     #[arg(long, default_value = "10.88.0.0/24")]
@@ -32,7 +35,10 @@ async fn main() -> Result<()> {
     println!("  CNI conf dir    {}", node.cni_conf_dir().display());
     println!("  CNI bin dir     {}", node.cni_bin_dir().display());
     println!("  network netns   /run/netns/{}", node.netns.name());
-    println!("  pods' cgroups   {}/kubepods/...", node.cgroup_v2().display());
+    println!(
+        "  pods' cgroups   {}/kubepods/...",
+        node.cgroup_v2().display()
+    );
     println!("  image           {IMAGE}");
     println!(
         "Chain ambpf: ambpf cni-install --conf-dir {} --bin-dir {} --agent-socket <agent's --cni-socket>",

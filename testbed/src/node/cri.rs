@@ -172,7 +172,10 @@ impl Cri {
                 .into_iter()
                 .chain([
                     ("io.kubernetes.pod.name".to_owned(), pod.name.clone()),
-                    ("io.kubernetes.pod.namespace".to_owned(), pod.namespace.clone()),
+                    (
+                        "io.kubernetes.pod.namespace".to_owned(),
+                        pod.namespace.clone(),
+                    ),
                     ("io.kubernetes.pod.uid".to_owned(), pod.uid.clone()),
                 ])
                 .collect(),
@@ -228,7 +231,11 @@ impl Cri {
             sandbox_config: Some(self.sandbox_config(pod)),
         };
         let mut runtime = self.runtime.clone();
-        let id = runtime.create_container(request).await?.into_inner().container_id;
+        let id = runtime
+            .create_container(request)
+            .await?
+            .into_inner()
+            .container_id;
         let start = cri::StartContainerRequest {
             container_id: id.clone(),
         };
@@ -272,7 +279,11 @@ impl Cri {
             verbose: false,
         };
         let status = self.runtime.clone().container_status(request).await?;
-        let state = status.into_inner().status.map(|s| s.state).unwrap_or_default();
+        let state = status
+            .into_inner()
+            .status
+            .map(|s| s.state)
+            .unwrap_or_default();
         Ok(cri::ContainerState::try_from(state).unwrap_or(cri::ContainerState::ContainerUnknown))
     }
 

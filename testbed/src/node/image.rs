@@ -6,8 +6,7 @@
 //! `/bin/busybox`), which `ctr images import` takes as it is.
 
 use std::{
-    fs,
-    io,
+    fs, io,
     path::{Path, PathBuf},
     process::Command,
 };
@@ -100,7 +99,11 @@ fn add_blob(blobs: &Path, content: &[u8]) -> io::Result<String> {
         return Err(io::Error::other("sha256sum failed"));
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let hex = text.split_whitespace().next().unwrap_or_default().to_owned();
+    let hex = text
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned();
     fs::rename(&tmp, blobs.join(&hex))?;
     Ok(format!("sha256:{hex}"))
 }
