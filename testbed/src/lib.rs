@@ -28,6 +28,7 @@ use nix::{
 pub mod apiserver;
 pub mod bench;
 pub mod cluster;
+pub mod node;
 pub mod privileges;
 pub mod storm;
 pub mod ztunnel;
@@ -399,7 +400,12 @@ pub struct CgroupGuard {
 
 impl CgroupGuard {
     pub fn create() -> io::Result<Self> {
-        let path = Path::new(CGROUP2_ROOT).join(format!("ambpf-test-{}", unique_name("")));
+        Self::create_in(Path::new(CGROUP2_ROOT), "ambpf-test")
+    }
+
+    /// Creates `<parent>/<prefix>-<unique>`.
+    pub fn create_in(parent: &Path, prefix: &str) -> io::Result<Self> {
+        let path = parent.join(format!("{prefix}-{}", unique_name("")));
         fs::create_dir(&path)?;
         Ok(Self { path })
     }

@@ -2,6 +2,7 @@
 //!
 //! - `build-ebpf`: build the kernel programs into `target/bpf/ambpf.bpf.o`.
 //! - `demo`: run the agent against a throwaway pod namespace on this machine.
+//! - `node`: run the testbed's containerd node until Ctrl-C (needs root).
 //! - `test`: lint, then run every test, privileged ones included (needs root),
 //!   and check that the run left the host's network state and bpffs as they were.
 //! - `fuzz`: the property tests of `agent/tests/fuzz` with many more cases
@@ -47,11 +48,21 @@ enum Cmd {
     /// Build the agent and the benchmarks, and run one benchmark suite (e.g.
     /// `enroll`), writing `target/bench/<suite>.json`. Needs root.
     Bench {
-        /// The suite: `zds`, `redirect`, `enroll`, `control`, `attach` or `storm` (see
+        /// The suite: `zds`, `redirect`, `enroll`, `control`, `attach`, `storm` or
+        /// `podstart` (see
         /// `target/release/ambpf-bench --help`, and `<suite> --help` for its
         /// arguments).
         suite: String,
         /// Extra arguments for the suite (e.g. `--pods 100,1000 --runs 7`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Start the testbed's containerd node (CRI, real CNI plugins, a local
+    /// busybox image) in its own network namespace and cgroup, until Ctrl-C.
+    /// Needs root and Debian's containerd, runc, containernetworking-plugins
+    /// and busybox-static.
+    Node {
+        /// Arguments for `ambpf-node` (see `--help` after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -132,6 +143,13 @@ fn main() -> Result<()> {
                 .arg("--out")
                 .arg(out)
                 .args(&args);
+            run(&mut cmd)
+        }
+        Cmd::Node { args } => {
+            require_root("the node creates a network namespace and cgroups and runs containerd")?;
+            cargo(&root, &["build", "-p", "ambpf", "-p", "ambpf-testbed"])?;
+            let mut cmd = Command::new(root.join("target/debug/ambpf-node"));
+            cmd.args(&args);
             run(&mut cmd)
         }
         Cmd::Image { reference } => {

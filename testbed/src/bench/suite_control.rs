@@ -453,7 +453,7 @@ fn spawn_kube_agent(env: &Env<'_>, mode: Mode, socket: &Path, log: &Path) -> Res
         &env.cluster.node,
         &source,
         socket,
-        env.cgroup,
+        env.cgroup.path(),
         log,
     )
 }

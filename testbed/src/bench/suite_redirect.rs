@@ -172,7 +172,7 @@ impl Agent {
         log: &Path,
     ) -> Result<Self> {
         let source = [std::ffi::OsStr::new("--pods-file"), pods_file.as_os_str()];
-        let mut agent = Self::spawn(binary, mode, node, &source, socket, cgroup, log)?;
+        let mut agent = Self::spawn(binary, mode, node, &source, socket, cgroup.path(), log)?;
         wait_for_socket(&mut agent.process, socket, SOCKET_TIMEOUT).await?;
         Ok(agent)
     }
@@ -186,7 +186,7 @@ impl Agent {
         node: &NetnsGuard,
         source: &[&std::ffi::OsStr],
         socket: &Path,
-        cgroup: &CgroupGuard,
+        cgroup: &Path,
         log: &Path,
     ) -> Result<Self> {
         let bpffs = BpffsMount::create()?;
@@ -202,7 +202,7 @@ impl Agent {
             .arg("--zds-socket")
             .arg(socket)
             .arg("--cgroup")
-            .arg(cgroup.path())
+            .arg(cgroup)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".to_owned()),

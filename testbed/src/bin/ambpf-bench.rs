@@ -22,7 +22,10 @@
 //!   and TCX without a link (`testbed/src/bench/suite_attach.rs`);
 //! - `storm`: more concurrent redirected connections than the
 //!   original-destination maps hold: what became of each, eBPF against
-//!   iptables (`testbed/src/bench/suite_storm.rs`).
+//!   iptables (`testbed/src/bench/suite_storm.rs`);
+//! - `podstart`: CRI RunPodSandbox latency on a containerd node with no
+//!   ambpf, iptables and eBPF mode (`testbed/src/bench/suite_podstart.rs`).
+>>>>>>> node
 //!
 //! Further suites become variants of [`Suite`], each with its own arguments
 //! and [`Common`] ones, using the helpers of `ambpf_testbed::bench`.
@@ -88,10 +91,14 @@ enum Suite {
     /// clsact + cls_bpf, sk_lookup netns link, TCX without a link; per attach,
     /// replace and detach, side by side.
     Attach(attach::AttachArgs),
+<<<<<<< HEAD
     /// A connection storm past the original-destination capacity: what
     /// became of each connection (reached, refused and counted, misrouted,
     /// hung), eBPF against iptables.
     Storm(storm::StormArgs),
+    /// A pod's start as kubelet sees it: CRI RunPodSandbox on a containerd
+    /// node with no ambpf, with ambpf in iptables mode and in eBPF mode.
+    Podstart(podstart::PodstartArgs),
 }
 
 /// Arguments every suite takes.
@@ -142,6 +149,7 @@ async fn run(cli: Cli) -> Result<()> {
         Suite::Control(args) => control::run(args).await,
         Suite::Attach(args) => attach::run(args).await,
         Suite::Storm(args) => storm::run(args).await,
+        Suite::Podstart(args) => podstart::run(args).await,
     }
 }
 
@@ -240,6 +248,9 @@ mod attach;
 
 #[path = "../bench/suite_storm.rs"]
 mod storm;
+
+#[path = "../bench/suite_podstart.rs"]
+mod podstart;
 
 mod zds {
     //! The `zds` suite: ZDS snapshot time, agent against floor.

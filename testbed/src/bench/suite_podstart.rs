@@ -1,0 +1,276 @@
+//! `podstart`: what ambpf adds to a pod's start, as kubelet sees it: the
+//! latency of CRI RunPodSandbox on the testbed's containerd node
+//! ([`Node`]: containerd 1.6, the real `bridge`/`host-local` plugins), with
+//! no ambpf, with ambpf in iptables mode and in eBPF mode.
+//!
+//! Each mode has its own node (containerd, network namespace, cgroup, API
+//! server on the node's loopback); in the two ambpf modes `ambpf cni-install`
+//! chained `ambpf-cni` into its conflist and `ambpf run --pod-source kube`
+//! serves it, with a ZDS-only ztunnel double connected, so a sandbox's CNI
+//! ADD returns only once the pod is redirected and ztunnel's set has it.
+//! Rounds start one fresh ambient pod per mode, modes in rotated order, so
+//! the three share the machine's noise; each pod is removed (StopPodSandbox,
+//! RemovePodSandbox, deleted from the API server, gone from the double)
+//! before the next, untimed.
+
+use std::ffi::OsStr;
+
+use ambpf_testbed::{
+    apiserver::ApiServer,
+    node::{Cri, Node, NodeConfig, PodSpec, namespace_object},
+};
+use serde_json::json;
+
+use super::{
+    redirect::{Agent, Mode},
+    *,
+};
+
+const NODE_NAME: &str = "bench-node";
+const NAMESPACE: &str = "mesh";
+/// A hang, not a slow result.
+const TIMEOUT: Duration = Duration::from_secs(120);
+const SOCKET_TIMEOUT: Duration = Duration::from_secs(30);
+const MODES: [Mode; 3] = [Mode::Direct, Mode::Iptables, Mode::Ebpf];
+
+#[derive(Args)]
+pub(super) struct PodstartArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Pods measured per mode.
+    #[arg(long, default_value_t = 60)]
+    pods: usize,
+    /// Rounds run first and not counted (caches, first-pod setup).
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+}
+
+#[derive(Serialize)]
+struct Config {
+    pods: usize,
+    warmup: usize,
+    agent: PathBuf,
+    containerd: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct ModeResult {
+    /// `direct`: no ambpf.
+    mode: Mode,
+    run_pod_sandbox_ms: Stats,
+    /// p50 and p99 over no ambpf's.
+    added_p50_ms: f64,
+    added_p99_ms: f64,
+    samples_ms: Vec<f64>,
+}
+
+/// One mode's node, and its agent and double.
+struct Lane {
+    mode: Mode,
+    // Field order is drop order: the agent before its node.
+    agent: Option<Agent>,
+    ztunnel: Option<ZtunnelDouble>,
+    api: ApiServer,
+    cri: Cri,
+    node: Node,
+    samples: Vec<f64>,
+}
+
+impl Lane {
+    async fn start(mode: Mode, binary: &Path, work: &TempDir) -> Result<Self> {
+        let node = Node::start(NodeConfig::default()).context("starting containerd")?;
+        let cri = node.cri().await?;
+        let api = ApiServer::start_in(&node.netns.path()).await?;
+        api.apply("namespaces", namespace_object(NAMESPACE, true));
+        let mut lane = Self {
+            mode,
+            agent: None,
+            ztunnel: None,
+            api,
+            cri,
+            node,
+            samples: Vec::new(),
+        };
+        if mode != Mode::Direct {
+            lane.start_agent(binary, work).await?;
+        }
+        Ok(lane)
+    }
+
+    /// `ambpf run` on the node, the plugin chained, the double connected.
+    async fn start_agent(&mut self, binary: &Path, work: &TempDir) -> Result<()> {
+        let name = self.mode.name();
+        let kubeconfig = work.join(format!("kubeconfig-{name}"));
+        std::fs::write(&kubeconfig, self.api.kubeconfig())?;
+        let cni_socket = work.join(format!("cni-{name}.sock"));
+        let zds_socket = work.join(format!("ztunnel-{name}.sock"));
+        let source = [
+            OsStr::new("--pod-source"),
+            OsStr::new("kube"),
+            OsStr::new("--node-name"),
+            OsStr::new(NODE_NAME),
+            OsStr::new("--kubeconfig"),
+            kubeconfig.as_os_str(),
+            OsStr::new("--cni-socket"),
+            cni_socket.as_os_str(),
+        ];
+        let mut agent = Agent::spawn(
+            binary,
+            self.mode,
+            &self.node.netns,
+            &source,
+            &zds_socket,
+            &self.node.cgroup_v2(),
+            &work.join(format!("agent-{name}.log")),
+        )?;
+        wait_for_socket(&mut agent.process, &cni_socket, SOCKET_TIMEOUT).await?;
+        let plugin = binary.with_file_name("ambpf-cni");
+        let out = self.node.cni_install(binary, &plugin, &cni_socket)?;
+        ensure!(
+            out.status.success(),
+            "ambpf cni-install: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.ztunnel = Some(ZtunnelDouble::connect_with_retry(
+            &zds_socket,
+            ZtunnelConfig::zds_only(),
+        ));
+        self.agent = Some(agent);
+        Ok(())
+    }
+
+    /// Starts a fresh pod, timing RunPodSandbox, then removes it.
+    async fn measure_one(&mut self, round: usize) -> Result<f64> {
+        let pod = PodSpec::new(NAMESPACE, &format!("bench-{round}"));
+        self.api.apply("pods", pod.object(NODE_NAME));
+        let started = Instant::now();
+        let sandbox = tokio::time::timeout(TIMEOUT, self.cri.run_sandbox(&pod))
+            .await
+            .context("RunPodSandbox hung")?;
+        let elapsed = ms(started.elapsed());
+        let sandbox = sandbox.map_err(|e| {
+            let agent_log = self.agent.as_ref().map(|a| a.process.log_tail(20));
+            anyhow::anyhow!(
+                "RunPodSandbox ({}): {e}\n{}",
+                self.mode.name(),
+                agent_log.unwrap_or_default()
+            )
+        })?;
+        tokio::time::timeout(TIMEOUT, self.cri.remove_pod(&sandbox))
+            .await
+            .context("removing the sandbox hung")??;
+        self.api.delete("pods", NAMESPACE, &pod.name);
+        if let Some(ztunnel) = &self.ztunnel {
+            let uid = pod.uid.clone();
+            ztunnel
+                .wait_until(|s| !s.workloads.contains_key(&uid), TIMEOUT)
+                .await
+                .map_err(|e| anyhow::anyhow!("pod {} never left ztunnel: {e}", pod.uid))?;
+        }
+        Ok(elapsed)
+    }
+}
+
+pub(super) async fn run(args: PodstartArgs) -> Result<()> {
+    preflight(&args.common)?;
+    ensure!(args.pods > 0, "--pods must be at least 1");
+    let suite = SuiteRun::start("podstart");
+    let binary = std::path::absolute(&args.common.agent)?;
+    let work = TempDir::create("ambpf-bench-podstart")?;
+    let mut lanes = Vec::new();
+    for mode in MODES {
+        let lane = Lane::start(mode, &binary, &work)
+            .await
+            .with_context(|| format!("setting up the {} node", mode.name()))?;
+        lanes.push(lane);
+    }
+    let containerd = lanes[0].cri.version().await?.runtime_version;
+    for round in 0..args.warmup + args.pods {
+        for k in 0..lanes.len() {
+            let lane_count = lanes.len();
+            let lane = &mut lanes[(round + k) % lane_count];
+            let elapsed = lane
+                .measure_one(round)
+                .await
+                .with_context(|| format!("round {round}, {}", lane.mode.name()))?;
+            if round >= args.warmup {
+                lane.samples.push(elapsed);
+            }
+        }
+        if (round + 1) % 10 == 0 {
+            eprintln!("podstart: {} rounds", round + 1);
+        }
+    }
+    let results = summarize(&lanes)?;
+    print_table(&results, args.pods);
+    drop(lanes);
+    suite.write_report(
+        args.common.out.as_deref(),
+        Config {
+            pods: args.pods,
+            warmup: args.warmup,
+            agent: binary,
+            containerd,
+        },
+        json!({ "modes": results }),
+    )?;
+    Ok(())
+}
+
+fn summarize(lanes: &[Lane]) -> Result<Vec<ModeResult>> {
+    let stats = |lane: &Lane| Stats::of(&lane.samples).context("no samples");
+    let none = stats(&lanes[0])?;
+    lanes
+        .iter()
+        .map(|lane| {
+            let s = stats(lane)?;
+            Ok(ModeResult {
+                mode: lane.mode,
+                run_pod_sandbox_ms: s,
+                added_p50_ms: s.median - none.median,
+                added_p99_ms: s.p99 - none.p99,
+                samples_ms: lane.samples.clone(),
+            })
+        })
+        .collect()
+}
+
+fn print_table(results: &[ModeResult], pods: usize) {
+    let f1 = |v: f64| format!("{v:.1}");
+    println!();
+    println!("RunPodSandbox, {pods} fresh pods per mode (ms; `direct` = no ambpf)");
+    let mut table = Table::new([
+        "mode",
+        "p50",
+        "p90",
+        "p99",
+        "mean",
+        "added p50",
+        "added p99",
+    ]);
+    for r in results {
+        let s = &r.run_pod_sandbox_ms;
+        table.row([
+            match r.mode {
+                Mode::Direct => "no ambpf".to_owned(),
+                mode => mode.name().to_owned(),
+            },
+            f1(s.median),
+            f1(s.p90),
+            f1(s.p99),
+            f1(s.mean),
+            f1(r.added_p50_ms),
+            f1(r.added_p99_ms),
+        ]);
+    }
+    println!("{table}");
+    if let [_, iptables, ebpf] = results {
+        println!(
+            "eBPF/iptables: p50 {:.2}x, p99 {:.2}x; added p50 {:.1} ms vs {:.1} ms",
+            ebpf.run_pod_sandbox_ms.median / iptables.run_pod_sandbox_ms.median,
+            ebpf.run_pod_sandbox_ms.p99 / iptables.run_pod_sandbox_ms.p99,
+            ebpf.added_p50_ms,
+            iptables.added_p50_ms,
+        );
+    }
+}
