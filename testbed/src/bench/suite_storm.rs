@@ -170,7 +170,7 @@ async fn storm_once(
         &cluster.node,
         &source,
         &socket,
-        cgroup,
+        cgroup.path(),
         &log,
     )?;
     wait_for_socket(&mut agent.process, &socket, SOCKET_TIMEOUT).await?;

@@ -25,7 +25,6 @@
 //!   iptables (`testbed/src/bench/suite_storm.rs`);
 //! - `podstart`: CRI RunPodSandbox latency on a containerd node with no
 //!   ambpf, iptables and eBPF mode (`testbed/src/bench/suite_podstart.rs`).
->>>>>>> node
 //!
 //! Further suites become variants of [`Suite`], each with its own arguments
 //! and [`Common`] ones, using the helpers of `ambpf_testbed::bench`.
@@ -91,7 +90,6 @@ enum Suite {
     /// clsact + cls_bpf, sk_lookup netns link, TCX without a link; per attach,
     /// replace and detach, side by side.
     Attach(attach::AttachArgs),
-<<<<<<< HEAD
     /// A connection storm past the original-destination capacity: what
     /// became of each connection (reached, refused and counted, misrouted,
     /// hung), eBPF against iptables.
