@@ -12,6 +12,7 @@ mod maps;
 mod orig_dst;
 mod pod_ingress;
 mod sock_redirect;
+mod tcp_reset;
 mod trace;
 
 /// GPL-compatible licence string: required for GPL-only helpers.

@@ -312,7 +312,14 @@ fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) {
             (*sa).user_port = u32::from(to.1);
         }
     }
-    report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, false));
+    report(
+        sa,
+        netns,
+        &decision,
+        to,
+        (dst, port_be),
+        (tcp, connect, false),
+    );
 }
 
 #[inline(always)]
@@ -344,7 +351,14 @@ fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) {
             (*sa).user_port = u32::from(to.1);
         }
     }
-    report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, true));
+    report(
+        sa,
+        netns,
+        &decision,
+        to,
+        (dst, port_be),
+        (tcp, connect, true),
+    );
 }
 
 #[cgroup_sock_addr(connect4)]

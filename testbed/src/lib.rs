@@ -279,7 +279,16 @@ impl Link {
         // Made inside the two namespaces, never in the host's: the pair is
         // created in `a` with its peer already in `b`.
         a.ip(&[
-            "link", "add", a_iface, "type", "veth", "peer", "name", b_iface, "netns", b.name(),
+            "link",
+            "add",
+            a_iface,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            b_iface,
+            "netns",
+            b.name(),
         ])?;
         let setup = || -> io::Result<()> {
             for (ns, iface, addrs) in [(a, a_iface, a_addrs), (b, b_iface, b_addrs)] {
