@@ -149,6 +149,8 @@ struct Fixture {
     neighbour_app: EchoServer,
     _zds: tokio::task::JoinHandle<()>,
     _zds_dir: TempDir,
+    /// The agent's ZDS socket, for another ztunnel.
+    zds_socket: std::path::PathBuf,
     cluster: Cluster,
     /// eBPF mode: where the programs are pinned.
     bpffs: Option<BpffsMount>,
@@ -189,6 +191,35 @@ impl Fixture {
     fn pod_rules(&self, family: Family) -> iptables::SavedRules {
         let backend = self.iptables_backend.expect("iptables mode");
         iptables::saved_rules(&self.pod_netns(), backend, family).unwrap()
+    }
+
+    /// Replaces ztunnel with one that speaks ZDS but runs no proxies, and
+    /// waits until pod 1 has no listener on 15006 any more (a connection
+    /// from inside the pod to its own address is never captured).
+    async fn stop_ztunnel_proxies(&mut self) {
+        let zds_only =
+            ZtunnelDouble::connect_with_retry(&self.zds_socket, ZtunnelConfig::zds_only());
+        drop(std::mem::replace(&mut self.ztunnel, zds_only));
+        let deadline = std::time::Instant::now() + PATIENCE;
+        for v6 in [false, true] {
+            let inbound = SocketAddr::new(self.pod_ip(v6), 15006);
+            loop {
+                let refused = tokio::task::block_in_place(|| {
+                    self.pod()
+                        .run(|| TcpStream::connect_timeout(&inbound, PATIENCE))
+                        .unwrap()
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+                });
+                if refused {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{inbound} still listens"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
     }
 
     async fn wait_proxied(&self, port: u16, original_dst: SocketAddr) -> ProxiedConnection {
@@ -290,6 +321,7 @@ async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
         neighbour_app,
         _zds: server,
         _zds_dir: TempDir(dir),
+        zds_socket: socket,
         cluster,
         bpffs,
     }
@@ -560,6 +592,59 @@ in_both_modes!(
 );
 
 in_both_modes!(
+    with_no_ztunnel_listening_an_inbound_connection_is_refused_at_once_and_never_reaches_the_app,
+    |f| {
+        // Through ztunnel first: the paths (and IPv6 neighbours) are up.
+        for v6 in [false, true] {
+            let dst = SocketAddr::new(f.pod_ip(v6), APP_PORT);
+            echo_once(&f.cluster.remote.ns, dst, None, None);
+            f.wait_proxied(15006, dst).await;
+        }
+        f.stop_ztunnel_proxies().await;
+        let app_peers = f.app.seen.lock().unwrap().len();
+        for v6 in [false, true] {
+            let dst = SocketAddr::new(f.pod_ip(v6), APP_PORT);
+            // Under Istio's rules the SYN is REDIRECTed to the closed 15006
+            // and the kernel answers with an RST; eBPF mode answers the same
+            // way from its steering program. A dropped SYN would only be
+            // retried after a second.
+            let started = std::time::Instant::now();
+            let result = tokio::task::block_in_place(|| {
+                f.cluster
+                    .remote
+                    .ns
+                    .run(|| TcpStream::connect_timeout(&dst, PATIENCE))
+                    .unwrap()
+            });
+            let elapsed = started.elapsed();
+            let error = result.err().unwrap_or_else(|| panic!("{dst}: connected"));
+            assert_eq!(
+                error.kind(),
+                std::io::ErrorKind::ConnectionRefused,
+                "{dst}: {error}"
+            );
+            assert!(
+                elapsed < Duration::from_millis(900),
+                "{dst}: refused after {elapsed:?}"
+            );
+        }
+        assert_eq!(
+            f.app.seen.lock().unwrap().len(),
+            app_peers,
+            "the app was reached"
+        );
+        // HBONE and probes are not captured: unaffected, the app still
+        // answers the node.
+        echo_once(
+            &f.cluster.node,
+            SocketAddr::new(f.pod_ip(false), APP_PORT),
+            None,
+            None,
+        );
+    }
+);
+
+in_both_modes!(
     ztunnel_marked_loopback_own_address_and_neighbour_traffic_is_never_captured,
     |f| {
         let before = f.proxied().len();
@@ -650,7 +735,11 @@ in_both_modes!(
         // CAP_NET_ADMIN marks its socket and leaves uncaptured, as under
         // Istio's rules (they exempt the mark too); so does CAP_NET_RAW on
         // Linux 5.17 and later, which container runtimes grant by default.
-        assert!(echo_trying_ztunnels_mark(&f, remote, Privileges::Only(&[CAP_NET_ADMIN])));
+        assert!(echo_trying_ztunnels_mark(
+            &f,
+            remote,
+            Privileges::Only(&[CAP_NET_ADMIN])
+        ));
         let raw_marked = echo_trying_ztunnels_mark(&f, remote, Privileges::Only(&[CAP_NET_RAW]));
         assert_eq!(raw_marked, net_raw_may_mark());
         assert_eq!(f.proxied().len(), before + usize::from(!raw_marked));
@@ -672,7 +761,12 @@ fn raw_syn(from: std::net::Ipv4Addr, to: SocketAddrV4) -> [u8; 20] {
     tcp[13] = 0x02; // SYN
     tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
     let mut sum: u32 = 6 + 20; // protocol and TCP length of the pseudo-header
-    for pair in from.octets().chunks(2).chain(to.ip().octets().chunks(2)).chain(tcp.chunks(2)) {
+    for pair in from
+        .octets()
+        .chunks(2)
+        .chain(to.ip().octets().chunks(2))
+        .chain(tcp.chunks(2))
+    {
         sum += u32::from(u16::from_be_bytes([pair[0], pair[1]]));
     }
     while sum > 0xffff {
@@ -696,14 +790,21 @@ fn syn_arrives(ns: &NetnsGuard, from: IpAddr, port: u16, send: impl FnOnce() + S
         })
         .unwrap()
         .unwrap();
-    sniffer.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    sniffer
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
     send();
     let deadline = std::time::Instant::now() + Duration::from_millis(1500);
     let mut packet = [std::mem::MaybeUninit::<u8>::uninit(); 1500];
     while std::time::Instant::now() < deadline {
-        let Ok(n) = sniffer.recv(&mut packet) else { continue };
+        let Ok(n) = sniffer.recv(&mut packet) else {
+            continue;
+        };
         // SAFETY: recv initialized the first n bytes.
-        let packet: Vec<u8> = packet[..n].iter().map(|b| unsafe { b.assume_init() }).collect();
+        let packet: Vec<u8> = packet[..n]
+            .iter()
+            .map(|b| unsafe { b.assume_init() })
+            .collect();
         let ihl = usize::from(packet[0] & 0x0f) * 4;
         if n < ihl + 14 {
             continue;
@@ -724,8 +825,12 @@ in_both_modes!(
         // raw socket. Istio's nat rules see every packet the pod sends, a
         // raw socket's included; ambpf's outbound capture is a socket hook
         // (connect), which a raw socket never calls.
-        let IpAddr::V4(pod) = f.pod_ip(false) else { unreachable!() };
-        let IpAddr::V4(remote) = f.remote_ip(false) else { unreachable!() };
+        let IpAddr::V4(pod) = f.pod_ip(false) else {
+            unreachable!()
+        };
+        let IpAddr::V4(remote) = f.remote_ip(false) else {
+            unreachable!()
+        };
         let to = SocketAddrV4::new(remote, 9123);
         let raw_syn_from = |ns: &NetnsGuard, ip: std::net::Ipv4Addr| {
             tokio::task::block_in_place(|| {
@@ -738,7 +843,8 @@ in_both_modes!(
                             Some(socket2::Protocol::TCP),
                         )
                         .unwrap();
-                        raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into()).unwrap();
+                        raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into())
+                            .unwrap();
                     })
                     .unwrap()
                 })

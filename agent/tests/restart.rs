@@ -307,4 +307,3 @@ fn check(pins: &Path) -> (bool, String) {
     );
     (out.status.success(), said)
 }
-
