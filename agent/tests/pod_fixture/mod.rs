@@ -3,7 +3,7 @@
 //! redirection mode, served by the ztunnel double over the agent's ZDS
 //! server, with echo servers in the pod, its neighbour and the remote.
 
-#![allow(dead_code)] // each test binary uses a different subset
+#![allow(dead_code, unused_macros)] // each test binary uses a different subset
 
 use std::{
     io::{Read, Write},
