@@ -100,6 +100,18 @@ const DIFFERENCES: &[Difference] = &[
         iptables: "pod.v4",
         ebpf: "127.0.0.1",
     },
+    Difference {
+        case: "to ztunnel's 15001 on loopback",
+        observation: "ztunnel.so_original_dst",
+        iptables: "127.0.0.1:15001",
+        ebpf: "none",
+    },
+    Difference {
+        case: "to ztunnel's 15001 on the pod's address",
+        observation: "ztunnel.so_original_dst",
+        iptables: "pod.v4:15001",
+        ebpf: "none",
+    },
 ];
 
 /// What ztunnel's accepted outbound socket shows, for an app connection.
@@ -299,6 +311,26 @@ const CASES: &[Case] = &[
             ("ztunnel.listener", "15001"),
             ("ztunnel.original_dst", "neighbour.v4:8080"),
             ("server.peer", "pod.v4"),
+        ],
+    },
+    Case {
+        name: "to ztunnel's 15001 on loopback",
+        run: |f| to_ztunnel(f, IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        expected: &[
+            ("ztunnel.listener", "15001"),
+            ("ztunnel.original_dst", "127.0.0.1:15001"),
+            ("ztunnel.so_original_dst", "127.0.0.1:15001"),
+            ("ztunnel.outcome", "RefusedSelfCall"),
+        ],
+    },
+    Case {
+        name: "to ztunnel's 15001 on the pod's address",
+        run: |f| to_ztunnel(f, f.pod_ip(false)),
+        expected: &[
+            ("ztunnel.listener", "15001"),
+            ("ztunnel.original_dst", "pod.v4:15001"),
+            ("ztunnel.so_original_dst", "pod.v4:15001"),
+            ("ztunnel.outcome", "RefusedSelfCall"),
         ],
     },
 ];
@@ -725,6 +757,34 @@ fn to_neighbour(f: &Fixture) -> Observed {
             "server.peer",
             ip_name(f, f.neighbour_app.last_peer().unwrap().ip()),
         ),
+    ])
+}
+
+/// The self-call guard: an app in the pod calling ztunnel's outbound
+/// listener at `ip` directly is refused, never proxied to ztunnel itself.
+fn to_ztunnel(f: &Fixture, ip: IpAddr) -> Observed {
+    let dst = SocketAddr::new(ip, 15001);
+    let local = tokio::task::block_in_place(|| {
+        f.pod()
+            .run(|| {
+                let mut s = TcpStream::connect_timeout(&dst, PATIENCE).unwrap();
+                s.set_read_timeout(Some(PATIENCE)).unwrap();
+                // ztunnel closes it.
+                let _ = s.read(&mut [0u8; 1]);
+                s.local_addr().unwrap()
+            })
+            .unwrap()
+    });
+    let conn = wait_connection(f, |c| c.client == local);
+    Observed::from([
+        ("ztunnel.listener", conn.listener_port.to_string()),
+        ("ztunnel.original_dst", addr_name(f, conn.original_dst)),
+        (
+            "ztunnel.so_original_dst",
+            conn.so_original_dst
+                .map_or("none".into(), |a| addr_name(f, a)),
+        ),
+        ("ztunnel.outcome", format!("{:?}", conn.outcome)),
     ])
 }
 
