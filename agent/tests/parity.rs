@@ -18,7 +18,7 @@ use std::{
 use ambpf::redirect::{RedirectMode, iptables};
 use ambpf_testbed::{
     CgroupGuard, NetnsGuard,
-    ztunnel::{DEFAULT_DNS_ANSWER_V4, ProxiedConnection, dns},
+    ztunnel::{DEFAULT_DNS_ANSWER_V4, DEFAULT_DNS_ANSWER_V6, ProxiedConnection, dns},
 };
 
 #[macro_use]
@@ -90,12 +90,6 @@ const DIFFERENCES: &[Difference] = &[
     },
     Difference {
         case: "DNS, connected UDP from a socket bound to a port",
-        observation: "ztunnel.dns_client",
-        iptables: "pod.v4",
-        ebpf: "127.0.0.1",
-    },
-    Difference {
-        case: "DNS, unconnected UDP",
         observation: "ztunnel.dns_client",
         iptables: "pod.v4",
         ebpf: "127.0.0.1",
@@ -223,7 +217,7 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "DNS, connected UDP",
-        run: |f| dns_udp(f, DnsSocket::Connected),
+        run: |f| dns_udp(f, DnsSocket::Connected, false),
         expected: &[
             ("app.answer", "true"),
             ("app.answer_from", "remote.v4:53"),
@@ -233,7 +227,7 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "DNS, connected UDP from a socket bound to a port",
-        run: |f| dns_udp(f, DnsSocket::BoundThenConnected),
+        run: |f| dns_udp(f, DnsSocket::BoundThenConnected, false),
         expected: &[
             ("app.answer", "true"),
             ("app.answer_from", "remote.v4:53"),
@@ -243,12 +237,32 @@ const CASES: &[Case] = &[
     },
     Case {
         name: "DNS, unconnected UDP",
-        run: |f| dns_udp(f, DnsSocket::Unconnected),
+        run: |f| dns_udp(f, DnsSocket::Unconnected, false),
         expected: &[
             ("app.answer", "true"),
             ("app.answer_from", "remote.v4:53"),
             ("ztunnel.dns_client", "pod.v4"),
             ("ztunnel.dns_server", "127.0.0.1:15053"),
+        ],
+    },
+    Case {
+        name: "DNS, unconnected UDP over IPv6",
+        run: |f| dns_udp(f, DnsSocket::Unconnected, true),
+        expected: &[
+            ("app.answer", "true"),
+            ("app.answer_from", "remote.v6:53"),
+            ("ztunnel.dns_client", "pod.v6"),
+            ("ztunnel.dns_server", "::1:15053"),
+        ],
+    },
+    Case {
+        name: "DNS, connected UDP over IPv6",
+        run: |f| dns_udp(f, DnsSocket::Connected, true),
+        expected: &[
+            ("app.answer", "true"),
+            ("app.answer_from", "remote.v6:53"),
+            ("ztunnel.dns_client", "pod.v6"),
+            ("ztunnel.dns_server", "::1:15053"),
         ],
     },
     Case {
@@ -522,19 +536,22 @@ enum DnsSocket {
     Unconnected,
 }
 
-fn dns_udp(f: &Fixture, how: DnsSocket) -> Observed {
-    let resolver = SocketAddr::new(f.remote_ip(false), 53);
-    let name = format!("{how:?}.udp.ambpf.test").to_lowercase();
+fn dns_udp(f: &Fixture, how: DnsSocket, v6: bool) -> Observed {
+    let resolver = SocketAddr::new(f.remote_ip(v6), 53);
+    let family = if v6 { "v6" } else { "v4" };
+    let name = format!("{how:?}.{family}.udp.ambpf.test").to_lowercase();
+    let any = if v6 { "[::]:0" } else { "0.0.0.0:0" };
     let (answered, from) = tokio::task::block_in_place(|| {
         f.pod()
             .run(|| {
-                let query = dns::encode_query(0x1d57, &name, dns::TYPE_A).unwrap();
+                let qtype = if v6 { dns::TYPE_AAAA } else { dns::TYPE_A };
+                let query = dns::encode_query(0x1d57, &name, qtype).unwrap();
                 let mut buffer = [0u8; 512];
                 let (len, from) = match how {
                     DnsSocket::Connected => {
+                        let domain = socket2::Domain::for_address(resolver);
                         let socket =
-                            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)
-                                .unwrap();
+                            socket2::Socket::new(domain, socket2::Type::DGRAM, None).unwrap();
                         socket.connect(&resolver.into()).unwrap();
                         let udp: UdpSocket = socket.into();
                         udp.set_read_timeout(Some(PATIENCE)).unwrap();
@@ -542,22 +559,26 @@ fn dns_udp(f: &Fixture, how: DnsSocket) -> Observed {
                         (udp.recv(&mut buffer).unwrap(), udp.peer_addr().unwrap())
                     }
                     DnsSocket::BoundThenConnected => {
-                        let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+                        let udp = UdpSocket::bind(any).unwrap();
                         udp.set_read_timeout(Some(PATIENCE)).unwrap();
                         udp.connect(resolver).unwrap();
                         udp.send(&query).unwrap();
                         (udp.recv(&mut buffer).unwrap(), udp.peer_addr().unwrap())
                     }
                     DnsSocket::Unconnected => {
-                        let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+                        let udp = UdpSocket::bind(any).unwrap();
                         udp.set_read_timeout(Some(PATIENCE)).unwrap();
                         udp.send_to(&query, resolver).unwrap();
                         udp.recv_from(&mut buffer).unwrap()
                     }
                 };
                 let answer = dns::Response::parse(&buffer[..len]).unwrap();
-                let answered = answer.header.id == 0x1d57
-                    && answer.addresses() == [IpAddr::from(DEFAULT_DNS_ANSWER_V4)];
+                let qtype_answer: IpAddr = if v6 {
+                    DEFAULT_DNS_ANSWER_V6.into()
+                } else {
+                    DEFAULT_DNS_ANSWER_V4.into()
+                };
+                let answered = answer.header.id == 0x1d57 && answer.addresses() == [qtype_answer];
                 (answered, from)
             })
             .unwrap()
