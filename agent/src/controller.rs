@@ -201,6 +201,14 @@ impl Controller {
                     self.stats.record_enrol_steps(&done.steps);
                     let name = format!("{}/{}", pod.workload.namespace, pod.workload.name);
                     self.report_conflicts(&name, uid, &done);
+                    let identity = crate::bpf::pod_names::PodIdentity {
+                        namespace: pod.workload.namespace.clone(),
+                        name: pod.workload.name.clone(),
+                        uid: uid.clone(),
+                    };
+                    if let Err(e) = self.redirection.record_identity(done.key(), &identity) {
+                        warn!("pod {name} ({uid}): {e}; `ambpf status` shows it unnamed");
+                    }
                     wanted_cookies.insert(done.netns_cookie);
                     self.enrolled.insert(
                         uid.clone(),

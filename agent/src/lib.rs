@@ -8,6 +8,7 @@
 //! - [`cli`]: the `ambpf` command line.
 
 pub mod bpf;
+pub mod build_info;
 pub mod cli;
 pub mod cni;
 pub mod controller;
@@ -16,6 +17,7 @@ pub mod netns;
 pub mod observe;
 pub mod redirect;
 pub mod sources;
+pub mod status;
 pub mod trace;
 pub mod uninstall;
 pub mod unix_socket;

@@ -100,6 +100,19 @@ impl Collector for AgentCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let zds = self.zds.stats();
+        {
+            let info = crate::build_info::current();
+            let metric = ConstGauge::new(1i64);
+            let help = "This agent's build: crate version, git commit and the digest of its BPF \
+                        object (always 1).";
+            let mut family =
+                encoder.encode_descriptor("build_info", help, None, metric.metric_type())?;
+            metric.encode(family.encode_family(&[
+                ("version", info.version),
+                ("git_commit", info.git_commit),
+                ("bpf_object_sha256", info.bpf_object_sha256.as_str()),
+            ])?)?;
+        }
         gauge(
             &mut encoder,
             "pods_enrolled",
@@ -485,6 +498,12 @@ mod tests {
             body.contains(r#"ambpf_state_violations_total{kind="steering_orphan"} 0"#),
             "{body}"
         );
+        let info = crate::build_info::current();
+        let build_info = format!(
+            r#"ambpf_build_info{{version="{}",git_commit="{}",bpf_object_sha256="{}"}} 1"#,
+            info.version, info.git_commit, info.bpf_object_sha256
+        );
+        assert!(body.contains(&build_info), "{build_info} in {body}");
         assert!(body.contains("# EOF"), "{body}");
 
         // A ztunnel connects and acks the (empty) snapshot: now ready.

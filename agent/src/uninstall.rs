@@ -77,9 +77,31 @@ impl Report {
 
 /// Runs every step; an error at the end when any of them failed.
 pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
+    // As `run` refuses it: the pins are removed by removing the root whole,
+    // which at a mount point would take other programs' pins along.
+    if crate::bpf::pins::is_mount_root(config.pins.root()) {
+        return Err(crate::bpf::pins::PinError::MountRoot {
+            path: config.pins.root().to_owned(),
+        }
+        .into());
+    }
     let mut report = Report::default();
     if config.keep_cni {
-        report.done(format!("{} left chained (--keep-cni)", cni::PLUGIN_TYPE));
+        let chained = cni::install::chained_in(&config.cni_conf_dir);
+        report.done(if chained.is_empty() {
+            format!(
+                "{} is not chained in {} (--keep-cni: not looked after)",
+                cni::PLUGIN_TYPE,
+                config.cni_conf_dir.display()
+            )
+        } else {
+            let lists: Vec<String> = chained.iter().map(|p| p.display().to_string()).collect();
+            format!(
+                "{} left chained in {} (--keep-cni)",
+                cni::PLUGIN_TYPE,
+                lists.join(", ")
+            )
+        });
     } else {
         cni_plugin(&config.cni_conf_dir, &config.cni_bin_dir, &mut report);
     }
@@ -217,24 +239,15 @@ fn ebpf_state<'a>(
     remove_pins(pins, report);
 }
 
+/// The pin root, whole (never a mount point: refused at the start).
 fn remove_pins(pins: &PinLayout, report: &mut Report) {
     let root = pins.root();
-    // A pin root at a bpffs mount point (refused by `run`, but a hand-made
-    // layout may be so) shares the filesystem with others' pins: only
-    // ambpf's own directories go.
-    let owned: Vec<PathBuf> = if crate::bpf::pins::is_mount_root(root) {
-        pins.top_level_dirs().into()
-    } else {
-        vec![root.to_owned()]
-    };
-    for dir in owned {
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => report.done(format!("removed {}", dir.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                report.done(format!("nothing pinned under {}", dir.display()))
-            }
-            Err(e) => report.failed(format!("removing {}: {e}", dir.display())),
+    match std::fs::remove_dir_all(root) {
+        Ok(()) => report.done(format!("removed {}", root.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            report.done(format!("nothing pinned under {}", root.display()))
         }
+        Err(e) => report.failed(format!("removing {}: {e}", root.display())),
     }
 }
 

@@ -16,7 +16,6 @@ fn entries(pins: &PinLayout) -> u64 {
         .find(|m| m.name == maps::HOST_ADDRS)
         .unwrap()
         .entries
-        .unwrap()
 }
 
 #[test]

@@ -429,7 +429,7 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     assert_eq!(counters(web1_ip), zero, "{counted}");
     let text = ambpf(&pins).arg("status").output().unwrap();
     assert!(
-        String::from_utf8_lossy(&text.stdout).contains("counters: outbound_redirected "),
+        String::from_utf8_lossy(&text.stdout).contains("[outbound_redirected "),
         "{}",
         String::from_utf8_lossy(&text.stdout)
     );

@@ -607,6 +607,41 @@ fn the_cni_plugin_is_unchained_so_pods_start_again() {
         !text.contains("removed") && !text.contains("un-chained"),
         "{text}"
     );
+
+    // --keep-cni where the plugin is not chained says so.
+    let kept = uninstall_on(&node, &[], &[], &pin_root, &keep);
+    assert!(kept.status.success());
+    let text = stdout(&kept);
+    assert!(
+        text.contains(&format!(
+            "ambpf-cni is not chained in {}",
+            conf_dir.display()
+        )) && !text.contains("left chained"),
+        "{text}"
+    );
+}
+
+/// A pin root at the bpffs mount point is refused, as `run` refuses it:
+/// removing it whole would take other programs' pins along.
+#[test]
+fn a_pin_root_at_the_bpffs_mount_point_is_refused() {
+    let _serial = serial();
+    let node = NetnsGuard::create("node").unwrap();
+    let bpffs = BpffsMount::create().unwrap();
+    let others = bpffs.path().join("someone-else");
+    std::fs::create_dir(&others).unwrap();
+    let out = uninstall_on(&node, &[], &[], bpffs.path(), &["--redirect-mode", "ebpf"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "{} is the root of a mounted filesystem",
+            bpffs.path().display()
+        )),
+        "{stderr}"
+    );
+    assert!(stdout(&out).is_empty(), "nothing is done: {}", stdout(&out));
+    assert!(others.exists());
 }
 
 // ---------------------------------------------------------------------------

@@ -8,9 +8,11 @@
 //!   than `test` runs (needs root).
 //! - `bench <suite>`: build, then run a benchmark suite of `ambpf-bench`
 //!   (needs root); results in `target/bench/<suite>.json`.
+//! - `image`: build the release binaries and the OCI image (`image.rs`).
 
 mod ebpf_build;
 mod host_state;
+mod image;
 
 use std::{
     path::{Path, PathBuf},
@@ -52,6 +54,15 @@ enum Cmd {
         /// Extra arguments for the suite (e.g. `--pods 100,1000 --runs 7`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// Build the release binaries and the OCI image the chart runs, tagged
+    /// as the chart's default image (version from the workspace), into
+    /// `target/image/`: an OCI layout and an archive for `podman load` or
+    /// `skopeo copy`. Needs root, mmdebstrap, umoci and skopeo.
+    Image {
+        /// Tag the image as this `repository:tag` instead.
+        #[arg(long)]
+        reference: Option<String>,
     },
     /// Run the property tests of everything the agent reads from outside
     /// (`agent/tests/fuzz`) with many cases; `test` runs them with 256 each.
@@ -123,6 +134,11 @@ fn main() -> Result<()> {
                 .args(&args);
             run(&mut cmd)
         }
+        Cmd::Image { reference } => {
+            require_root("mmdebstrap and umoci keep the image's file ownership only as root")?;
+            cargo(&root, &["build", "--release", "-p", "ambpf", "--bins"])?;
+            build_image(&root, reference)
+        }
         Cmd::Fuzz { cases, args } => {
             require_root("the ZDS property creates network namespaces")?;
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
@@ -167,6 +183,37 @@ fn main() -> Result<()> {
             }
         }
     }
+}
+
+fn build_image(root: &Path, reference: Option<String>) -> Result<()> {
+    let version = env!("CARGO_PKG_VERSION");
+    let reference = match reference {
+        Some(reference) => reference,
+        None => {
+            let values = std::fs::read_to_string(root.join("charts/ambpf/values.yaml"))?;
+            format!("{}:{version}", image::chart_repository(&values)?)
+        }
+    };
+    let release = root.join("target/release");
+    let built = image::build(&image::ImageSpec {
+        binaries: &[release.join("ambpf"), release.join("ambpf-cni")],
+        reference,
+        work: root.join("target/image"),
+        version: version.to_owned(),
+    })?;
+    let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+    println!(
+        "{}: root filesystem {:.1} MiB, archive {:.1} MiB\n  OCI layout  {}\n  OCI archive {}\n\
+         load it:    podman load -i {archive}\n\
+         push it:    skopeo copy oci-archive:{archive} docker://<registry>/ambpf:{version}",
+        built.reference,
+        mib(built.rootfs_bytes),
+        mib(built.archive_bytes),
+        built.layout.display(),
+        built.archive.display(),
+        archive = built.archive.display(),
+    );
+    Ok(())
 }
 
 /// Makes sure the nightly toolchain can build the kernel programs (rust-src for

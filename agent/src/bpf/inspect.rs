@@ -1,7 +1,7 @@
 //! Reading what ambpf has in the kernel back from the pins alone, so it works
 //! from any process, while an agent runs or after it died.
 
-use std::{fmt, fs, io, path::PathBuf};
+use std::{fs, io, path::PathBuf};
 
 use ambpf_common::{Counter, Direction, IfaceStats, IfaceStatsKey, IpKey, PodConfig, maps};
 use aya::{
@@ -19,19 +19,46 @@ use super::PinLayout;
 #[derive(Debug, Serialize)]
 pub struct Status {
     pub pin_root: PathBuf,
-    pub maps: Vec<PinnedMap>,
-    pub tc_links: Vec<PinnedTcLink>,
-    pub iface_stats: Vec<IfaceStatsEntry>,
+    pub build: PinnedBuild,
     pub pods: Vec<EnrolledPodEntry>,
-    /// Every other pinned link (socket programs on cgroups, pods' inbound
-    /// steering), with the program it runs.
+    pub maps: Vec<PinnedMap>,
+    /// The interface counters' TCX links (`--attach`, `ambpf attach`).
+    pub tc_links: Vec<PinnedTcLink>,
+    /// Every other pinned link (socket programs on cgroups; pods' steering
+    /// links left by an older agent), with the program it runs.
     pub links: Vec<PinnedLinkEntry>,
-    /// Redirection events counted in the kernel, summed over CPUs.
+    /// Redirection events counted in the kernel, summed over CPUs, by name.
+    #[serde(serialize_with = "as_object")]
     pub counters: Vec<(&'static str, u64)>,
+    pub iface_stats: Vec<IfaceStatsEntry>,
+}
+
+/// Which build's programs are pinned, against this binary's.
+#[derive(Debug, Serialize)]
+pub struct PinnedBuild {
+    /// The BPF object digest the loading agent recorded (`None`: an agent
+    /// older than the record).
+    pub pinned_object_sha256: Option<String>,
+    /// This binary.
+    pub this_binary: crate::build_info::BuildInfo,
+    /// Set when the pinned programs are not this binary's.
+    pub warning: Option<String>,
+}
+
+fn as_object<S: serde::Serializer>(pairs: &[(&'static str, u64)], s: S) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap as _;
+    let mut map = s.serialize_map(Some(pairs.len()))?;
+    for (name, value) in pairs {
+        map.serialize_entry(name, value)?;
+    }
+    map.end()
 }
 
 #[derive(Debug, Serialize)]
 pub struct EnrolledPodEntry {
+    /// Namespace, name and UID, as the agent recorded them at enrolment
+    /// (`None`: enrolled by an agent older than the record).
+    pub pod: Option<super::pod_names::PodIdentity>,
     pub netns_cookie: u64,
     pub netns_inode: u64,
     pub addresses: Vec<std::net::IpAddr>,
@@ -69,9 +96,8 @@ pub struct PinnedMap {
     pub name: String,
     pub id: u32,
     pub max_entries: u32,
-    /// Entries in use, for the hash maps that hold per-pod or per-connection
-    /// state (what must not leak).
-    pub entries: Option<u64>,
+    /// Entries in use (an array's are all its slots).
+    pub entries: u64,
     pub pin: PathBuf,
 }
 
@@ -96,6 +122,19 @@ pub struct IfaceStatsEntry {
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
+    #[error(
+        "pin root {path} does not exist: ambpf is not installed there (is --pin-root the \
+         agent's? the chart's default is {default})",
+        default = super::DEFAULT_PIN_ROOT
+    )]
+    NoPinRoot { path: PathBuf },
+    #[error(transparent)]
+    NotBpffs(super::pins::PinError),
+    #[error(
+        "pin root {path} is on bpffs but holds no ambpf state (no pinned maps or links): no \
+         agent has run with this pin root, or `ambpf uninstall` removed it"
+    )]
+    NoState { path: PathBuf },
     #[error("reading {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
     #[error("opening pinned map {path}: {source}")]
@@ -110,11 +149,35 @@ pub enum InspectError {
     },
 }
 
-/// Everything under the pin root. Missing pins are simply absent (an agent
-/// that never ran has nothing to show); unreadable ones are errors.
+/// Checks that the pin root exists, is on bpffs, and holds ambpf's state,
+/// saying which of these it is not.
+pub fn check_pin_root(pins: &PinLayout) -> Result<(), InspectError> {
+    let root = pins.root();
+    if !root.exists() {
+        return Err(InspectError::NoPinRoot {
+            path: root.to_owned(),
+        });
+    }
+    super::pins::check_bpffs(root).map_err(InspectError::NotBpffs)?;
+    let has_state = maps::PINNED.iter().any(|name| pins.map(name).exists())
+        || ["links/cgroup", "links/tc", "links/pods"]
+            .iter()
+            .any(|dir| read_dir_sorted(&root.join(dir)).is_ok_and(|found| !found.is_empty()));
+    if !has_state {
+        return Err(InspectError::NoState {
+            path: root.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Everything under the pin root, which must hold ambpf's state
+/// ([`check_pin_root`]). Missing pins are simply absent; unreadable ones
+/// are errors.
 pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
+    check_pin_root(pins)?;
     let mut maps_out = Vec::new();
-    for name in maps::PINNED {
+    for name in maps::PINNED.iter().chain([&super::pod_names::MAP_NAME]) {
         let path = pins.map(name);
         if !path.exists() {
             continue;
@@ -128,35 +191,60 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
             name: info.name_as_str().unwrap_or(name).to_owned(),
             id: info.id(),
             max_entries: info.max_entries(),
-            entries: count_entries(name, data),
+            entries: count_entries(&info, data),
             pin: path,
         });
     }
+    let recorded = crate::build_info::recorded(pins).map_err(|source| InspectError::Io {
+        path: pins.root().join("object"),
+        source,
+    })?;
+    let mut pods = with_counters(with_steering(read_pods(pins)?), pins)?;
+    let mut names = super::pod_names::read_all(pins)?;
+    for pod in &mut pods {
+        pod.pod = names.remove(&pod.netns_cookie);
+    }
     Ok(Status {
         pin_root: pins.root().to_owned(),
+        build: PinnedBuild {
+            warning: crate::build_info::mismatch_warning(recorded.as_deref()),
+            pinned_object_sha256: recorded,
+            this_binary: crate::build_info::current().clone(),
+        },
+        pods,
         maps: maps_out,
         tc_links: read_tc_links(pins)?,
-        iface_stats: read_iface_stats(pins)?,
-        pods: with_counters(with_steering(read_pods(pins)?), pins)?,
         links: read_other_links(pins)?,
         counters: read_counters(pins)?,
+        iface_stats: read_iface_stats(pins)?,
     })
 }
 
-/// Entries of the maps holding per-pod and per-connection state.
-fn count_entries(name: &str, data: MapData) -> Option<u64> {
-    fn keys<K: aya::Pod, V: aya::Pod>(data: MapData) -> Option<u64> {
-        let map: HashMap<_, K, V> = HashMap::try_from(Map::HashMap(data)).ok()?;
-        Some(map.keys().filter(Result::is_ok).count() as u64)
+/// Entries in use: the keys of a hash map (whatever their type: the walk
+/// only needs the key size), all slots of an array.
+fn count_entries(info: &aya::maps::MapInfo, data: MapData) -> u64 {
+    use aya::maps::MapType;
+    match info.map_type() {
+        Ok(MapType::Array | MapType::PerCpuArray) => u64::from(info.max_entries()),
+        _ => count_keys(&data, info.key_size() as usize),
     }
-    use ambpf_common::{SockAddr, TupleKey};
-    match name {
-        maps::PODS_BY_NETNS => keys::<u64, PodConfig>(data),
-        maps::PODS_BY_IP => keys::<IpKey, PodConfig>(data),
-        maps::HOST_ADDRS => keys::<IpKey, u8>(data),
-        maps::ORIG_BY_COOKIE => keys::<u64, SockAddr>(data),
-        maps::ORIG_BY_TUPLE => keys::<TupleKey, SockAddr>(data),
-        _ => None,
+}
+
+/// BPF_MAP_GET_NEXT_KEY from the start until the end.
+fn count_keys(data: &MapData, key_size: usize) -> u64 {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let fd = data.fd().as_fd().as_raw_fd();
+    let mut key = vec![0u8; key_size];
+    let mut next = vec![0u8; key_size];
+    let mut count = 0u64;
+    let mut first = true;
+    loop {
+        if !super::sys::map_next_key(fd, (!first).then_some(&key[..]), &mut next) {
+            return count;
+        }
+        count += 1;
+        first = false;
+        std::mem::swap(&mut key, &mut next);
     }
 }
 
@@ -186,6 +274,7 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             })
             .collect();
         pods.push(EnrolledPodEntry {
+            pod: None,
             netns_cookie: cookie,
             netns_inode: pod.netns_inode,
             addresses,
@@ -409,107 +498,4 @@ fn pinned_link(
 
 fn file_name(path: &std::path::Path) -> Option<&str> {
     path.file_name()?.to_str()
-}
-
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "pin root: {}", self.pin_root.display())?;
-        writeln!(f, "maps:")?;
-        if self.maps.is_empty() {
-            writeln!(f, "  (none pinned)")?;
-        }
-        for m in &self.maps {
-            writeln!(
-                f,
-                "  {:<16} id {:<6} max_entries {:<6} {}",
-                m.name,
-                m.id,
-                m.max_entries,
-                m.pin.display()
-            )?;
-        }
-        writeln!(f, "tc links (TCX):")?;
-        if self.tc_links.is_empty() {
-            writeln!(f, "  (none pinned)")?;
-        }
-        for l in &self.tc_links {
-            writeln!(
-                f,
-                "  netns {:<11} ifindex {:<4} {:<8} link {:<5} prog {:<5} {}",
-                l.netns_inode, l.ifindex, l.direction, l.link_id, l.program_id, l.program_name
-            )?;
-        }
-        writeln!(f, "enrolled pods:")?;
-        if self.pods.is_empty() {
-            writeln!(f, "  (none)")?;
-        }
-        for p in &self.pods {
-            let addrs: Vec<String> = p.addresses.iter().map(|a| a.to_string()).collect();
-            writeln!(
-                f,
-                "  netns {:<11} cookie {:<8} dns {:<5} {}",
-                p.netns_inode,
-                p.netns_cookie,
-                p.dns_capture,
-                addrs.join(" ")
-            )?;
-            if let Some(counters) = &p.counters {
-                let counts: Vec<String> = counters
-                    .named()
-                    .iter()
-                    .map(|(name, value)| format!("{name} {value}"))
-                    .collect();
-                writeln!(f, "    counters: {}", counts.join(", "))?;
-            }
-            match &p.steering {
-                None => writeln!(f, "    steering: (namespace not found)")?,
-                Some(filters) => {
-                    for s in filters {
-                        match s.program_id {
-                            Some(id) => writeln!(
-                                f,
-                                "    steering: {} (ifindex {}) tc ingress filter, prog {id} {}",
-                                s.iface,
-                                s.ifindex,
-                                s.program_name.as_deref().unwrap_or("?")
-                            )?,
-                            None => writeln!(
-                                f,
-                                "    steering: {} (ifindex {}) NONE",
-                                s.iface, s.ifindex
-                            )?,
-                        }
-                    }
-                }
-            }
-        }
-        writeln!(f, "links:")?;
-        for l in &self.links {
-            let pin = l.pin.strip_prefix(&self.pin_root).unwrap_or(&l.pin);
-            writeln!(
-                f,
-                "  {:<48} link {:<5} prog {:<5} {}",
-                pin.display(),
-                l.link_id,
-                l.program_id,
-                l.program_name
-            )?;
-        }
-        writeln!(f, "redirection counters:")?;
-        for (name, value) in &self.counters {
-            writeln!(f, "  {name:<24} {value:>10}")?;
-        }
-        writeln!(f, "interface counters:")?;
-        if self.iface_stats.is_empty() {
-            writeln!(f, "  (no packets seen)")?;
-        }
-        for s in &self.iface_stats {
-            writeln!(
-                f,
-                "  ifindex {:<4} {:<8} {:>10} packets {:>12} bytes",
-                s.ifindex, s.direction, s.packets, s.bytes
-            )?;
-        }
-        Ok(())
-    }
 }

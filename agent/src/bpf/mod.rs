@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod object;
 pub mod pins;
 pub mod pod_counters;
+pub mod pod_names;
 pub mod sys;
 pub mod tc;
 
@@ -128,6 +129,10 @@ impl Dataplane {
             debug!("loaded BPF program {name}");
         }
         pin_steering_program(&mut ebpf, &pins)?;
+        crate::build_info::record_loaded(&pins).map_err(|source| pins::PinError::Io {
+            path: pins.root().join("object"),
+            source,
+        })?;
         Ok(Self {
             ebpf,
             pins,

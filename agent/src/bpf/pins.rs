@@ -94,15 +94,6 @@ impl PinLayout {
         self.pod_links_root().join(netns_cookie.to_string())
     }
 
-    /// What ambpf pins directly under the root; all of it is ambpf's.
-    pub fn top_level_dirs(&self) -> [PathBuf; 3] {
-        [
-            self.maps_dir(),
-            self.root.join("links"),
-            self.root.join("progs"),
-        ]
-    }
-
     /// Checks that the root lies on bpffs, below its mount point (the root
     /// is ambpf's alone), and creates the directory tree.
     pub fn prepare(&self) -> Result<(), PinError> {

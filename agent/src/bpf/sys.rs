@@ -1,6 +1,7 @@
-//! The few bpf(2) link commands aya 0.14 does not expose for every program
+//! The few bpf(2) commands aya 0.14 does not expose for every program
 //! type: creating a cgroup link for any program, replacing a link's program
-//! atomically, and pinning/opening link objects.
+//! atomically, pinning/opening link objects, and creating a map that no
+//! program uses (the agent's own records).
 
 use std::{
     ffi::CString,
@@ -10,6 +11,8 @@ use std::{
 };
 
 // enum bpf_cmd
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
@@ -76,6 +79,50 @@ pub fn cgroup_link_create(
     let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
     // SAFETY: the kernel returned a new link fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// enum bpf_map_type: a hash map.
+pub const MAP_TYPE_HASH: u32 = 1;
+
+/// BPF_MAP_CREATE of a map without BTF; `name` is at most 15 bytes of
+/// `[A-Za-z0-9_.]`, as the kernel requires.
+pub fn map_create(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    name: &str,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    attr.words[0] = map_type;
+    attr.words[1] = key_size;
+    attr.words[2] = value_size;
+    attr.words[3] = max_entries;
+    // map_flags, inner_map_fd, numa_node: 0; map_name[16] at byte 28.
+    let mut name_bytes = [0u8; 16];
+    let len = name.len().min(15);
+    name_bytes[..len].copy_from_slice(&name.as_bytes()[..len]);
+    for (i, chunk) in name_bytes.chunks(4).enumerate() {
+        attr.words[7 + i] = u32::from_ne_bytes(chunk.try_into().expect("4-byte chunk"));
+    }
+    let fd = bpf(BPF_MAP_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new map fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_MAP_GET_NEXT_KEY: the key after `key` (the first with `None`) into
+/// `next`; false at the end (or on any error: a walk of any key type, for
+/// counting entries).
+pub fn map_next_key(map: std::os::fd::RawFd, key: Option<&[u8]>, next: &mut [u8]) -> bool {
+    let mut attr = Attr::default();
+    attr.words[0] = map as u32; // map_fd, then 4 bytes of padding
+    let key_ptr = key.map_or(0, |k| k.as_ptr() as u64);
+    attr.words[2] = key_ptr as u32;
+    attr.words[3] = (key_ptr >> 32) as u32;
+    let next_ptr = next.as_mut_ptr() as u64;
+    attr.words[4] = next_ptr as u32;
+    attr.words[5] = (next_ptr >> 32) as u32;
+    bpf(BPF_MAP_GET_NEXT_KEY, &mut attr).is_ok()
 }
 
 /// BPF_LINK_CREATE of `program` on `target` (an fd or an ifindex, as the

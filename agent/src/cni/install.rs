@@ -242,6 +242,26 @@ pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Uninstalled {
     done
 }
 
+/// The conflists of `conf_dir` that chain the plugin (unreadable ones are
+/// left out: this only informs what `uninstall --keep-cni` says).
+pub fn chained_in(conf_dir: &Path) -> Vec<PathBuf> {
+    conflists(conf_dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|path| {
+            fs::read(path)
+                .ok()
+                .and_then(|text| serde_json::from_slice::<Value>(&text).ok())
+                .and_then(|list| {
+                    list.get("plugins")?
+                        .as_array()
+                        .map(|p| p.iter().any(is_ours))
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
 /// Removes ambpf's entries from one conflist; whether it had any.
 fn unchain(path: &Path) -> Result<bool, InstallError> {
     let text = fs::read(path).map_err(io_err(path))?;

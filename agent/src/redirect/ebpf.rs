@@ -66,6 +66,8 @@ pub enum EnrollError {
     },
     #[error("the steering program: {0}")]
     SteeringProgram(String),
+    #[error("recording the pod's name: {0}")]
+    PodNames(#[from] crate::bpf::inspect::InspectError),
     #[error(transparent)]
     Netns(#[from] NetnsError),
 }
@@ -393,6 +395,10 @@ impl Dataplane {
                 found.is_some_and(|c| c.flags & pod_flags::STEERING_QDISC_CREATED != 0);
             detach_steering(&netns, qdisc_created)?;
         }
+        if let Err(e) = crate::bpf::pod_names::remove(self.pins(), cookie) {
+            // A stale name is harmless: cookies are never reused.
+            log::warn!("pod with {pod}: forgetting its name: {e}");
+        }
         if found.is_some() {
             info!("removed pod with {pod}");
         }
@@ -547,6 +553,18 @@ impl super::PodRedirection for Dataplane {
 
     fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
         self.unenroll_pod(pod)
+    }
+
+    fn record_identity(
+        &mut self,
+        pod: PodKey,
+        identity: &crate::bpf::pod_names::PodIdentity,
+    ) -> Result<(), EnrollError> {
+        Ok(crate::bpf::pod_names::record(
+            self.pins(),
+            pod.netns_cookie,
+            identity,
+        )?)
     }
 
     fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {

@@ -100,6 +100,17 @@ pub trait PodRedirection: Send {
     /// keeps that pod's records. Returns whether the pod was enrolled.
     fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError>;
 
+    /// Records who the enrolled pod `pod` is where `ambpf status` reads it
+    /// without the agent (the eBPF mode's pinned map; iptables mode pins
+    /// nothing). Its removal forgets it.
+    fn record_identity(
+        &mut self,
+        _pod: PodKey,
+        _identity: &crate::bpf::pod_names::PodIdentity,
+    ) -> Result<(), EnrollError> {
+        Ok(())
+    }
+
     /// The pods currently enrolled.
     fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError>;
 

@@ -50,11 +50,20 @@ pub enum TraceError {
     AgentTooOld(std::path::PathBuf),
 }
 
-/// Pods' names by netns cookie, for the `pod` column. The agent does not
-/// record them where another process can read them yet, so pods are shown
-/// by netns cookie (`ambpf status` lists each pod's cookie and addresses).
-fn pod_names(_pins: &PinLayout) -> HashMap<u64, String> {
-    HashMap::new()
+/// Pods' `namespace/name` by netns cookie, for the `pod` column, from the
+/// record the agent pins at enrolment (`maps/ambpf_pod_names`); a pod not
+/// (yet) recorded there is shown by its netns cookie.
+fn pod_names(pins: &PinLayout) -> HashMap<u64, String> {
+    match crate::bpf::pod_names::read_all(pins) {
+        Ok(names) => names
+            .into_iter()
+            .map(|(cookie, pod)| (cookie, format!("{}/{}", pod.namespace, pod.name)))
+            .collect(),
+        Err(e) => {
+            log::warn!("pods' names unreadable, showing netns cookies: {e}");
+            HashMap::new()
+        }
+    }
 }
 
 pub fn run(pins: &PinLayout, args: TraceArgs) -> Result<()> {

@@ -1106,7 +1106,7 @@ fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectArgs) {
     );
     let mut table = Table::new([
         "clients", "mode", "conn/s", "min", "max", "errors", "loadgen", "ztunnel", "echo", "agent",
-        "machine", "busiest",
+        "softirq", "machine", "busiest",
     ]);
     for m in &summary.modes {
         let cpu = &m.rate_cpu;

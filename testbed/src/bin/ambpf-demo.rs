@@ -10,7 +10,9 @@
 //!    pod's netns and opens ztunnel's listeners inside it;
 //! 3. sends traffic: the pod's app to the remote server (captured to 15001),
 //!    the remote client to the app (captured to 15006, source kept), and the
-//!    node to the app (a kubelet probe: not captured);
+//!    node to the app (a kubelet probe: not captured), and a DNS query over
+//!    UDP to a resolver address nothing serves (captured to ztunnel's DNS
+//!    proxy on 15053, which answers);
 //! 4. prints what ztunnel proxied, `ambpf status` and `bpftool`'s view (the
 //!    programs, and the pods map with its BTF field names), holds
 //!    so you can look around, then stops and removes everything (also on
@@ -18,7 +20,7 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command},
@@ -29,7 +31,7 @@ use std::{
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
-    ztunnel::{ZtunnelConfig, ZtunnelDouble},
+    ztunnel::{ZtunnelConfig, ZtunnelDouble, dns},
 };
 use clap::Parser;
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, kill, sigaction};
@@ -108,6 +110,15 @@ async fn main() -> Result<(), Error> {
         cgroup.path().display()
     );
 
+    // The agent's log (and the kernel programs' records it forwards) goes to
+    // a file, kept after the demo, so the narration stays readable.
+    let log_path =
+        std::env::temp_dir().join(format!("ambpf-demo-agent-{}.log", std::process::id()));
+    let log = std::fs::File::create(&log_path)?;
+    println!(
+        "== agent log: {} (tail -f it in another terminal)",
+        log_path.display()
+    );
     let mut agent = spawn_agent(
         &args.agent,
         &cluster.node,
@@ -116,16 +127,25 @@ async fn main() -> Result<(), Error> {
         &pods_file,
         cgroup.path(),
         pod,
+        log,
     )?;
     let result = demo(&args, &cluster, &pin_root, &socket, &mut agent).await;
     stop(&mut agent);
-    // The demo's pins only: a full uninstall sweeps the whole machine and
-    // un-chains an installed ambpf-cni.
-    run_agent_cli(
-        &args.agent,
-        &pin_root,
-        &["uninstall", "--redirect-mode", "ebpf", "--keep-cni"],
+    // The demo's pins only (its namespaces, cgroup and bpffs go with it); its
+    // output joins the agent's log.
+    println!(
+        "== cleaning up: stopping the agent, removing the demo's pins, namespaces, cgroup and \
+         bpffs mount"
     );
+    if let Ok(log) = std::fs::OpenOptions::new().append(true).open(&log_path) {
+        let _ = Command::new(&args.agent)
+            .arg("--pin-root")
+            .arg(&pin_root)
+            .args(["uninstall", "--redirect-mode", "ebpf", "--keep-cni"])
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .status();
+    }
     result
 }
 
@@ -167,6 +187,10 @@ async fn demo(
     exchange(&cluster.remote.ns, app)?;
     println!("== node (kubelet probe) -> pod app {app}");
     exchange(&cluster.node, app)?;
+    // Nothing serves DNS at the remote's address: only the capture answers.
+    let resolver = SocketAddr::new(remote.ip(), 53);
+    println!("== pod app -> DNS resolver {resolver} (UDP, A demo.ambpf.test)");
+    resolve(&pod.ns, resolver, "demo.ambpf.test")?;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     println!("== what ztunnel proxied");
@@ -177,17 +201,31 @@ async fn demo(
         );
     }
     println!("   (the probe is absent: host traffic reaches the app directly)");
+    println!("== what ztunnel's DNS proxy answered");
+    for query in ztunnel.dns_queries() {
+        println!(
+            "   {:?} {} from {} on {}",
+            query.transport, query.name, query.client, query.server
+        );
+    }
 
     println!("== ambpf status");
     run_agent_cli(&args.agent, pin_root, &["status"]);
     if Command::new("bpftool").arg("version").output().is_ok() {
-        println!("== bpftool prog show (ambpf programs)");
-        let out = Command::new("bpftool").args(["prog", "show"]).output()?;
-        for line in String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter(|l| l.contains(" name ambpf_"))
-        {
-            println!("   {line}");
+        // This demo's programs only: the ids its pins and its pod's filter
+        // run (other ambpf agents on the machine have their own).
+        let ids = own_program_ids(&args.agent, pin_root);
+        println!(
+            "== bpftool prog show id <id> (the {} programs of this demo's agent)",
+            ids.len()
+        );
+        for id in ids {
+            let out = Command::new("bpftool")
+                .args(["prog", "show", "id", &id.to_string()])
+                .output()?;
+            for line in String::from_utf8_lossy(&out.stdout).lines().take(1) {
+                println!("   {line}");
+            }
         }
         // The maps carry BTF: entries print with their field names.
         let pods_map = pin_root
@@ -213,6 +251,7 @@ async fn demo(
 
 /// Starts `ambpf run` inside the node's namespace: the node's addresses are
 /// then the host's, as for a DaemonSet pod with host networking.
+#[allow(clippy::too_many_arguments)] // each is one of the agent's flags
 fn spawn_agent(
     agent: &Path,
     node: &NetnsGuard,
@@ -221,6 +260,7 @@ fn spawn_agent(
     pods_file: &Path,
     cgroup: &Path,
     pod: &ambpf_testbed::cluster::Pod,
+    log: std::fs::File,
 ) -> Result<Child, Error> {
     let node_ns = std::fs::File::open(node.path())?;
     let mut cmd = Command::new(agent);
@@ -234,6 +274,8 @@ fn spawn_agent(
         .arg("--cgroup")
         .arg(cgroup)
         .args(["--attach", &format!("{}:eth0", pod.ns.path().display())])
+        .stdout(log.try_clone()?)
+        .stderr(log)
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -286,11 +328,57 @@ fn exchange(ns: &NetnsGuard, to: SocketAddr) -> Result<(), Error> {
     Ok(())
 }
 
+/// One A query over unconnected UDP from inside `ns`, as a stub resolver
+/// sends it; prints the answer and where the app saw it come from.
+fn resolve(ns: &NetnsGuard, resolver: SocketAddr, name: &str) -> Result<(), Error> {
+    let (from, addresses) = ns.run(|| -> Result<_, String> {
+        let udp = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+        udp.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| e.to_string())?;
+        let query = dns::encode_query(0x00de, name, dns::TYPE_A)?;
+        udp.send_to(&query, resolver).map_err(|e| e.to_string())?;
+        let mut buffer = [0u8; 512];
+        let (len, from) = udp
+            .recv_from(&mut buffer)
+            .map_err(|e| format!("no DNS answer from {resolver}: {e}"))?;
+        let answer = dns::Response::parse(&buffer[..len])?;
+        Ok((from, answer.addresses()))
+    })??;
+    println!("   answer {addresses:?}, the app saw it come from {from}");
+    Ok(())
+}
+
 fn unmap(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
     }
+}
+
+/// The ids of the programs under `pin_root`, from `ambpf status -o json`.
+fn own_program_ids(agent: &Path, pin_root: &Path) -> std::collections::BTreeSet<u64> {
+    let Ok(out) = Command::new(agent)
+        .arg("--pin-root")
+        .arg(pin_root)
+        .args(["status", "-o", "json"])
+        .output()
+    else {
+        return Default::default();
+    };
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let ids = |list: &serde_json::Value| -> Vec<u64> {
+        list.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["program_id"].as_u64())
+            .collect()
+    };
+    let mut all: std::collections::BTreeSet<u64> = ids(&status["links"]).into_iter().collect();
+    all.extend(ids(&status["tc_links"]));
+    for pod in status["pods"].as_array().into_iter().flatten() {
+        all.extend(ids(&pod["steering"]));
+    }
+    all
 }
 
 fn run_agent_cli(agent: &Path, pin_root: &Path, args: &[&str]) {

@@ -1,24 +1,22 @@
-//! The `ambpf` command line.
+//! The `ambpf` command line: its arguments and the dispatch to each
+//! subcommand. The agent itself is in [`run`], the CNI installer's loop in
+//! [`cni_install`].
+
+mod cni_install;
+mod run;
 
 use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
-use log::info;
 
 use crate::{
     bpf::{self, Dataplane, PinLayout, inspect},
-    controller::{Controller, SourcePods},
     netns::Netns,
     observe,
-    redirect::{
-        PodRedirection, RedirectMode,
-        iptables::{IptablesBackend, IptablesRedirection},
-        podnet,
-    },
+    redirect::{RedirectMode, iptables::IptablesBackend},
     sources, zds,
 };
-use ambpf_common::NodeConfig;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -37,20 +35,29 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the agent: load the programs, attach them, and serve until
-    /// SIGINT/SIGTERM. Attachments stay pinned when it exits.
+    /// Run the agent (the node's DaemonSet runs this).
+    ///
+    /// Loads the programs, attaches them, enrols the pods its source
+    /// reports and serves ZDS until SIGINT/SIGTERM. Attachments stay pinned
+    /// when it exits.
     Run(RunArgs),
-    /// Attach the programs to an interface in a network namespace, pin, and exit.
+    /// Attach the interface counters to an interface, pin, and exit.
     Attach(IfaceArgs),
-    /// Detach the programs from an interface in a network namespace.
+    /// Detach the interface counters from an interface.
     Detach(IfaceArgs),
-    /// Show the enrolled pods, pinned maps (with entry counts), links and
-    /// counters, read from the pins alone: works while the agent runs or
-    /// after it died.
+    /// Show enrolled pods, maps, links and counters from the pins.
+    ///
+    /// Reads the pins alone: works while the agent runs or after it died.
+    /// Fails, saying which, when the pin root does not exist, is not on
+    /// bpffs or holds no ambpf state; warns when the pinned programs are
+    /// not this binary's build.
     #[command(visible_alias = "inspect")]
     Status {
-        /// Print JSON instead of text.
-        #[arg(long)]
+        /// Output format.
+        #[arg(short = 'o', long, value_enum, default_value = "text")]
+        output: crate::status::Output,
+        /// The same as `-o json`.
+        #[arg(long, conflicts_with = "output")]
         json: bool,
         /// Check the pinned per-pod state instead: every address entry
         /// points at the enrolled pod that owns the address and whose
@@ -60,22 +67,33 @@ pub enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Remove everything ambpf made on this node: the `ambpf-cni` plugin from
-    /// the CNI configuration (so pods start again), the eBPF pods' reply
-    /// routing and every pin (detaching every program), ambpf's in-pod
-    /// iptables rules in every network namespace and the host's probe rules
-    /// and ipsets, and, with Kubernetes access, the redirection annotation
-    /// on this node's pods. Safe to run again; fails if anything is left.
+    /// Remove everything ambpf made on this node.
+    ///
+    /// The `ambpf-cni` plugin from the CNI configuration (so pods start
+    /// again), the eBPF pods' reply routing and every pin (detaching every
+    /// program), ambpf's in-pod iptables rules in every network namespace
+    /// and the host's probe rules and ipsets, and, with Kubernetes access,
+    /// the redirection annotation on this node's pods. Safe to run again;
+    /// fails if anything is left.
     Uninstall(UninstallArgs),
-    /// Chain the `ambpf-cni` plugin into the node's CNI conflist and copy its
-    /// binary into the CNI bin directory (idempotent); with --watch, keep
-    /// re-applying it so a removed entry comes back, and on SIGTERM/SIGINT
-    /// remove both if this pod's DaemonSet is gone or being deleted (an
-    /// uninstall), else leave them for the next pod (an upgrade or restart).
+    /// Chain the `ambpf-cni` plugin into the node's CNI configuration.
+    ///
+    /// Chains it into the first conflist and copies its binary into the CNI
+    /// bin directory (idempotent); with --watch, keeps re-applying it so a
+    /// removed entry comes back, and on SIGTERM/SIGINT removes both if this
+    /// pod's DaemonSet is gone or being deleted (an uninstall), else leaves
+    /// them for the next pod (an upgrade or restart).
     CniInstall(CniInstallArgs),
-    /// Print the kernel programs' redirect decisions live, one line each:
-    /// pod, direction, tuple, original destination, verdict (why a
-    /// connection was or was not captured).
+    /// Print the version, git commit and BPF object digest of this build.
+    Version {
+        /// Output format (`text` or `json`).
+        #[arg(short = 'o', long, value_enum, default_value = "text")]
+        output: crate::status::Output,
+    },
+    /// Print the kernel programs' redirect decisions live.
+    ///
+    /// One line each: pod, direction, tuple, original destination, verdict
+    /// (why a connection was or was not captured).
     Trace(crate::trace::TraceArgs),
 }
 
@@ -317,7 +335,7 @@ pub struct IfaceArgs {
 pub fn execute(cli: Cli) -> Result<()> {
     let pins = PinLayout::new(&cli.pin_root);
     match cli.command {
-        Command::Run(args) => run(pins, args),
+        Command::Run(args) => run::run(pins, args),
         Command::Attach(args) => {
             let netns = Netns::open(&args.netns)?;
             let mut dataplane = Dataplane::load(pins)?;
@@ -336,13 +354,29 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Status { json, check: true } => status_check(&pins, json),
-        Command::Status { json, check: false } => {
-            let status = inspect::read_status(&pins)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
+        Command::Status {
+            output,
+            json,
+            check,
+        } => {
+            let output = if json {
+                crate::status::Output::Json
             } else {
-                print!("{status}");
+                output
+            };
+            if check {
+                inspect::check_pin_root(&pins)?;
+                status_check(&pins, output == crate::status::Output::Json)
+            } else {
+                crate::status::print(&pins, output)
+            }
+        }
+        Command::Version { output } => {
+            let info = crate::build_info::current();
+            match output {
+                crate::status::Output::Json => println!("{}", serde_json::to_string_pretty(info)?),
+                crate::status::Output::Yaml => print!("{}", serde_yaml_ng::to_string(info)?),
+                _ => print!("{info}"),
             }
             Ok(())
         }
@@ -356,117 +390,8 @@ pub fn execute(cli: Cli) -> Result<()> {
                 keep_cni: args.keep_cni,
             })
         }
-        Command::CniInstall(args) => cni_install(args),
+        Command::CniInstall(args) => cni_install::cni_install(args),
         Command::Trace(args) => crate::trace::run(&pins, args),
-    }
-}
-
-fn cni_install(args: CniInstallArgs) -> Result<()> {
-    use crate::cni::install::{InstallConfig, install_once, keep_installed};
-    let owner = args.owner_lookup();
-    let plugin_binary = match args.plugin_binary {
-        Some(path) => path,
-        None => std::env::current_exe()?
-            .parent()
-            .context("locating the ambpf-cni binary")?
-            .join(crate::cni::PLUGIN_TYPE),
-    };
-    let config = InstallConfig {
-        conf_dir: args.conf_dir,
-        bin_dir: args.bin_dir,
-        plugin_binary: Some(plugin_binary),
-        agent_socket: args.agent_socket,
-        agent_timeout_seconds: args.agent_timeout,
-    };
-    let done = install_once(&config)?;
-    println!(
-        "ambpf-cni chained in {} (conflist changed: {}, binary changed: {})",
-        done.conflist.display(),
-        done.conflist_changed,
-        done.binary_changed
-    );
-    let Some(every) = args.watch else {
-        return Ok(());
-    };
-    let every = std::time::Duration::try_from_secs_f64(every).context("--watch")?;
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?
-        .block_on(async {
-            // Listening first: a signal from here on gets the decision below.
-            let shutdown = shutdown_signal()?;
-            let owner = match owner {
-                Ok((kubeconfig, pod)) => match sources::kube::client(kubeconfig.as_deref()).await {
-                    Ok(client) => Ok(crate::cni::shutdown::OwnerWatch::start(client, pod)),
-                    Err(e) => Err(e.to_string()),
-                },
-                Err(why) => Err(why),
-            };
-            match &owner {
-                Ok(_) => info!(
-                    "on shutdown ambpf-cni stays chained if this pod's DaemonSet is still \
-                     there, and is removed if it is gone or being deleted"
-                ),
-                Err(why) => log::warn!("on shutdown ambpf-cni will stay chained: {why}"),
-            }
-            tokio::select! {
-                () = keep_installed(config.clone(), every) => {}
-                () = shutdown => {}
-            }
-            let action = match owner {
-                Ok(watch) => watch.decide(crate::cni::shutdown::LOOKUP_TIMEOUT).await,
-                Err(why) => crate::cni::shutdown::ShutdownAction::Undecided { why },
-            };
-            on_shutdown(action, &config)
-        })
-}
-
-/// Leaves the plugin chained or removes it, as `action` says.
-fn on_shutdown(
-    action: crate::cni::shutdown::ShutdownAction,
-    config: &crate::cni::install::InstallConfig,
-) -> Result<()> {
-    use crate::cni::shutdown::ShutdownAction;
-    let (conf_dir, bin_dir) = (config.conf_dir.display(), config.bin_dir.display());
-    let by_hand = format!(
-        "run `ambpf uninstall --cni-conf-dir {conf_dir} --cni-bin-dir \
-         {bin_dir}` on the node (which also removes the rest of ambpf's node state), or delete \
-         the plugin of type {plugin} from the *.conflist in {conf_dir} and {bin_dir}/{plugin}",
-        plugin = crate::cni::PLUGIN_TYPE
-    );
-    match action {
-        ShutdownAction::Keep { daemonset } => {
-            info!(
-                "stopping: DaemonSet {daemonset} is still there and not being deleted (an upgrade \
-                 or a restart): ambpf-cni stays chained for its next pod"
-            );
-            Ok(())
-        }
-        ShutdownAction::Undecided { why } => {
-            log::warn!(
-                "stopping: ambpf-cni stays chained in {conf_dir}, since it cannot be told whether \
-                 ambpf is being removed from this node: {why}. While no ambpf agent runs, new pods \
-                 on this node fail to start. If ambpf is being removed, {by_hand}"
-            );
-            Ok(())
-        }
-        ShutdownAction::Remove { why } => {
-            info!("stopping: {why}: ambpf is being uninstalled, removing ambpf-cni");
-            let done = crate::cni::install::uninstall(&config.conf_dir, &config.bin_dir);
-            for list in &done.unchained {
-                info!("un-chained ambpf-cni from {}", list.display());
-            }
-            if let Some(binary) = &done.binary_removed {
-                info!("removed {}", binary.display());
-            }
-            if done.errors.is_empty() {
-                return Ok(());
-            }
-            for error in &done.errors {
-                log::error!("removing ambpf-cni: {error}");
-            }
-            anyhow::bail!("ambpf-cni could not be removed completely: {by_hand}")
-        }
     }
 }
 
@@ -476,199 +401,6 @@ fn parse_attach(spec: &str) -> Result<(&str, &str)> {
     spec.rsplit_once(':')
         .filter(|(ns, iface)| !ns.is_empty() && !iface.is_empty())
         .with_context(|| format!("--attach {spec}: expected NETNS:IFACE"))
-}
-
-fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
-    // Validate every argument before touching the kernel.
-    let pod_source = args.pod_source()?;
-    raise_fd_limit();
-    let targets = args
-        .attach
-        .iter()
-        .map(|spec| {
-            let (ns, iface) = parse_attach(spec)?;
-            Ok((Netns::open(ns)?, iface.to_owned()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let zds_config = zds::ZdsConfig {
-        socket: args.zds_socket,
-        ack_timeout: std::time::Duration::try_from_secs_f64(args.zds_ack_timeout)
-            .context("--zds-ack-timeout")?,
-        ..Default::default()
-    };
-    let state_check_interval = std::time::Duration::try_from_secs_f64(args.state_check_interval)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .context("--state-check-interval must be a positive number of seconds")?;
-    let cgroup = match args.cgroup {
-        Some(path) => path,
-        None => default_cgroup()?,
-    };
-    let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
-    runtime.block_on(async move {
-        // Endpoints first: a port already taken is a start-up error.
-        let health = tokio::net::TcpListener::bind(args.health_listen)
-            .await
-            .with_context(|| format!("binding the health endpoint {}", args.health_listen))?;
-        let metrics = tokio::net::TcpListener::bind(args.metrics_listen)
-            .await
-            .with_context(|| format!("binding the metrics endpoint {}", args.metrics_listen))?;
-        let mut _pin_root_lock = None;
-        let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
-            RedirectMode::Ebpf => {
-                // One agent writes a pin root at a time (see PinRootLock).
-                pins.prepare()?;
-                _pin_root_lock = Some(bpf::pins::PinRootLock::acquire(&pins)?);
-                let mut dataplane = Dataplane::load(pins)?;
-                dataplane.forward_kernel_logs()?;
-                for (netns, iface) in &targets {
-                    dataplane.attach_iface_counters(netns, iface)?;
-                }
-                dataplane.attach_cgroup(&cgroup)?;
-                dataplane.set_node_config(NodeConfig {
-                    dns_capture: u32::from(args.dns_capture),
-                    _pad: 0,
-                })?;
-                dataplane.set_host_addresses(&podnet::host_addresses()?)?;
-                info!(
-                    "eBPF redirection ready (pin root {}, cgroup {})",
-                    pins_root(&dataplane),
-                    cgroup.display()
-                );
-                Box::new(dataplane)
-            }
-            RedirectMode::Iptables => {
-                // The host side (probe SNAT) lives in the agent's own namespace.
-                let host = Netns::open("/proc/self/ns/net")?;
-                let redirection = IptablesRedirection::new(host, args.iptables_backend)?;
-                info!(
-                    "iptables redirection ready ({:?} backend)",
-                    redirection.backend()
-                );
-                Box::new(redirection)
-            }
-        };
-        let zds = zds::ZdsHandle::new(zds_config);
-        let (pods_tx, pods_rx) =
-            tokio::sync::watch::channel(std::sync::Arc::new(SourcePods::default()));
-        let (programmed_tx, programmed_rx) =
-            tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
-        let mut kube_source = None;
-        // Without Kubernetes there is no one to ask which pods are ambient.
-        let mut cni_selection = crate::cni::selection::PodSelection::Every;
-        match (pod_source, args.pods_file) {
-            (Some(PodSource::Local), Some(path)) => {
-                sources::local::watch(path, pods_tx.clone())?;
-            }
-            (Some(PodSource::Kube), _) => {
-                use sources::kube::{KubeSource, KubeSourceConfig};
-                let client = sources::kube::client(args.kubeconfig.as_deref()).await?;
-                let mut config = KubeSourceConfig::new(args.node_name.unwrap_or_default());
-                config.excluded_namespaces = args
-                    .excluded_namespaces
-                    .into_iter()
-                    .filter(|ns| !ns.is_empty())
-                    .collect();
-                // The CNI endpoint reads pods through the source's client.
-                cni_selection = crate::cni::selection::PodSelection::Ambient(
-                    crate::cni::selection::AmbientLookup::new(
-                        client.clone(),
-                        config.excluded_namespaces.clone(),
-                    ),
-                );
-                info!(
-                    "waiting for the pods of node {} from the API server",
-                    config.node_name
-                );
-                let source = KubeSource::new(client, config)
-                    .annotate_from(programmed_rx, zds.ztunnel_pods());
-                kube_source = Some(source.start(pods_tx.clone()).await?);
-            }
-            _ => log::warn!("no pod source (give --pods-file, or run in a cluster): no pods enrol"),
-        }
-        // Program every current pod before ztunnel can connect, so that its
-        // first snapshot is complete (and restarts reconcile pinned state).
-        let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
-        controller.set_check_interval(state_check_interval);
-        if kube_source.is_some() {
-            controller.report_programmed(programmed_tx);
-        }
-        let first = controller.apply(&pods_rx.borrow().ambient);
-        controller.check_state(crate::redirect::CheckScope::Records);
-        let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
-        let cni_requests = match &args.cni_socket {
-            Some(path) => {
-                let listener = crate::cni::server::bind(path)?;
-                let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crate::cni::server::serve(
-                    listener,
-                    tx,
-                    cni_selection,
-                    cni_stats.clone(),
-                ));
-                info!("CNI endpoint on {}", path.display());
-                Some(rx)
-            }
-            None => None,
-        };
-        info!(
-            "initial pods: {} enrolled, {} stale removed, {} failed",
-            first.enrolled,
-            first.removed,
-            first.failed.len()
-        );
-        let registry = observe::registry(observe::AgentCollector {
-            zds: zds.clone(),
-            controller: controller.stats(),
-            pins: kernel_pins,
-            cni: args.cni_socket.is_some().then_some(cni_stats),
-        });
-        tokio::spawn(observe::serve_metrics(
-            metrics,
-            std::sync::Arc::new(registry),
-        ));
-        tokio::spawn(observe::serve_health(health, zds.clone()));
-        tokio::spawn(controller.run_with_requests(pods_rx, cni_requests));
-        let server = tokio::spawn(zds.clone().serve());
-        info!("ambpf agent ready");
-        tokio::select! {
-            served = server => served??,
-            signal = wait_for_shutdown() => signal?,
-        }
-        drop(pods_tx);
-        info!("shutting down; pinned attachments stay in place");
-        Ok(())
-    })
-}
-
-/// Raises the soft limit on open files to the hard one, as Go's runtime does
-/// for Istio's node agent: the agent holds each enrolled pod's namespace
-/// open (twice: the controller and the redirection), so a node with a
-/// thousand pods needs more than the common soft limit of 1,024.
-fn raise_fd_limit() {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write the struct passed.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
-        {
-            limit.rlim_cur = limit.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                log::warn!(
-                    "cannot raise the open-file limit to {}: {}",
-                    limit.rlim_max,
-                    std::io::Error::last_os_error()
-                );
-            }
-        }
-    }
 }
 
 /// `ambpf status --check`: the eBPF mode's pinned state, checked from the
@@ -693,44 +425,6 @@ fn status_check(pins: &PinLayout, json: bool) -> Result<()> {
         );
     }
     Ok(())
-}
-
-fn pins_root(dataplane: &Dataplane) -> String {
-    dataplane.pins().root().display().to_string()
-}
-
-/// The cgroup v2 mount: /sys/fs/cgroup on unified hosts, its `unified`
-/// subdirectory on hybrid ones.
-fn default_cgroup() -> Result<PathBuf> {
-    const CGROUP2_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6367_7270);
-    for candidate in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
-        if nix::sys::statfs::statfs(candidate).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC)
-        {
-            return Ok(PathBuf::from(candidate));
-        }
-    }
-    anyhow::bail!(
-        "no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified; give --cgroup"
-    )
-}
-
-async fn wait_for_shutdown() -> Result<()> {
-    shutdown_signal()?.await;
-    Ok(())
-}
-
-/// Catches SIGTERM and SIGINT from now on; the future ends at the first.
-/// Needs a tokio runtime.
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,249 @@
+//! `ambpf run`: the agent. Loads or adopts the dataplane, serves ZDS and
+//! the CNI endpoint, and follows the pod source until SIGTERM.
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use log::info;
+
+use super::{PodSource, RunArgs, parse_attach};
+use crate::{
+    bpf::{self, Dataplane, PinLayout},
+    controller::{Controller, SourcePods},
+    netns::Netns,
+    observe,
+    redirect::{PodRedirection, RedirectMode, iptables::IptablesRedirection, podnet},
+    sources, zds,
+};
+use ambpf_common::NodeConfig;
+
+pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
+    // Validate every argument before touching the kernel.
+    let pod_source = args.pod_source()?;
+    raise_fd_limit();
+    let targets = args
+        .attach
+        .iter()
+        .map(|spec| {
+            let (ns, iface) = parse_attach(spec)?;
+            Ok((Netns::open(ns)?, iface.to_owned()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let zds_config = zds::ZdsConfig {
+        socket: args.zds_socket,
+        ack_timeout: std::time::Duration::try_from_secs_f64(args.zds_ack_timeout)
+            .context("--zds-ack-timeout")?,
+        ..Default::default()
+    };
+    let state_check_interval = std::time::Duration::try_from_secs_f64(args.state_check_interval)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .context("--state-check-interval must be a positive number of seconds")?;
+    let cgroup = match args.cgroup {
+        Some(path) => path,
+        None => default_cgroup()?,
+    };
+    let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
+    runtime.block_on(async move {
+        // Endpoints first: a port already taken is a start-up error.
+        let health = tokio::net::TcpListener::bind(args.health_listen)
+            .await
+            .with_context(|| format!("binding the health endpoint {}", args.health_listen))?;
+        let metrics = tokio::net::TcpListener::bind(args.metrics_listen)
+            .await
+            .with_context(|| format!("binding the metrics endpoint {}", args.metrics_listen))?;
+        let mut _pin_root_lock = None;
+        let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
+            RedirectMode::Ebpf => {
+                // One agent writes a pin root at a time (see PinRootLock).
+                pins.prepare()?;
+                _pin_root_lock = Some(bpf::pins::PinRootLock::acquire(&pins)?);
+                let mut dataplane = Dataplane::load(pins)?;
+                dataplane.forward_kernel_logs()?;
+                for (netns, iface) in &targets {
+                    dataplane.attach_iface_counters(netns, iface)?;
+                }
+                dataplane.attach_cgroup(&cgroup)?;
+                dataplane.set_node_config(NodeConfig {
+                    dns_capture: u32::from(args.dns_capture),
+                    _pad: 0,
+                })?;
+                dataplane.set_host_addresses(&podnet::host_addresses()?)?;
+                info!(
+                    "eBPF redirection ready (pin root {}, cgroup {})",
+                    pins_root(&dataplane),
+                    cgroup.display()
+                );
+                Box::new(dataplane)
+            }
+            RedirectMode::Iptables => {
+                // The host side (probe SNAT) lives in the agent's own namespace.
+                let host = Netns::open("/proc/self/ns/net")?;
+                let redirection = IptablesRedirection::new(host, args.iptables_backend)?;
+                info!(
+                    "iptables redirection ready ({:?} backend)",
+                    redirection.backend()
+                );
+                Box::new(redirection)
+            }
+        };
+        let zds = zds::ZdsHandle::new(zds_config);
+        let (pods_tx, pods_rx) =
+            tokio::sync::watch::channel(std::sync::Arc::new(SourcePods::default()));
+        let (programmed_tx, programmed_rx) =
+            tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
+        let mut kube_source = None;
+        // Without Kubernetes there is no one to ask which pods are ambient.
+        let mut cni_selection = crate::cni::selection::PodSelection::Every;
+        match (pod_source, args.pods_file) {
+            (Some(PodSource::Local), Some(path)) => {
+                sources::local::watch(path, pods_tx.clone())?;
+            }
+            (Some(PodSource::Kube), _) => {
+                use sources::kube::{KubeSource, KubeSourceConfig};
+                let client = sources::kube::client(args.kubeconfig.as_deref()).await?;
+                let mut config = KubeSourceConfig::new(args.node_name.unwrap_or_default());
+                config.excluded_namespaces = args
+                    .excluded_namespaces
+                    .into_iter()
+                    .filter(|ns| !ns.is_empty())
+                    .collect();
+                // The CNI endpoint reads pods through the source's client.
+                cni_selection = crate::cni::selection::PodSelection::Ambient(
+                    crate::cni::selection::AmbientLookup::new(
+                        client.clone(),
+                        config.excluded_namespaces.clone(),
+                    ),
+                );
+                info!(
+                    "waiting for the pods of node {} from the API server",
+                    config.node_name
+                );
+                let source = KubeSource::new(client, config)
+                    .annotate_from(programmed_rx, zds.ztunnel_pods());
+                kube_source = Some(source.start(pods_tx.clone()).await?);
+            }
+            _ => log::warn!("no pod source (give --pods-file, or run in a cluster): no pods enrol"),
+        }
+        // Program every current pod before ztunnel can connect, so that its
+        // first snapshot is complete (and restarts reconcile pinned state).
+        let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
+        controller.set_check_interval(state_check_interval);
+        if kube_source.is_some() {
+            controller.report_programmed(programmed_tx);
+        }
+        let first = controller.apply(&pods_rx.borrow().ambient);
+        controller.check_state(crate::redirect::CheckScope::Records);
+        let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
+        let cni_requests = match &args.cni_socket {
+            Some(path) => {
+                let listener = crate::cni::server::bind(path)?;
+                let (tx, rx) = tokio::sync::mpsc::channel(64);
+                tokio::spawn(crate::cni::server::serve(
+                    listener,
+                    tx,
+                    cni_selection,
+                    cni_stats.clone(),
+                ));
+                info!("CNI endpoint on {}", path.display());
+                Some(rx)
+            }
+            None => None,
+        };
+        info!(
+            "initial pods: {} enrolled, {} stale removed, {} failed",
+            first.enrolled,
+            first.removed,
+            first.failed.len()
+        );
+        let registry = observe::registry(observe::AgentCollector {
+            zds: zds.clone(),
+            controller: controller.stats(),
+            pins: kernel_pins,
+            cni: args.cni_socket.is_some().then_some(cni_stats),
+        });
+        tokio::spawn(observe::serve_metrics(
+            metrics,
+            std::sync::Arc::new(registry),
+        ));
+        tokio::spawn(observe::serve_health(health, zds.clone()));
+        tokio::spawn(controller.run_with_requests(pods_rx, cni_requests));
+        let server = tokio::spawn(zds.clone().serve());
+        info!("ambpf agent ready");
+        tokio::select! {
+            served = server => served??,
+            signal = wait_for_shutdown() => signal?,
+        }
+        drop(pods_tx);
+        info!("shutting down; pinned attachments stay in place");
+        Ok(())
+    })
+}
+
+/// Raises the soft limit on open files to the hard one, as Go's runtime does
+/// for Istio's node agent: the agent holds each enrolled pod's namespace
+/// open (twice: the controller and the redirection), so a node with a
+/// thousand pods needs more than the common soft limit of 1,024.
+fn raise_fd_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                log::warn!(
+                    "cannot raise the open-file limit to {}: {}",
+                    limit.rlim_max,
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+}
+
+fn pins_root(dataplane: &Dataplane) -> String {
+    dataplane.pins().root().display().to_string()
+}
+
+/// The cgroup v2 mount: /sys/fs/cgroup on unified hosts, its `unified`
+/// subdirectory on hybrid ones.
+fn default_cgroup() -> Result<PathBuf> {
+    const CGROUP2_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6367_7270);
+    for candidate in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
+        if nix::sys::statfs::statfs(candidate).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC)
+        {
+            return Ok(PathBuf::from(candidate));
+        }
+    }
+    anyhow::bail!(
+        "no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified; give --cgroup"
+    )
+}
+
+async fn wait_for_shutdown() -> Result<()> {
+    shutdown_signal()?.await;
+    Ok(())
+}
+
+/// Catches SIGTERM and SIGINT from now on; the future ends at the first.
+/// Needs a tokio runtime.
+pub(super) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}

@@ -1,0 +1,265 @@
+//! `ambpf status`: what ambpf has pinned ([`inspect::read_status`]), as a
+//! table (`-o wide` adds identifiers), JSON or YAML, in the habit of
+//! `kubectl get -o`. Every section is printed, `(none)` when empty.
+
+use std::fmt::{self, Write as _};
+
+use crate::bpf::{PinLayout, inspect};
+
+/// How `status` prints.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// Tables for people.
+    #[default]
+    Text,
+    /// Tables with ids, UIDs, cookies and pin paths.
+    Wide,
+    Json,
+    Yaml,
+}
+
+/// Prints the status of `pins`; fails, saying why, where there is no ambpf
+/// state to show. A warning about the pinned programs' build goes to stderr.
+pub fn print(pins: &PinLayout, output: Output) -> anyhow::Result<()> {
+    let status = inspect::read_status(pins)?;
+    if let Some(warning) = &status.build.warning {
+        eprintln!("warning: {warning}");
+    }
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&status)?),
+        Output::Yaml => print!("{}", serde_yaml_ng::to_string(&status)?),
+        Output::Text => print!("{}", render(&status, false)?),
+        Output::Wide => print!("{}", render(&status, true)?),
+    }
+    Ok(())
+}
+
+/// The tables.
+pub fn render(status: &inspect::Status, wide: bool) -> Result<String, fmt::Error> {
+    let mut out = String::new();
+    let f = &mut out;
+    writeln!(f, "pin root: {}", status.pin_root.display())?;
+    let build = &status.build;
+    match (&build.pinned_object_sha256, &build.warning) {
+        (_, Some(warning)) => writeln!(f, "programs: WARNING: {warning}")?,
+        (Some(digest), None) => writeln!(
+            f,
+            "programs: BPF object sha256 {}, this ambpf's ({})",
+            short(digest, wide),
+            build.this_binary.version
+        )?,
+        (None, None) => {}
+    }
+
+    let pods: Vec<String> = status.pods.iter().map(|p| pod_row(p, wide)).collect();
+    section(f, "enrolled pods", &pods)?;
+
+    let maps: Vec<String> = status
+        .maps
+        .iter()
+        .map(|m| {
+            let mut row = format!("{:<18} {:>7} / {:<7}", m.name, m.entries, m.max_entries);
+            if wide {
+                row += &format!(" id {:<6} {}", m.id, m.pin.display());
+            }
+            row
+        })
+        .collect();
+    section(f, "maps (entries / capacity)", &maps)?;
+
+    let links: Vec<String> = status
+        .links
+        .iter()
+        .map(|l| {
+            let pin = l.pin.strip_prefix(&status.pin_root).unwrap_or(&l.pin);
+            let mut row = format!("{:<48} {}", pin.display(), l.program_name);
+            if wide {
+                row += &format!(" (link {}, prog {})", l.link_id, l.program_id);
+            }
+            row
+        })
+        .collect();
+    section(f, "program links", &links)?;
+
+    let tc_links: Vec<String> = status
+        .tc_links
+        .iter()
+        .map(|l| {
+            let mut row = format!(
+                "netns {:<11} ifindex {:<4} {:<8} {}",
+                l.netns_inode, l.ifindex, l.direction, l.program_name
+            );
+            if wide {
+                row += &format!(" (link {}, prog {})", l.link_id, l.program_id);
+            }
+            row
+        })
+        .collect();
+    section(f, "interface counter links (TCX)", &tc_links)?;
+
+    let counters: Vec<String> = status
+        .counters
+        .iter()
+        .map(|(name, value)| format!("{name:<24} {value:>10}"))
+        .collect();
+    section(f, "redirection counters", &counters)?;
+
+    let iface_stats: Vec<String> = status
+        .iface_stats
+        .iter()
+        .map(|s| {
+            format!(
+                "ifindex {:<4} {:<8} {:>10} packets {:>12} bytes",
+                s.ifindex, s.direction, s.packets, s.bytes
+            )
+        })
+        .collect();
+    section(f, "interface counters", &iface_stats)?;
+    Ok(out)
+}
+
+/// One pod: who it is, its addresses, DNS capture and steering (per
+/// interface; `-o wide` adds UID, netns cookie and inode, program ids).
+fn pod_row(p: &inspect::EnrolledPodEntry, wide: bool) -> String {
+    let who = p.pod.as_ref().map_or_else(
+        || "(unnamed)".to_owned(),
+        |pod| format!("{}/{}", pod.namespace, pod.name),
+    );
+    let addresses: Vec<String> = p.addresses.iter().map(ToString::to_string).collect();
+    let steering = match &p.steering {
+        None => "steering: namespace not found".to_owned(),
+        Some(filters) if filters.is_empty() => "steering: no interface".to_owned(),
+        Some(filters) => filters
+            .iter()
+            .map(|s| match (s.program_id, wide) {
+                (Some(id), true) => format!(
+                    "{} prog {id} {}",
+                    s.iface,
+                    s.program_name.as_deref().unwrap_or("?")
+                ),
+                (Some(_), false) => format!("{} steered", s.iface),
+                (None, _) => format!("{} NOT STEERED", s.iface),
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
+    let dns = if p.dns_capture { "dns on " } else { "dns off" };
+    let mut row = format!("{who:<32} {:<32} {dns} {steering}", addresses.join(" "));
+    if let Some(counters) = &p.counters {
+        let counts: Vec<String> = counters
+            .named()
+            .iter()
+            .map(|(name, value)| format!("{name} {value}"))
+            .collect();
+        row += &format!("  [{}]", counts.join(", "));
+    }
+    if wide {
+        let uid = p.pod.as_ref().map_or("-", |pod| pod.uid.as_str());
+        row += &format!(
+            "  uid {uid} netns cookie {} inode {}",
+            p.netns_cookie, p.netns_inode
+        );
+    }
+    row
+}
+
+fn section(f: &mut String, title: &str, rows: &[String]) -> fmt::Result {
+    writeln!(f, "{title}:")?;
+    if rows.is_empty() {
+        writeln!(f, "  (none)")?;
+    }
+    for row in rows {
+        writeln!(f, "  {}", row.trim_end())?;
+    }
+    Ok(())
+}
+
+/// A digest cut to 12 characters unless wide, as `docker images` does.
+fn short(digest: &str, wide: bool) -> &str {
+    if wide {
+        digest
+    } else {
+        &digest[..digest.len().min(12)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bpf::{inspect::*, pod_names::PodIdentity};
+
+    fn status() -> Status {
+        Status {
+            pin_root: "/sys/fs/bpf/ambpf".into(),
+            build: PinnedBuild {
+                pinned_object_sha256: Some(crate::build_info::current().bpf_object_sha256.clone()),
+                this_binary: crate::build_info::current().clone(),
+                warning: None,
+            },
+            pods: vec![EnrolledPodEntry {
+                pod: Some(PodIdentity {
+                    namespace: "shop".into(),
+                    name: "web-0".into(),
+                    uid: "6f1c".into(),
+                }),
+                netns_cookie: 4144,
+                netns_inode: 4026532318,
+                addresses: vec!["10.244.1.2".parse().unwrap()],
+                dns_capture: true,
+                steering_qdisc_created: false,
+                steering: Some(vec![SteeringFilterEntry {
+                    iface: "eth0".into(),
+                    ifindex: 2,
+                    program_id: Some(77),
+                    program_name: Some("ambpf_pod_in".into()),
+                }]),
+                counters: None,
+            }],
+            maps: vec![],
+            tc_links: vec![],
+            links: vec![],
+            counters: vec![("outbound_redirected", 3)],
+            iface_stats: vec![],
+        }
+    }
+
+    #[test]
+    fn every_section_shows_and_an_empty_one_says_none() {
+        let text = render(&status(), false).unwrap();
+        for title in [
+            "enrolled pods:",
+            "maps (entries / capacity):",
+            "program links:",
+            "interface counter links (TCX):",
+            "redirection counters:",
+            "interface counters:",
+        ] {
+            assert_eq!(text.matches(title).count(), 1, "{title} in\n{text}");
+        }
+        assert_eq!(text.matches("(none)").count(), 4, "{text}");
+        assert!(text.contains("shop/web-0"), "{text}");
+        assert!(text.contains("eth0 steered"), "{text}");
+        assert!(!text.contains("4144"), "the cookie is for -o wide:\n{text}");
+    }
+
+    #[test]
+    fn wide_adds_identifiers() {
+        let text = render(&status(), true).unwrap();
+        assert!(
+            text.contains("uid 6f1c netns cookie 4144 inode 4026532318"),
+            "{text}"
+        );
+        assert!(text.contains("eth0 prog 77 ambpf_pod_in"), "{text}");
+    }
+
+    #[test]
+    fn json_gives_counters_as_an_object_and_pods_by_name() {
+        let json = serde_json::to_value(status()).unwrap();
+        assert_eq!(json["counters"]["outbound_redirected"], 3, "{json}");
+        assert_eq!(json["pods"][0]["pod"]["namespace"], "shop", "{json}");
+        assert_eq!(json["pods"][0]["pod"]["uid"], "6f1c", "{json}");
+        let yaml: serde_json::Value =
+            serde_yaml_ng::from_str(&serde_yaml_ng::to_string(&status()).unwrap()).unwrap();
+        assert_eq!(yaml["pods"][0]["pod"]["name"], "web-0");
+    }
+}
