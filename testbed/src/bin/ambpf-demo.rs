@@ -196,6 +196,7 @@ async fn demo(
     println!("   app      {}", sockets(&outbound));
     let accepted = proxied_from(&ztunnel, outbound.local).await?;
     println!("   ztunnel  {}", ztunnel_view(&accepted));
+    println!("            (under Istio's rules: the same addresses on both sides)");
     if let Some((_, peer)) = remote_server.last() {
         println!(
             "   remote   accepted from {peer} (ztunnel's own connection, from the pod's address)"
@@ -213,7 +214,7 @@ async fn demo(
     println!("            the same destination)");
     if let Some((local, peer)) = app_server.last() {
         println!(
-            "   app      getsockname {local}  getpeername {peer} (ztunnel connected as the client)"
+            "   app      getsockname {local}  getpeername {peer} (ztunnel connected from the client's address)"
         );
     }
     drop(inbound);
