@@ -347,10 +347,10 @@ fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> Result<Accepted, Error> {
     let record = accepted.clone();
     std::thread::spawn(move || {
         for mut conn in listener.incoming().flatten() {
-            if let (Ok(local), Ok(peer)) = (conn.local_addr(), conn.peer_addr()) {
-                if let Ok(mut seen) = record.0.lock() {
-                    seen.push((unmap_addr(local), unmap_addr(peer)));
-                }
+            if let (Ok(local), Ok(peer)) = (conn.local_addr(), conn.peer_addr())
+                && let Ok(mut seen) = record.0.lock()
+            {
+                seen.push((unmap_addr(local), unmap_addr(peer)));
             }
             std::thread::spawn(move || {
                 let mut buf = [0u8; 64];
@@ -379,9 +379,10 @@ fn connect(ns: &NetnsGuard, to: SocketAddr) -> Result<Connection, Error> {
     let connection = ns.run(|| -> std::io::Result<Connection> {
         let mut stream = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
         stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-        stream.write_all(b"hello through ambpf")?;
-        let mut buf = [0u8; 64];
-        stream.read(&mut buf)?;
+        let hello = b"hello through ambpf";
+        stream.write_all(hello)?;
+        // The echo: the connection works end to end before it is shown.
+        stream.read_exact(&mut vec![0u8; hello.len()])?;
         Ok(Connection {
             local: unmap_addr(stream.local_addr()?),
             peer: unmap_addr(stream.peer_addr()?),
