@@ -737,7 +737,8 @@ async fn address_change(mut node: Node, _: ()) {
 /// one address of each family, so a pod with a second IPv4 address is
 /// refused with an error naming its addresses (connections to the one left
 /// out would bypass ztunnel), while the node's other pod is enrolled; once
-/// the extra address is gone, the next pass enrols it.
+/// the extra address is gone, the next pass enrols it. A pod that gains one
+/// while enrolled fails closed.
 async fn too_many_addresses(mut node: Node, _: ()) {
     let agent = node.agent().await;
     let mut controller = node.controller(&agent);
@@ -775,6 +776,54 @@ async fn too_many_addresses(mut node: Node, _: ()) {
     assert_eq!((report.enrolled, report.failed.len()), (1, 0), "{report:?}");
     node.assert_addresses(node.cookie_of(0), &x_ips, &[extra]);
     node.assert_captured(&agent, 0, X).await;
+
+    // Gaining one while enrolled: the full check names it, and enrolling
+    // again fails the same way. The pod fails closed: ztunnel no longer
+    // serves it and its redirection stays, so its address is refused rather
+    // than reached without ztunnel.
+    node.pod()
+        .ip(&["addr", "add", &extra_cidr, "dev", "eth0"])
+        .unwrap();
+    let found = controller.check_state(CheckScope::Full);
+    assert!(
+        found
+            .iter()
+            .any(|v| v.kind == ViolationKind::PodAddressesChanged
+                && v.detail.contains(&format!("({pod_v4}, {extra})"))),
+        "{found:?}"
+    );
+    let report = controller.apply(&specs);
+    assert_eq!(report.failed.keys().collect::<Vec<_>>(), [X], "{report:?}");
+    agent
+        .ztunnel
+        .wait_until(|s| !s.workloads.contains_key(X), PATIENCE)
+        .await
+        .unwrap();
+    let _app = EchoServer::start(
+        node.pod(),
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
+    );
+    let to = SocketAddr::new(x_ips[0], APP_PORT);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let refused = tokio::task::block_in_place(|| {
+            node.cluster
+                .remote
+                .ns
+                .run(|| TcpStream::connect_timeout(&to, PATIENCE))
+                .unwrap()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+        });
+        if refused {
+            break;
+        }
+        // Until ztunnel has closed the pod's listeners, it still proxies.
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{to} is still reached"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Runs `scenario` on a fresh node in each mode: `<name>::ebpf` (this
