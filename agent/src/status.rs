@@ -51,8 +51,30 @@ pub fn render(status: &inspect::Status, wide: bool) -> Result<String, fmt::Error
         (None, None) => {}
     }
 
-    let pods: Vec<String> = status.pods.iter().map(|p| pod_row(p, wide)).collect();
+    let pods: Vec<String> = status
+        .pods
+        .iter()
+        .flat_map(|p| std::iter::once(pod_row(p, wide)).chain(redirected_rows(&p.redirected, wide)))
+        .collect();
     section(f, "enrolled pods", &pods)?;
+    if !status.redirected_without_pod.is_empty() {
+        let rows: Vec<String> = status
+            .redirected_without_pod
+            .iter()
+            .map(|r| {
+                format!(
+                    "netns cookie {}: {}",
+                    r.netns_cookie,
+                    redirected_row(&r.connection)
+                )
+            })
+            .collect();
+        section(
+            f,
+            "redirected connections of pods no longer enrolled",
+            &rows,
+        )?;
+    }
 
     let maps: Vec<String> = status
         .maps
@@ -163,6 +185,41 @@ fn pod_row(p: &inspect::EnrolledPodEntry, wide: bool) -> String {
     row
 }
 
+/// Open redirected connections shown under a pod without `-o wide`.
+const REDIRECTED_SHOWN: usize = 5;
+
+/// A pod's open redirected connections, one row each under its own row
+/// (the first [`REDIRECTED_SHOWN`] unless wide).
+fn redirected_rows(
+    connections: &[crate::bpf::redirected::RedirectedConnection],
+    wide: bool,
+) -> Vec<String> {
+    let shown = if wide {
+        connections.len()
+    } else {
+        connections.len().min(REDIRECTED_SHOWN)
+    };
+    let mut rows: Vec<String> = connections[..shown]
+        .iter()
+        .map(|c| format!("  {}", redirected_row(c)))
+        .collect();
+    if shown < connections.len() {
+        rows.push(format!(
+            "  ... {} more redirected connections (-o wide shows all)",
+            connections.len() - shown
+        ));
+    }
+    rows
+}
+
+/// What the app and ztunnel each see of one redirected connection.
+fn redirected_row(c: &crate::bpf::redirected::RedirectedConnection) -> String {
+    format!(
+        "redirected: app {} -> {} | ztunnel accepted it on {} from {}, SO_ORIGINAL_DST {}",
+        c.app, c.original_destination, c.ztunnel, c.app, c.original_destination
+    )
+}
+
 fn section(f: &mut String, title: &str, rows: &[String]) -> fmt::Result {
     writeln!(f, "{title}:")?;
     if rows.is_empty() {
@@ -186,7 +243,7 @@ fn short(digest: &str, wide: bool) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bpf::{inspect::*, pod_names::PodIdentity};
+    use crate::bpf::{inspect::*, pod_names::PodIdentity, redirected::RedirectedConnection};
 
     fn status() -> Status {
         Status {
@@ -214,12 +271,18 @@ mod tests {
                     program_name: Some("ambpf_pod_in".into()),
                 }]),
                 counters: None,
+                redirected: vec![RedirectedConnection {
+                    app: "10.244.1.2:40312".parse().unwrap(),
+                    ztunnel: "10.244.1.2:15001".parse().unwrap(),
+                    original_destination: "10.245.0.2:9000".parse().unwrap(),
+                }],
             }],
             maps: vec![],
             tc_links: vec![],
             links: vec![],
             counters: vec![("outbound_redirected", 3)],
             iface_stats: vec![],
+            redirected_without_pod: vec![],
         }
     }
 
@@ -240,6 +303,35 @@ mod tests {
         assert!(text.contains("shop/web-0"), "{text}");
         assert!(text.contains("eth0 steered"), "{text}");
         assert!(!text.contains("4144"), "the cookie is for -o wide:\n{text}");
+        assert!(
+            text.contains(
+                "redirected: app 10.244.1.2:40312 -> 10.245.0.2:9000 | ztunnel accepted it on \
+                 10.244.1.2:15001 from 10.244.1.2:40312, SO_ORIGINAL_DST 10.245.0.2:9000"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("no longer enrolled"), "{text}");
+    }
+
+    #[test]
+    fn only_a_pods_first_redirected_connections_show_unless_wide() {
+        let mut status = status();
+        let one = status.pods[0].redirected[0];
+        status.pods[0].redirected = (0..8)
+            .map(|i| RedirectedConnection {
+                app: std::net::SocketAddr::new(one.app.ip(), 40000 + i),
+                ..one
+            })
+            .collect();
+        let text = render(&status, false).unwrap();
+        assert_eq!(
+            text.matches("redirected: app").count(),
+            REDIRECTED_SHOWN,
+            "{text}"
+        );
+        assert!(text.contains("... 3 more redirected connections"), "{text}");
+        let wide = render(&status, true).unwrap();
+        assert_eq!(wide.matches("redirected: app").count(), 8, "{wide}");
     }
 
     #[test]
@@ -258,6 +350,10 @@ mod tests {
         assert_eq!(json["counters"]["outbound_redirected"], 3, "{json}");
         assert_eq!(json["pods"][0]["pod"]["namespace"], "shop", "{json}");
         assert_eq!(json["pods"][0]["pod"]["uid"], "6f1c", "{json}");
+        let redirected = &json["pods"][0]["redirected"][0];
+        assert_eq!(redirected["app"], "10.244.1.2:40312", "{json}");
+        assert_eq!(redirected["ztunnel"], "10.244.1.2:15001", "{json}");
+        assert_eq!(redirected["original_destination"], "10.245.0.2:9000");
         let yaml: serde_json::Value =
             serde_yaml_ng::from_str(&serde_yaml_ng::to_string(&status()).unwrap()).unwrap();
         assert_eq!(yaml["pods"][0]["pod"]["name"], "web-0");

@@ -1,5 +1,6 @@
 //! Privileged: a pod's addresses recycled to a new pod, as a node's IPAM
-//! does, in both redirection modes (`<scenario>::ebpf` and
+//! does, changed under a live pod, or more than a pod's entry holds, in both
+//! redirection modes (`<scenario>::ebpf` and
 //! `<scenario>::iptables`, set up as in tests/redirect.rs), with real
 //! namespaces (testbed `Cluster`), a real ZDS server and the ztunnel double.
 //!
@@ -36,6 +37,13 @@
 //! Y's, no pod link directory but Y's; the probe ipset member of each
 //! address names Y's cookie. And the agent's state checks never found
 //! anything to repair.
+//!
+//! Two more scenarios check the same of a pod whose addresses are not what
+//! it was enrolled with: `pod_addresses_changed_while_enrolled` (the state
+//! check finds the change and the pod is enrolled again at its new
+//! addresses, the old ones no longer its) and
+//! `a_pod_with_two_addresses_of_a_family_is_refused` (an error naming its
+//! addresses, the node's other pod enrolled).
 
 use std::{
     collections::HashMap,
@@ -48,11 +56,13 @@ use std::{
 
 use ambpf::{
     bpf::{Dataplane, PinLayout, inspect},
-    controller::{Controller, EnrollRequest, PodSpec, ProgrammedPods, SourcePods},
+    controller::{
+        Controller, DEFAULT_CHECK_INTERVAL, EnrollRequest, PodSpec, ProgrammedPods, SourcePods,
+    },
     netns::Netns,
     observe::ControllerStats,
     redirect::{
-        CheckScope, PodRedirection, RedirectMode,
+        CheckScope, PodRedirection, RedirectMode, ViolationKind,
         ebpf::ip_key,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
         podnet::netns_cookie,
@@ -185,8 +195,8 @@ impl Agent {
 }
 
 impl Node {
-    fn create(mode: RedirectMode, cgroup: Option<PathBuf>) -> Self {
-        let cluster = Cluster::create(1).unwrap();
+    fn with_pods(mode: RedirectMode, cgroup: Option<PathBuf>, pods: u16) -> Self {
+        let cluster = Cluster::create(pods).unwrap();
         let remote = &cluster.remote;
         let remote_servers = remote
             .ips()
@@ -222,20 +232,29 @@ impl Node {
 
     /// The current pod 0 as a source reports it.
     fn spec(&self, uid: &str) -> PodSpec {
+        self.spec_of(0, uid)
+    }
+
+    /// Pod `i` as a source reports it.
+    fn spec_of(&self, i: usize, uid: &str) -> PodSpec {
         PodSpec {
             workload: Workload {
                 uid: uid.into(),
                 name: uid.trim_start_matches("uid-").into(),
                 namespace: "shop".into(),
                 service_account: "app".into(),
-                netns: NetnsSource::Path(self.pod().path()),
+                netns: NetnsSource::Path(self.cluster.pods[i].ns.path()),
             },
             dns_capture: None,
         }
     }
 
     fn cookie(&self) -> u64 {
-        netns_cookie(&Netns::open(self.pod().name()).unwrap()).unwrap()
+        self.cookie_of(0)
+    }
+
+    fn cookie_of(&self, i: usize) -> u64 {
+        netns_cookie(&Netns::open(self.cluster.pods[i].ns.name()).unwrap()).unwrap()
     }
 
     /// A new agent's redirection, on the state earlier agents left.
@@ -296,7 +315,19 @@ impl Node {
         pods: watch::Receiver<Arc<SourcePods>>,
         requests: Option<mpsc::Receiver<EnrollRequest>>,
     ) -> (ProgrammedPods, Arc<ControllerStats>, Task) {
+        self.run_checking_every(agent, pods, requests, DEFAULT_CHECK_INTERVAL)
+    }
+
+    /// [`Node::run`] with the full state check every `check`.
+    fn run_checking_every(
+        &self,
+        agent: &Agent,
+        pods: watch::Receiver<Arc<SourcePods>>,
+        requests: Option<mpsc::Receiver<EnrollRequest>>,
+        check: Duration,
+    ) -> (ProgrammedPods, Arc<ControllerStats>, Task) {
         let mut controller = self.controller(agent);
+        controller.set_check_interval(check);
         let (tx, programmed) = watch::channel(Arc::default());
         controller.report_programmed(tx);
         let stats = controller.stats();
@@ -323,36 +354,8 @@ impl Node {
             )
             .await
             .unwrap();
+        self.assert_captured(agent, 0, Y).await;
         let ips = self.cluster.pods[0].ips();
-        let app = EchoServer::start(
-            self.pod(),
-            SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
-        );
-        let remote = &self.cluster.remote;
-        for ((ip, remote_ip), remote_server) in
-            ips.into_iter().zip(remote.ips()).zip(&self.remote_servers)
-        {
-            let inbound = SocketAddr::new(ip, APP_PORT);
-            echo_once(&remote.ns, inbound);
-            wait_proxied(agent, 15006, inbound).await;
-            assert_eq!(app.last_peer(), remote_ip, "inbound to {inbound}");
-
-            let outbound = SocketAddr::new(remote_ip, PEER_PORT);
-            echo_once(self.pod(), outbound);
-            wait_proxied(agent, 15001, outbound).await;
-            assert_eq!(remote_server.last_peer(), ip, "outbound to {outbound}");
-
-            if self.mode == RedirectMode::Iptables {
-                // A kubelet probe: SNATed on the node, straight to the app.
-                let before = agent.ztunnel.proxied().len();
-                echo_once(&self.cluster.node, inbound);
-                let captured = &agent.ztunnel.proxied()[before..];
-                assert!(captured.is_empty(), "a probe was captured: {captured:?}");
-                let snat = if ip.is_ipv4() { Family::V4 } else { Family::V6 }.probe_snat();
-                assert_eq!(app.last_peer(), snat, "probe to {inbound}");
-            }
-        }
-
         match self.mode {
             RedirectMode::Ebpf => {
                 let pins = self.pins();
@@ -408,12 +411,125 @@ impl Node {
             }
         }
     }
+
+    /// The pod `i`, known to ztunnel as `uid`, is captured both ways in
+    /// both families (and its probes are not, in iptables mode).
+    async fn assert_captured(&self, agent: &Agent, i: usize, uid: &str) {
+        let inode = self.cluster.pods[i].ns.inode().unwrap();
+        agent
+            .ztunnel
+            .wait_until(
+                |s| {
+                    s.workloads
+                        .get(uid)
+                        .is_some_and(|w| w.proxies_running && w.netns_inode == inode)
+                },
+                PATIENCE,
+            )
+            .await
+            .unwrap();
+        let ips = self.cluster.pods[i].ips();
+        let app = EchoServer::start(
+            &self.cluster.pods[i].ns,
+            SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
+        );
+        let remote = &self.cluster.remote;
+        for ((ip, remote_ip), remote_server) in
+            ips.into_iter().zip(remote.ips()).zip(&self.remote_servers)
+        {
+            let inbound = SocketAddr::new(ip, APP_PORT);
+            echo_once(&remote.ns, inbound);
+            wait_proxied(agent, uid, 15006, inbound).await;
+            assert_eq!(app.last_peer(), remote_ip, "inbound to {inbound}");
+
+            let outbound = SocketAddr::new(remote_ip, PEER_PORT);
+            echo_once(&self.cluster.pods[i].ns, outbound);
+            wait_proxied(agent, uid, 15001, outbound).await;
+            assert_eq!(remote_server.last_peer(), ip, "outbound to {outbound}");
+
+            if self.mode == RedirectMode::Iptables {
+                // A kubelet probe: SNATed on the node, straight to the app.
+                let before = agent.ztunnel.proxied().len();
+                echo_once(&self.cluster.node, inbound);
+                let captured = &agent.ztunnel.proxied()[before..];
+                assert!(captured.is_empty(), "a probe was captured: {captured:?}");
+                let snat = if ip.is_ipv4() { Family::V4 } else { Family::V6 }.probe_snat();
+                assert_eq!(app.last_peer(), snat, "probe to {inbound}");
+            }
+        }
+    }
+
+    /// What differs from the redirection holding `ips` as the pod
+    /// `cookie`'s and no other address of it, and none of `not_its` as
+    /// anyone's (eBPF: the pod's entry and the `ambpf_pod_ips` entries;
+    /// iptables: the probe ipset members); `None` if nothing does.
+    fn addresses_problem(&self, cookie: u64, ips: &[IpAddr], not_its: &[IpAddr]) -> Option<String> {
+        let mut expected = ips.to_vec();
+        expected.sort_unstable();
+        match self.mode {
+            RedirectMode::Ebpf => {
+                let pins = self.pins();
+                let pods = inspect::read_pods(&pins).unwrap();
+                let Some(pod) = pods.iter().find(|p| p.netns_cookie == cookie) else {
+                    return Some(format!("the pod with cookie {cookie} is not enrolled"));
+                };
+                let mut enrolled = pod.addresses.clone();
+                enrolled.sort_unstable();
+                if enrolled != expected {
+                    return Some(format!("its entry in ambpf_pods holds {enrolled:?}"));
+                }
+                let data = MapData::from_pin(pins.map(maps::PODS_BY_IP)).unwrap();
+                let by_ip: BpfHashMap<_, IpKey, PodConfig> =
+                    BpfHashMap::try_from(Map::HashMap(data)).unwrap();
+                for ip in ips {
+                    let owner = by_ip.get(&ip_key(*ip), 0).map(|pod| pod.netns_cookie);
+                    if owner.as_ref().ok() != Some(&cookie) {
+                        return Some(format!("the ambpf_pod_ips entry of {ip}: {owner:?}"));
+                    }
+                }
+                for ip in not_its {
+                    if let Ok(entry) = by_ip.get(&ip_key(*ip), 0) {
+                        return Some(format!("{ip} still has an entry: {entry:?}"));
+                    }
+                }
+            }
+            RedirectMode::Iptables => {
+                let host = self.host();
+                let mut members = Vec::new();
+                for family in [Family::V4, Family::V6] {
+                    members.extend(iptables::probe_set_entries(&host, family).unwrap());
+                }
+                let mut its: Vec<IpAddr> = members
+                    .iter()
+                    .filter(|m| m.netns_cookie == Some(cookie))
+                    .map(|m| m.address)
+                    .collect();
+                its.sort_unstable();
+                if its != expected {
+                    return Some(format!("its probe ipset members are {its:?}"));
+                }
+                if let Some(ip) = not_its
+                    .iter()
+                    .find(|ip| members.iter().any(|m| m.address == **ip))
+                {
+                    return Some(format!("{ip} is still a probe ipset member: {members:?}"));
+                }
+            }
+        }
+        None
+    }
+
+    fn assert_addresses(&self, cookie: u64, ips: &[IpAddr], not_its: &[IpAddr]) {
+        if let Some(problem) = self.addresses_problem(cookie, ips, not_its) {
+            panic!("the pod with cookie {cookie} should have {ips:?}: {problem}");
+        }
+    }
 }
 
-/// Waits until ztunnel proxied Y's connection to `original_dst` on `port`.
-async fn wait_proxied(agent: &Agent, port: u16, original_dst: SocketAddr) {
+/// Waits until ztunnel proxied `uid`'s connection to `original_dst` on `port`.
+async fn wait_proxied(agent: &Agent, uid: &str, port: u16, original_dst: SocketAddr) {
     let found = |c: &ambpf_testbed::ztunnel::ProxiedConnection| {
-        c.listener_port == port && c.original_dst == original_dst && c.uid == Y
+        c.listener_port == port && c.original_dst == original_dst && c.uid == uid
     };
     agent
         .ztunnel
@@ -588,10 +704,135 @@ async fn kube_pods(mut node: Node, new_first: bool) {
     assert_stats(&stats, if new_first { 2 } else { 0 });
 }
 
+/// `pod_addresses_changed_while_enrolled`: the pod's network moves it to
+/// other addresses under its live namespace. The full state check finds it
+/// (`pod_addresses_changed`) and the pod is enrolled again: the redirection
+/// follows to the new addresses, and the old ones are no longer its.
+async fn address_change(mut node: Node, _: ()) {
+    let agent = node.agent().await;
+    let (_pods_tx, pods) = watch::channel(source(vec![node.spec(X)]));
+    let every = Duration::from_millis(200);
+    let (mut programmed, stats, _controller) = node.run_checking_every(&agent, pods, None, every);
+    wait_programmed(&mut programmed, &[X]).await;
+    let cookie = node.cookie();
+    let old = node.cluster.pods[0].ips();
+    node.assert_addresses(cookie, &old, &[]);
+
+    node.cluster.readdress_pod(0).unwrap();
+    let new = node.cluster.pods[0].ips();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while let Some(problem) = node.addresses_problem(cookie, &new, &old) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the redirection did not follow the pod to {new:?}: {problem}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let changed = ViolationKind::PodAddressesChanged.index();
+    assert!(stats.state_violations[changed].load(Ordering::Relaxed) >= 1);
+    node.assert_captured(&agent, 0, X).await;
+}
+
+/// `a_pod_with_two_addresses_of_a_family_is_refused`: a pod's entry holds
+/// one address of each family, so a pod with a second IPv4 address is
+/// refused with an error naming its addresses (connections to the one left
+/// out would bypass ztunnel), while the node's other pod is enrolled; once
+/// the extra address is gone, the next pass enrols it. A pod that gains one
+/// while enrolled fails closed.
+async fn too_many_addresses(mut node: Node, _: ()) {
+    let agent = node.agent().await;
+    let mut controller = node.controller(&agent);
+    let [a, b, c, _] = node.cluster.pods[0].addrs.v4.octets();
+    let extra = IpAddr::from([a, b, c, 200]);
+    let extra_cidr = format!("{extra}/24");
+    node.pod()
+        .ip(&["addr", "add", &extra_cidr, "dev", "eth0"])
+        .unwrap();
+    let specs = [node.spec_of(0, X), node.spec_of(1, Y)];
+
+    let report = controller.apply(&specs);
+    assert_eq!(report.enrolled, 1, "{report:?}");
+    assert_eq!(report.failed.keys().collect::<Vec<_>>(), [X], "{report:?}");
+    let why = &report.failed[X];
+    let pod_v4 = node.cluster.pods[0].addrs.v4.to_string();
+    for part in [
+        node.pod().path().display().to_string(),
+        format!("2 IPv4 addresses ({pod_v4}, {extra})"),
+        "one address of each family".to_owned(),
+    ] {
+        assert!(why.contains(&part), "{part:?} not in: {why}");
+    }
+    let x_ips = node.cluster.pods[0].ips();
+    let mut not_x = x_ips.to_vec();
+    not_x.push(extra);
+    node.assert_addresses(node.cookie_of(1), &node.cluster.pods[1].ips(), &not_x);
+    assert!(!agent.ztunnel.inspect(|s| s.workloads.contains_key(X)));
+    node.assert_captured(&agent, 1, Y).await;
+
+    node.pod()
+        .ip(&["addr", "del", &extra_cidr, "dev", "eth0"])
+        .unwrap();
+    let report = controller.apply(&specs);
+    assert_eq!((report.enrolled, report.failed.len()), (1, 0), "{report:?}");
+    node.assert_addresses(node.cookie_of(0), &x_ips, &[extra]);
+    node.assert_captured(&agent, 0, X).await;
+
+    // Gaining one while enrolled: the full check names it, and enrolling
+    // again fails the same way. The pod fails closed: ztunnel no longer
+    // serves it and its redirection stays, so its address is refused rather
+    // than reached without ztunnel.
+    node.pod()
+        .ip(&["addr", "add", &extra_cidr, "dev", "eth0"])
+        .unwrap();
+    let found = controller.check_state(CheckScope::Full);
+    assert!(
+        found
+            .iter()
+            .any(|v| v.kind == ViolationKind::PodAddressesChanged
+                && v.detail.contains(&format!("({pod_v4}, {extra})"))),
+        "{found:?}"
+    );
+    let report = controller.apply(&specs);
+    assert_eq!(report.failed.keys().collect::<Vec<_>>(), [X], "{report:?}");
+    agent
+        .ztunnel
+        .wait_until(|s| !s.workloads.contains_key(X), PATIENCE)
+        .await
+        .unwrap();
+    let _app = EchoServer::start(
+        node.pod(),
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
+    );
+    let to = SocketAddr::new(x_ips[0], APP_PORT);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let refused = tokio::task::block_in_place(|| {
+            node.cluster
+                .remote
+                .ns
+                .run(|| TcpStream::connect_timeout(&to, PATIENCE))
+                .unwrap()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+        });
+        if refused {
+            break;
+        }
+        // Until ztunnel has closed the pod's listeners, it still proxies.
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{to} is still reached"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Runs `scenario` on a fresh node in each mode: `<name>::ebpf` (this
 /// process inside a test cgroup meanwhile) and `<name>::iptables`.
 macro_rules! in_both_modes {
     ($name:ident, $scenario:ident, $arg:expr) => {
+        in_both_modes!($name, $scenario, $arg, 1);
+    };
+    ($name:ident, $scenario:ident, $arg:expr, $pods:expr) => {
         mod $name {
             use super::*;
 
@@ -600,14 +841,15 @@ macro_rules! in_both_modes {
                 let _serial = SERIAL.lock().await;
                 let cgroup = CgroupGuard::create().unwrap();
                 let _inside = cgroup.enter_process().unwrap();
-                let node = Node::create(RedirectMode::Ebpf, Some(cgroup.path().to_owned()));
+                let node =
+                    Node::with_pods(RedirectMode::Ebpf, Some(cgroup.path().to_owned()), $pods);
                 $scenario(node, $arg).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn iptables() {
                 let _serial = SERIAL.lock().await;
-                $scenario(Node::create(RedirectMode::Iptables, None), $arg).await;
+                $scenario(Node::with_pods(RedirectMode::Iptables, None, $pods), $arg).await;
             }
         }
     };
@@ -619,3 +861,10 @@ in_both_modes!(cni_add_before_the_old_pods_delete, cni_pod, true);
 in_both_modes!(cni_add_after_the_old_pods_delete, cni_pod, false);
 in_both_modes!(kube_new_pod_before_old_pods_delete, kube_pods, true);
 in_both_modes!(kube_old_pods_delete_before_new_pod, kube_pods, false);
+in_both_modes!(pod_addresses_changed_while_enrolled, address_change, ());
+in_both_modes!(
+    a_pod_with_two_addresses_of_a_family_is_refused,
+    too_many_addresses,
+    (),
+    2
+);

@@ -7,8 +7,8 @@
 //! namespace is the node namespace of a testbed `Cluster` (a DaemonSet pod
 //! with host networking shares its node's), so nothing touches the host's.
 //! Checked: the pod is enrolled and its traffic reaches the ztunnel double,
-//! and `ambpf status` inside the container names the pod and finds the
-//! pinned programs its own.
+//! `ambpf status` inside the container names the pod and finds the pinned
+//! programs its own, and the image's `nft` lists the node's tables.
 
 #[path = "../../xtask/src/image.rs"]
 #[allow(dead_code)]
@@ -256,6 +256,23 @@ async fn the_image_runs_the_agent_and_its_status_names_the_pod() {
         status["counters"]["outbound_redirected"].as_u64() >= Some(1),
         "{status}"
     );
+
+    // `nft` runs (with its libraries) and reads the node's tables: what the
+    // iptables mode marks and later removes a `nat` table it creates with.
+    let tables = podman.ok(&["exec", &loaded.container, "nft", "list", "tables"]);
+    let node_tables = cluster
+        .node
+        .command("nft")
+        .unwrap()
+        .args(["list", "tables"])
+        .output();
+    if let Some(out) = node_tables.ok().filter(|o| o.status.success()) {
+        assert_eq!(
+            tables,
+            String::from_utf8_lossy(&out.stdout),
+            "the node's tables"
+        );
+    }
 
     // The version it reports is this build's (the image's binary is a
     // stripped copy: the same embedded object).

@@ -13,8 +13,8 @@
 
 use std::{
     io::{Read, Write},
-    net::{IpAddr, Shutdown, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
-    sync::{Arc, Mutex},
+    net::{IpAddr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
+    sync::Arc,
     time::Duration,
 };
 
@@ -22,312 +22,21 @@ use ambpf::{
     bpf::{Dataplane, PinLayout},
     netns::Netns,
     redirect::{
-        CheckScope, EnrollOptions, PodRedirection, RedirectMode, ViolationKind,
-        iptables::{self, Family, IptablesBackend, IptablesRedirection},
+        CheckScope, RedirectMode, ViolationKind,
+        iptables::{self, Family},
     },
-    zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
-use ambpf_common::{IpKey, NodeConfig, PodConfig, maps};
+use ambpf_common::{IpKey, PodConfig, maps};
 use ambpf_testbed::{
-    BpffsMount, CgroupGuard, NetnsGuard,
-    cluster::Cluster,
+    CgroupGuard, NetnsGuard,
     privileges::{CAP_NET_ADMIN, CAP_NET_RAW, Privileges, drop_thread_privileges},
-    ztunnel::{
-        ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, ProxiedConnection, ZtunnelConfig,
-        ZtunnelDouble, dns,
-    },
+    ztunnel::{ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, dns},
 };
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 
-/// Tests move this process between cgroups (eBPF mode) and share the
-/// namespaces' names: one at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-const PATIENCE: Duration = Duration::from_secs(10);
-const APP_PORT: u16 = 8080;
-const PEER_PORT: u16 = 9000;
-const POD_UID: &str = "pod-1-uid";
-
-/// Peers each server has seen, in accept order.
-type Seen = Arc<Mutex<Vec<SocketAddr>>>;
-
-/// An echo server in a namespace that records its peers.
-struct EchoServer {
-    seen: Seen,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl EchoServer {
-    fn start(ns: &NetnsGuard, addr: SocketAddr) -> Self {
-        let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-        let seen: Seen = Arc::default();
-        let record = seen.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((mut conn, peer)) = listener.accept().await else {
-                    return;
-                };
-                // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
-                record
-                    .lock()
-                    .unwrap()
-                    .push(SocketAddr::new(unmap(peer.ip()), peer.port()));
-                tokio::spawn(async move {
-                    let (mut r, mut w) = conn.split();
-                    let _ = tokio::io::copy(&mut r, &mut w).await;
-                });
-            }
-        });
-        Self { seen, task }
-    }
-
-    fn last_peer(&self) -> Option<SocketAddr> {
-        self.seen.lock().unwrap().last().copied()
-    }
-}
-
-impl Drop for EchoServer {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// One request/response through a new connection made inside `ns`, with the
-/// socket options `prepare` sets; returns the socket's view of its peer.
-fn echo_once(
-    ns: &NetnsGuard,
-    to: SocketAddr,
-    from: Option<IpAddr>,
-    mark: Option<u32>,
-) -> SocketAddr {
-    tokio::task::block_in_place(|| {
-        ns.run(|| {
-            let domain = if to.is_ipv4() {
-                socket2::Domain::IPV4
-            } else {
-                socket2::Domain::IPV6
-            };
-            let socket = socket2::Socket::new(domain, socket2::Type::STREAM, None).unwrap();
-            if let Some(mark) = mark {
-                socket.set_mark(mark).unwrap();
-            }
-            if let Some(ip) = from {
-                socket.bind(&SocketAddr::new(ip, 0).into()).unwrap();
-            }
-            socket.set_read_timeout(Some(PATIENCE)).unwrap();
-            socket
-                .connect_timeout(&to.into(), PATIENCE)
-                .unwrap_or_else(|e| panic!("connect {to}: {e}"));
-            let mut stream: TcpStream = socket.into();
-            stream.write_all(b"ambpf").unwrap();
-            let mut reply = [0u8; 5];
-            stream
-                .read_exact(&mut reply)
-                .unwrap_or_else(|e| panic!("echo from {to}: {e}"));
-            assert_eq!(&reply, b"ambpf");
-            let peer = stream.peer_addr().unwrap();
-            stream.shutdown(Shutdown::Both).unwrap();
-            peer
-        })
-        .unwrap()
-    })
-}
-
-const ENROLL: EnrollOptions = EnrollOptions { dns_capture: true };
-
-/// An enrolled pod 1 with ztunnel serving it, a neighbour and a remote peer.
-struct Fixture {
-    mode: RedirectMode,
-    ztunnel: ZtunnelDouble,
-    redirection: Box<dyn PodRedirection>,
-    /// iptables mode: the backend in use.
-    iptables_backend: Option<IptablesBackend>,
-    remote_v4: EchoServer,
-    remote_v6: EchoServer,
-    app: EchoServer,
-    neighbour_app: EchoServer,
-    _zds: tokio::task::JoinHandle<()>,
-    _zds_dir: TempDir,
-    cluster: Cluster,
-    /// eBPF mode: where the programs are pinned.
-    bpffs: Option<BpffsMount>,
-}
-
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl Fixture {
-    fn pod(&self) -> &NetnsGuard {
-        &self.cluster.pods[0].ns
-    }
-
-    fn pod_ip(&self, v6: bool) -> IpAddr {
-        let addrs = self.cluster.pods[0].addrs;
-        if v6 { addrs.v6.into() } else { addrs.v4.into() }
-    }
-
-    fn remote_ip(&self, v6: bool) -> IpAddr {
-        let addrs = self.cluster.remote.addrs;
-        if v6 { addrs.v6.into() } else { addrs.v4.into() }
-    }
-
-    fn proxied(&self) -> Vec<ProxiedConnection> {
-        self.ztunnel.proxied()
-    }
-
-    fn pod_netns(&self) -> Netns {
-        Netns::open(self.pod().name()).unwrap()
-    }
-
-    /// iptables mode: pod 1's rules for `family`, as iptables-save prints them.
-    fn pod_rules(&self, family: Family) -> iptables::SavedRules {
-        let backend = self.iptables_backend.expect("iptables mode");
-        iptables::saved_rules(&self.pod_netns(), backend, family).unwrap()
-    }
-
-    async fn wait_proxied(&self, port: u16, original_dst: SocketAddr) -> ProxiedConnection {
-        self.ztunnel
-            .wait_until(
-                |s| {
-                    s.proxied
-                        .iter()
-                        .any(|c| c.listener_port == port && c.original_dst == original_dst)
-                },
-                PATIENCE,
-            )
-            .await
-            .unwrap();
-        self.proxied()
-            .into_iter()
-            .find(|c| c.listener_port == port && c.original_dst == original_dst)
-            .unwrap()
-    }
-}
-
-/// `cgroup`: the cgroup this process is in, for the eBPF mode's programs.
-async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
-    let cluster = Cluster::create(2).unwrap();
-    let (mut redirection, bpffs, iptables_backend): (Box<dyn PodRedirection>, _, _) = match mode {
-        RedirectMode::Ebpf => {
-            let bpffs = BpffsMount::create().unwrap();
-            let mut dataplane =
-                Dataplane::load(PinLayout::new(bpffs.path().join("ambpf"))).unwrap();
-            dataplane
-                .attach_cgroup(cgroup.expect("eBPF mode needs a cgroup").path())
-                .unwrap();
-            dataplane
-                .set_node_config(NodeConfig {
-                    dns_capture: 1,
-                    _pad: 0,
-                })
-                .unwrap();
-            dataplane
-                .set_host_addresses(&cluster.node_addresses())
-                .unwrap();
-            (Box::new(dataplane), Some(bpffs), None)
-        }
-        RedirectMode::Iptables => {
-            // The node namespace is the host: the probe SNAT goes there.
-            let host = Netns::open(cluster.node.name()).unwrap();
-            let redirection = IptablesRedirection::new(host, IptablesBackend::Auto).unwrap();
-            let backend = redirection.backend();
-            (Box::new(redirection), None, Some(backend))
-        }
-    };
-    assert_eq!(redirection.mode(), mode);
-
-    let pod = &cluster.pods[0];
-    redirection
-        .enroll(&Netns::open(pod.ns.name()).unwrap(), ENROLL)
-        .unwrap();
-
-    let dir =
-        std::env::temp_dir().join(format!("ambpf-redirect-{}", ambpf_testbed::unique_name("")));
-    let socket = dir.join("ztunnel.sock");
-    let zds = ZdsHandle::new(ZdsConfig {
-        socket: socket.clone(),
-        ..Default::default()
-    });
-    let listener = ambpf::zds::listener::bind(&socket).unwrap();
-    let server = tokio::spawn(zds.clone().serve_on(listener));
-    zds.upsert(Workload {
-        uid: POD_UID.into(),
-        name: "app-1".into(),
-        namespace: "shop".into(),
-        service_account: "app".into(),
-        netns: NetnsSource::Path(pod.ns.path()),
-    });
-    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
-    ztunnel
-        .wait_until(
-            |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
-            PATIENCE,
-        )
-        .await
-        .unwrap();
-
-    let any = |ip: IpAddr, port| SocketAddr::new(ip, port);
-    let remote = &cluster.remote;
-    let remote_v4 = EchoServer::start(&remote.ns, any(remote.addrs.v4.into(), PEER_PORT));
-    let remote_v6 = EchoServer::start(&remote.ns, any(remote.addrs.v6.into(), PEER_PORT));
-    let unspecified: IpAddr = std::net::Ipv6Addr::UNSPECIFIED.into();
-    let app = EchoServer::start(&pod.ns, any(unspecified, APP_PORT));
-    let neighbour_app = EchoServer::start(&cluster.pods[1].ns, any(unspecified, APP_PORT));
-    Fixture {
-        mode,
-        ztunnel,
-        redirection,
-        iptables_backend,
-        remote_v4,
-        remote_v6,
-        app,
-        neighbour_app,
-        _zds: server,
-        _zds_dir: TempDir(dir),
-        cluster,
-        bpffs,
-    }
-}
-
-/// Runs `test` with a fresh fixture in `mode`; in eBPF mode this process is
-/// inside the test's cgroup meanwhile.
-macro_rules! with_fixture {
-    ($mode:expr, |$f:ident| $body:block) => {{
-        let mode: RedirectMode = $mode;
-        let _serial = SERIAL.lock().await;
-        let cgroup = (mode == RedirectMode::Ebpf).then(|| CgroupGuard::create().unwrap());
-        let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
-        #[allow(unused_mut)]
-        let mut $f = fixture(mode, cgroup.as_ref()).await;
-        $body
-    }};
-}
-
-/// One behaviour, tested in both modes: `<name>::ebpf` and
-/// `<name>::iptables`.
-macro_rules! in_both_modes {
-    ($name:ident, |$f:ident| $body:block) => {
-        mod $name {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn ebpf() {
-                with_fixture!(RedirectMode::Ebpf, |$f| $body)
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn iptables() {
-                with_fixture!(RedirectMode::Iptables, |$f| $body)
-            }
-        }
-    };
-}
+#[macro_use]
+mod pod_fixture;
+use pod_fixture::*;
 
 in_both_modes!(
     outbound_tcp_reaches_ztunnel_which_recovers_the_original_destination,
@@ -345,85 +54,6 @@ in_both_modes!(
         }
     }
 );
-
-/// How the app prepares its socket before `connect()`.
-#[derive(Clone, Copy, Debug)]
-enum AppBind {
-    None,
-    /// To its pod address, port 0.
-    PodAddress,
-    /// To the wildcard address with a port of its own.
-    PortOnly,
-    /// To the wildcard address, port 0.
-    Wildcard,
-}
-
-/// One request/response from the pod to `to` over a socket prepared as
-/// `bind` says (`dual_stack`: an IPv6 socket reaching an IPv4 peer through
-/// its v4-mapped address); returns the socket's own address and its peer,
-/// as the app sees them (v4-mapped addresses unmapped).
-fn outbound_as_app(
-    f: &Fixture,
-    to: SocketAddr,
-    bind: AppBind,
-    dual_stack: bool,
-) -> (SocketAddr, SocketAddr) {
-    let pod_ip = f.pod_ip(to.is_ipv6());
-    tokio::task::block_in_place(|| {
-        f.pod()
-            .run(|| {
-                let (domain, to) = match (dual_stack, to) {
-                    (true, SocketAddr::V4(v4)) => (
-                        socket2::Domain::IPV6,
-                        SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port()),
-                    ),
-                    (_, to) if to.is_ipv6() => (socket2::Domain::IPV6, to),
-                    (_, to) => (socket2::Domain::IPV4, to),
-                };
-                let socket = socket2::Socket::new(domain, socket2::Type::STREAM, None).unwrap();
-                if domain == socket2::Domain::IPV6 {
-                    socket.set_only_v6(false).unwrap();
-                }
-                let wildcard: IpAddr = if domain == socket2::Domain::IPV6 {
-                    std::net::Ipv6Addr::UNSPECIFIED.into()
-                } else {
-                    std::net::Ipv4Addr::UNSPECIFIED.into()
-                };
-                let local = match bind {
-                    AppBind::None => None,
-                    AppBind::PodAddress if dual_stack => match pod_ip {
-                        IpAddr::V4(v4) => Some(SocketAddr::new(v4.to_ipv6_mapped().into(), 0)),
-                        v6 => Some(SocketAddr::new(v6, 0)),
-                    },
-                    AppBind::PodAddress => Some(SocketAddr::new(pod_ip, 0)),
-                    // A port per family: the first connection's TIME_WAIT
-                    // holds its port.
-                    AppBind::PortOnly => Some(SocketAddr::new(
-                        wildcard,
-                        if to.is_ipv6() { 40124 } else { 40123 },
-                    )),
-                    AppBind::Wildcard => Some(SocketAddr::new(wildcard, 0)),
-                };
-                if let Some(local) = local {
-                    socket.bind(&local.into()).unwrap();
-                }
-                socket.set_read_timeout(Some(PATIENCE)).unwrap();
-                socket
-                    .connect_timeout(&to.into(), PATIENCE)
-                    .unwrap_or_else(|e| panic!("connect {to}: {e}"));
-                let mut stream: TcpStream = socket.into();
-                stream.write_all(b"ambpf").unwrap();
-                let mut reply = [0u8; 5];
-                stream.read_exact(&mut reply).unwrap();
-                let unmapped = |a: SocketAddr| SocketAddr::new(unmap(a.ip()), a.port());
-                (
-                    unmapped(stream.local_addr().unwrap()),
-                    unmapped(stream.peer_addr().unwrap()),
-                )
-            })
-            .unwrap()
-    })
-}
 
 in_both_modes!(
     outbound_capture_keeps_the_pods_address_as_istios_redirect_does,
@@ -555,6 +185,59 @@ in_both_modes!(
                 .iter()
                 .any(|c| c.listener_port == 15006 && c.original_dst.port() == 15008),
             "HBONE traffic was captured by the inbound listener"
+        );
+    }
+);
+
+in_both_modes!(
+    with_no_ztunnel_listening_an_inbound_connection_is_refused_at_once_and_never_reaches_the_app,
+    |f| {
+        // Through ztunnel first: the paths (and IPv6 neighbours) are up.
+        for v6 in [false, true] {
+            let dst = SocketAddr::new(f.pod_ip(v6), APP_PORT);
+            echo_once(&f.cluster.remote.ns, dst, None, None);
+            f.wait_proxied(15006, dst).await;
+        }
+        f.stop_ztunnel_proxies().await;
+        let app_peers = f.app.seen.lock().unwrap().len();
+        for v6 in [false, true] {
+            let dst = SocketAddr::new(f.pod_ip(v6), APP_PORT);
+            // Under Istio's rules the SYN is REDIRECTed to the closed 15006
+            // and the kernel answers with an RST; eBPF mode answers the same
+            // way from its steering program. A dropped SYN would only be
+            // retried after a second.
+            let started = std::time::Instant::now();
+            let result = tokio::task::block_in_place(|| {
+                f.cluster
+                    .remote
+                    .ns
+                    .run(|| TcpStream::connect_timeout(&dst, PATIENCE))
+                    .unwrap()
+            });
+            let elapsed = started.elapsed();
+            let error = result.err().unwrap_or_else(|| panic!("{dst}: connected"));
+            assert_eq!(
+                error.kind(),
+                std::io::ErrorKind::ConnectionRefused,
+                "{dst}: {error}"
+            );
+            assert!(
+                elapsed < Duration::from_millis(900),
+                "{dst}: refused after {elapsed:?}"
+            );
+        }
+        assert_eq!(
+            f.app.seen.lock().unwrap().len(),
+            app_peers,
+            "the app was reached"
+        );
+        // HBONE and probes are not captured: unaffected, the app still
+        // answers the node.
+        echo_once(
+            &f.cluster.node,
+            SocketAddr::new(f.pod_ip(false), APP_PORT),
+            None,
+            None,
         );
     }
 );
@@ -1111,11 +794,4 @@ async fn upgrading_the_steering_program_under_inbound_load_loses_no_connection()
         };
         assert_eq!(f.redirection.check(&[(pod, &netns)], CheckScope::Full), []);
     })
-}
-
-fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
 }

@@ -3,17 +3,28 @@
 //! A pin root that does not exist, is not on bpffs, or holds no ambpf state
 //! is an error saying which; with state it names each pod (recorded at
 //! enrolment, forgotten at removal) and warns when the pinned programs were
-//! loaded from another build's BPF object.
+//! loaded from another build's BPF object. With real traffic, each open
+//! redirected connection shows under its pod as the app and ztunnel see it,
+//! and goes when it closes.
 
-use std::{path::Path, process::Command};
+use std::{
+    io::{Read as _, Write as _},
+    net::{Shutdown, SocketAddr, TcpStream},
+    path::Path,
+    process::Command,
+};
 
 use ambpf::{
     bpf::{Dataplane, PinLayout, pod_names::PodIdentity},
     netns::Netns,
-    redirect::{PodKey, PodRedirection},
+    redirect::{PodKey, PodRedirection, RedirectMode},
 };
-use ambpf_testbed::{BpffsMount, cluster::Cluster};
-use serde_json::Value;
+use ambpf_testbed::{BpffsMount, CgroupGuard, cluster::Cluster};
+use serde_json::{Value, json};
+
+#[macro_use]
+mod pod_fixture;
+use pod_fixture::*;
 
 fn status(pin_root: &Path, args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
@@ -134,4 +145,73 @@ fn entries_of(json: &Value, name: &str) -> u64 {
         .find(|m| m["name"] == name)
         .and_then(|m| m["entries"].as_u64())
         .unwrap()
+}
+
+/// The open redirected connections `status -o json` shows under the one
+/// enrolled pod.
+fn redirected(pin_root: &Path) -> Vec<Value> {
+    let (ok, stdout, stderr) = tokio::task::block_in_place(|| status(pin_root, &["-o", "json"]));
+    assert!(ok, "{stderr}");
+    let json: Value = serde_json::from_str(&stdout).unwrap();
+    json["pods"][0]["redirected"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no redirected list: {json}"))
+        .clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn open_redirected_connections_show_as_the_app_and_ztunnel_see_them() {
+    with_fixture!(RedirectMode::Ebpf, |f| {
+        let pin_root = f.bpffs.as_ref().unwrap().path().join("ambpf");
+        assert_eq!(redirected(&pin_root), Vec::<Value>::new());
+        for v6 in [false, true] {
+            let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
+            // An open connection from the app, after one exchange.
+            let stream = tokio::task::block_in_place(|| {
+                f.pod()
+                    .run(|| {
+                        let mut stream = TcpStream::connect_timeout(&dst, PATIENCE).unwrap();
+                        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+                        stream.write_all(b"ambpf").unwrap();
+                        stream.read_exact(&mut [0u8; 5]).unwrap();
+                        stream
+                    })
+                    .unwrap()
+            });
+            let app = stream.local_addr().unwrap();
+            assert_eq!(stream.peer_addr().unwrap(), dst, "the app's getpeername");
+            let conn = f.wait_proxied(15001, dst).await;
+            assert_eq!(conn.client, app, "the peer ztunnel's socket sees");
+            assert_eq!(conn.so_original_dst, Some(dst));
+
+            // What status shows is what each side saw.
+            let shown = json!({
+                "app": app.to_string(),
+                "ztunnel": conn.local.to_string(),
+                "original_destination": dst.to_string(),
+            });
+            let listed = redirected(&pin_root);
+            assert!(listed.contains(&shown), "{shown} not in {listed:?}");
+            let (ok, text, _) = tokio::task::block_in_place(|| status(&pin_root, &[]));
+            assert!(ok);
+            let row = format!(
+                "redirected: app {app} -> {dst} | ztunnel accepted it on {} from {app}, \
+                 SO_ORIGINAL_DST {dst}",
+                conn.local
+            );
+            assert!(text.contains(&row), "{row} not in\n{text}");
+
+            // Closed, it goes.
+            stream.shutdown(Shutdown::Both).unwrap();
+            drop(stream);
+            let deadline = std::time::Instant::now() + PATIENCE;
+            while redirected(&pin_root).contains(&shown) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{shown} still listed after the connection closed"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+    })
 }

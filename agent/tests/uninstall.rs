@@ -438,6 +438,85 @@ fn the_ebpf_mode_alone_leaves_iptables_rules() {
     assert!(istio_lines(pod).is_empty());
 }
 
+/// `ns`'s nftables ruleset, without packet counters.
+fn nft_ruleset(ns: &NetnsGuard) -> String {
+    let out = ns
+        .run(|| Command::new("nft").args(["list", "ruleset"]).output())
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| match l.find("counter packets") {
+            Some(at) => l[..at].trim_end().to_owned(),
+            None => l.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Under the nft backend, a host that had no `nat` table gets none back
+/// from uninstall (iptables-nft alone would leave an empty one with its
+/// POSTROUTING base chain); a host whose `nat` tables were there first
+/// keeps them as they were, empty or not.
+#[test]
+fn an_nft_host_is_left_with_the_nat_tables_it_had() {
+    let _serial = serial();
+    let bpffs = BpffsMount::create().unwrap();
+    let pin_root = bpffs.path().join("ambpf");
+    let cluster = Cluster::create(1).unwrap();
+    let pod = &cluster.pods[0].ns;
+    let node = &cluster.node;
+    let enroll_and_uninstall = || {
+        let mut agent = IptablesRedirection::new(open(node), IptablesBackend::Nft).unwrap();
+        agent
+            .enroll(&open(pod), EnrollOptions { dns_capture: true })
+            .unwrap();
+        assert!(nft_ruleset(node).contains("ISTIO_POSTRT"));
+        // As a crashed agent: nothing removed until uninstall.
+        drop(agent);
+        let out = uninstall_on(node, &[pod], &[], &pin_root, &[]);
+        assert!(out.status.success());
+        assert!(stdout(&out).contains("removed the host probe rules"));
+    };
+
+    assert!(
+        !nft_ruleset(node).contains("table"),
+        "{}",
+        nft_ruleset(node)
+    );
+    enroll_and_uninstall();
+    assert_eq!(nft_ruleset(node), "", "the host had no table");
+    assert!(istio_lines(pod).is_empty());
+
+    // Someone else's nat tables: an empty one (IPv4, as iptables-nft
+    // leaves it) and one with a rule (IPv6).
+    restore(
+        node,
+        IptablesBackend::Nft,
+        "*nat\n-A POSTROUTING -j ACCEPT\nCOMMIT\n",
+    );
+    restore(
+        node,
+        IptablesBackend::Nft,
+        "*nat\n-D POSTROUTING -j ACCEPT\nCOMMIT\n",
+    );
+    let out = node
+        .run(|| {
+            ambpf_testbed::output_with_stdin(
+                Command::new("ip6tables-nft-restore").arg("--noflush"),
+                b"*nat\n-A POSTROUTING -d fd00:dead::1/128 -j ACCEPT\nCOMMIT\n",
+            )
+        })
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let before = nft_ruleset(node);
+    assert!(before.contains("table ip nat") && before.contains("table ip6 nat"));
+    enroll_and_uninstall();
+    assert_eq!(nft_ruleset(node), before);
+}
+
 #[test]
 fn a_clean_node_uninstalls_cleanly() {
     let _serial = serial();

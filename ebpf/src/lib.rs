@@ -13,6 +13,7 @@ mod orig_dst;
 mod pod_ingress;
 mod raw_guard;
 mod sock_redirect;
+mod tcp_reset;
 mod trace;
 
 /// GPL-compatible licence string: required for GPL-only helpers.

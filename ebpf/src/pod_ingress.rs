@@ -9,11 +9,10 @@
 //! Not captured, as in Istio: HBONE (15008, straight to ztunnel's listener),
 //! and traffic from this node's own addresses (the host network namespace,
 //! where kubelet probes come from). With no ztunnel listener the SYN is
-//! dropped, never passed to the app: the client retries until ztunnel is up.
+//! refused with an RST, as the kernel does under Istio's REDIRECT to a closed
+//! 15006 ([`crate::tcp_reset`]); it never reaches the app.
 
-use ambpf_common::{
-    Counter, IpKey, TraceDirection, TraceRecord, Verdict, ztunnel,
-};
+use ambpf_common::{Counter, IpKey, TraceDirection, TraceRecord, Verdict, ztunnel};
 use aya_ebpf::{
     bindings::{
         BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple, tcx_action_base::TCX_NEXT,
@@ -26,10 +25,10 @@ use aya_ebpf::{
 use crate::{
     addr::{v4, v6},
     maps::{HOST_ADDRS, PODS_BY_IP, count},
+    tcp_reset::{ETH_HLEN, refuse},
     trace::{PodEvent, count_pod, trace},
 };
 
-const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
@@ -56,6 +55,8 @@ struct Syn {
     /// Network order.
     sport_be: u16,
     tuple: bpf_sock_tuple,
+    /// Offset of the TCP header.
+    l4: usize,
 }
 
 /// Reports an inbound decision on a SYN to the pod `netns`; `to_port`:
@@ -133,11 +134,11 @@ fn assign_to_inbound_listener(ctx: &TcContext, syn: &Syn) -> (i32, Verdict) {
         }
     };
     if sk.is_null() {
-        return (TC_ACT_SHOT, Verdict::NoListener);
+        return (refuse(ctx, syn.dst.is_v4(), syn.l4), Verdict::NoListener);
     }
     if unsafe { (*sk).state } != BPF_TCP_LISTEN {
         unsafe { bpf_sk_release(sk.cast()) };
-        return (TC_ACT_SHOT, Verdict::NoListener);
+        return (refuse(ctx, syn.dst.is_v4(), syn.l4), Verdict::NoListener);
     }
     let assigned = unsafe { bpf_sk_assign(skb, sk.cast(), 0) };
     unsafe { bpf_sk_release(sk.cast()) };
@@ -210,5 +211,6 @@ fn parse_syn(ctx: &TcContext) -> Result<Option<Syn>, i64> {
         dport: u16::from_be(dport),
         sport_be: sport,
         tuple,
+        l4,
     }))
 }

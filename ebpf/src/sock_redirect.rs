@@ -9,7 +9,8 @@
 //!   ztunnel's accepted socket are `podIP:port`, exactly as under Istio's
 //!   nat OUTPUT REDIRECT (which keeps the source the route chose and maps
 //!   the destination to loopback);
-//! - unconnected UDP `sendmsg()` to port 53 goes to 15053 as well;
+//! - unconnected UDP `sendmsg()` to port 53 goes to 15053 as well, from
+//!   the pod's address (the datagram's source, `msg_src_ip4/6`);
 //! - `recvmsg()` makes DNS answers appear to come from the resolver asked,
 //!   and `getpeername()` shows the app the peer it asked for.
 //!
@@ -39,6 +40,7 @@ use crate::{
 
 const SOCK_STREAM: u32 = 1;
 const USER_IP6: usize = core::mem::offset_of!(bpf_sock_addr, user_ip6);
+const MSG_SRC_IP6: usize = core::mem::offset_of!(bpf_sock_addr, msg_src_ip6);
 const DNS_PORT: u16 = 53;
 /// Verdict of cgroup sock_addr programs: let the call proceed.
 const ALLOW: i32 = 1;
@@ -160,6 +162,29 @@ fn target(sa: *mut bpf_sock_addr, capture: &Capture, v6: bool, loopback: IpKey) 
         }
         Bound::PortOnly if capture.port == ztunnel::OUTBOUND_PORT => source,
         Bound::PortOnly | Bound::Address => loopback,
+    }
+}
+
+/// Unconnected UDP (`sendmsg`) cannot be bound, but the hook may pick the
+/// datagram's source: the pod's address, so ztunnel's DNS proxy sees the
+/// query come from `podIP:port` as under Istio's REDIRECT (which keeps the
+/// source the route chose), not from loopback. A socket bound to an address
+/// keeps it. `v6`: the socket is IPv6 (`source` then must be IPv6: a
+/// v4-mapped destination goes through `sendmsg4`).
+#[inline(always)]
+fn set_datagram_source(sa: *mut bpf_sock_addr, capture: &Capture, v6: bool) {
+    let Some(source) = capture.source else {
+        return;
+    };
+    if matches!(bound(sa, v6), Bound::Address) {
+        return;
+    }
+    if v6 {
+        if !source.is_v4() {
+            unsafe { store_ip6(sa, MSG_SRC_IP6, v6_be(&source)) };
+        }
+    } else {
+        unsafe { (*sa).msg_src_ip4 = v4_be(&source) };
     }
 }
 
@@ -313,6 +338,7 @@ fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) -> i32 {
         let ip = if connect {
             target(sa, capture, false, LOOPBACK_V4)
         } else {
+            set_datagram_source(sa, capture, false);
             LOOPBACK_V4
         };
         to = (ip, capture.port.to_be());
@@ -349,6 +375,7 @@ fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) -> i32 {
         let ip = if connect {
             target(sa, capture, true, loopback)
         } else {
+            set_datagram_source(sa, capture, true);
             loopback
         };
         to = (ip, capture.port.to_be());

@@ -284,6 +284,39 @@ impl Cluster {
         Ok(())
     }
 
+    /// Moves pod `i` to other addresses on its `eth0`, in the same subnets
+    /// (`.3` and `::3` for `.2` and `::2`, and so on), as a pod's network
+    /// changed under a live namespace: the new addresses are added before
+    /// the old ones go, so the routes through the node stay.
+    pub fn readdress_pod(&mut self, i: usize) -> io::Result<()> {
+        let (_, gw) = pod_addrs(self.pod_number(i)?);
+        let pod = &mut self.pods[i];
+        // The new IPv4 address is a secondary of the old one's subnet: kept
+        // (promoted) when the old one goes, rather than deleted with it.
+        pod.ns.sysctl("net.ipv4.conf.eth0.promote_secondaries=1")?;
+        let old = pod.addrs;
+        let [a, b, c, d] = old.v4.octets();
+        let mut v6 = old.v6.segments();
+        v6[7] = v6[7].wrapping_add(1);
+        let new = Addrs {
+            v4: Ipv4Addr::new(a, b, c, d.wrapping_add(1)),
+            v6: Ipv6Addr::from(v6),
+        };
+        crate::ip_batch(
+            Some(pod.ns.name()),
+            &[
+                format!("addr add {}/24 dev eth0", new.v4),
+                format!("addr add {}/64 dev eth0 nodad", new.v6),
+                format!("addr del {}/24 dev eth0", old.v4),
+                format!("addr del {}/64 dev eth0", old.v6),
+                format!("route replace default via {}", gw.v4),
+                format!("route replace default via {}", gw.v6),
+            ],
+        )?;
+        pod.addrs = new;
+        Ok(())
+    }
+
     /// The node's own addresses (what a node agent sees in the host netns).
     pub fn node_addresses(&self) -> Vec<IpAddr> {
         let mut out: Vec<IpAddr> = vec![IpAddr::V4(REMOTE_GW.v4), IpAddr::V6(REMOTE_GW.v6)];

@@ -1,7 +1,8 @@
 //! The OCI image: `ambpf` and `ambpf-cni` on a Debian root filesystem that
 //! holds only what the iptables mode runs (iptables and ip6tables with their
-//! nft and legacy variants, ipset) and the libraries these need: no shell,
-//! no package manager, the agent itself is the entrypoint.
+//! nft and legacy variants, ipset, and `nft`, with which it marks a host
+//! `nat` table it creates and later removes it) and the libraries these
+//! need: no shell, no package manager, the agent itself is the entrypoint.
 //!
 //! Built without a container registry, from Debian's own tools and packages:
 //! `mmdebstrap --variant=extract` unpacks the packages and their library
@@ -24,7 +25,9 @@ use anyhow::{Context as _, Result, bail};
 pub const SUITE: &str = "bookworm";
 
 /// Debian packages in the image (their library dependencies come along).
-pub const PACKAGES: &[&str] = &["iptables", "ipset", "libgcc-s1"];
+/// nftables brings `nft` and libnftables; its service unit, example rule
+/// sets and configuration are pruned.
+pub const PACKAGES: &[&str] = &["iptables", "ipset", "nftables", "libgcc-s1"];
 
 /// Where the binaries go, and the entrypoint.
 pub const BIN_DIR: &str = "usr/local/bin";
@@ -52,6 +55,9 @@ const PRUNED: &[&str] = &[
     "usr/share/bash-completion",
     "usr/share/locale",
     "usr/bin/iptables-xml",
+    "lib/systemd",
+    "usr/lib/systemd",
+    "etc/nftables.conf",
     "var/cache",
     "var/log",
     "var/lib/apt",
@@ -204,8 +210,10 @@ fn debian_tree(work: &Path) -> Result<PathBuf> {
     for pruned in PRUNED {
         remove_if_present(&partial.join(pruned))?;
     }
-    if !partial.join("usr/sbin/ipset").exists() {
-        bail!("{}: mmdebstrap left no usr/sbin/ipset", partial.display());
+    for binary in ["usr/sbin/ipset", "usr/sbin/nft"] {
+        if !partial.join(binary).exists() {
+            bail!("{}: mmdebstrap left no {binary}", partial.display());
+        }
     }
     std::fs::rename(&partial, &tree)?;
     // Written last: a tree without it was not extracted completely.

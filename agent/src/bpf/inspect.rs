@@ -31,6 +31,17 @@ pub struct Status {
     #[serde(serialize_with = "as_object")]
     pub counters: Vec<(&'static str, u64)>,
     pub iface_stats: Vec<IfaceStatsEntry>,
+    /// Open redirected connections of namespaces that are no enrolled
+    /// pod's (a pod removed while its connections live on).
+    pub redirected_without_pod: Vec<UnenrolledRedirected>,
+}
+
+/// An open redirected connection of a namespace no enrolled pod has.
+#[derive(Debug, Serialize)]
+pub struct UnenrolledRedirected {
+    pub netns_cookie: u64,
+    #[serde(flatten)]
+    pub connection: super::redirected::RedirectedConnection,
 }
 
 /// Which build's programs are pinned, against this binary's.
@@ -72,6 +83,9 @@ pub struct EnrolledPodEntry {
     /// What the programs did for the pod, summed over CPUs (`None`: no
     /// counters, as with pods an agent older than per-pod counters enrolled).
     pub counters: Option<super::pod_counters::PodCounts>,
+    /// The pod's open outbound connections redirected to ztunnel, as the
+    /// app and ztunnel see them ([`super::redirected`]).
+    pub redirected: Vec<super::redirected::RedirectedConnection>,
 }
 
 #[derive(Debug, Serialize)]
@@ -201,9 +215,22 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
     })?;
     let mut pods = with_counters(with_steering(read_pods(pins)?), pins)?;
     let mut names = super::pod_names::read_all(pins)?;
+    let mut redirected = super::redirected::read(pins)?;
     for pod in &mut pods {
         pod.pod = names.remove(&pod.netns_cookie);
+        pod.redirected = redirected.remove(&pod.netns_cookie).unwrap_or_default();
     }
+    let redirected_without_pod = redirected
+        .into_iter()
+        .flat_map(|(netns_cookie, connections)| {
+            connections
+                .into_iter()
+                .map(move |connection| UnenrolledRedirected {
+                    netns_cookie,
+                    connection,
+                })
+        })
+        .collect();
     Ok(Status {
         pin_root: pins.root().to_owned(),
         build: PinnedBuild {
@@ -217,6 +244,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         links: read_other_links(pins)?,
         counters: read_counters(pins)?,
         iface_stats: read_iface_stats(pins)?,
+        redirected_without_pod,
     })
 }
 
@@ -283,6 +311,7 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
                 != 0,
             steering: None,
             counters: None,
+            redirected: Vec::new(),
         });
     }
     pods.sort_by_key(|p| p.netns_inode);

@@ -10,6 +10,7 @@ pub mod object;
 pub mod pins;
 pub mod pod_counters;
 pub mod pod_names;
+pub mod redirected;
 pub mod sys;
 pub mod tc;
 

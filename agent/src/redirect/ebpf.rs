@@ -59,6 +59,18 @@ pub enum EnrollError {
         capacity: u32,
         flag: &'static str,
     },
+    #[error(
+        "pod in {netns} has {count} {family} addresses ({}): ambpf redirects a pod by one \
+         address of each family, as Kubernetes gives a pod, and would let connections to the \
+         others bypass ztunnel; not enrolled",
+        addresses.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
+        count = addresses.len()
+    )]
+    TooManyAddresses {
+        netns: PathBuf,
+        family: &'static str,
+        addresses: Vec<std::net::IpAddr>,
+    },
     #[error("updating map {map}: {source}")]
     Map {
         map: &'static str,

@@ -136,15 +136,27 @@ pub struct NodeSettings {
     pub cgroup: PathBuf,
 }
 
-/// The addresses a pod is redirected by: the first of each family, which is
-/// what a Kubernetes pod has. A pod with none cannot be enrolled.
+/// The addresses a pod is redirected by: one of each family, which is what
+/// a Kubernetes pod has (`status.podIPs`) and what a pod's entry holds
+/// ([`ambpf_common::PodConfig::ips`]). A pod with none cannot be enrolled,
+/// nor one with more of a family: connections to the addresses left out
+/// would reach the app without ztunnel (the eBPF mode steers by address),
+/// so it is refused, naming them, in both modes alike.
 fn pod_addresses(
     net: &podnet::PodNetwork,
     netns: &Netns,
 ) -> Result<Vec<std::net::IpAddr>, EnrollError> {
-    let v4 = net.addresses.iter().find(|ip| ip.is_ipv4());
-    let v6 = net.addresses.iter().find(|ip| ip.is_ipv6());
-    let addresses: Vec<_> = v4.into_iter().chain(v6).copied().collect();
+    let (v4, v6): (Vec<_>, Vec<_>) = net.addresses.iter().partition(|ip| ip.is_ipv4());
+    for (family, found) in [("IPv4", &v4), ("IPv6", &v6)] {
+        if found.len() > 1 {
+            return Err(EnrollError::TooManyAddresses {
+                netns: netns.path().to_owned(),
+                family,
+                addresses: found.clone(),
+            });
+        }
+    }
+    let addresses: Vec<_> = v4.into_iter().chain(v6).collect();
     if addresses.is_empty() {
         return Err(EnrollError::NoAddress {
             netns: netns.path().to_owned(),

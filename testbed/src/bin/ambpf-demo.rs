@@ -9,11 +9,14 @@
 //! 2. starts the ztunnel test double, which connects over ZDS, receives the
 //!    pod's netns and opens ztunnel's listeners inside it;
 //! 3. sends traffic: the pod's app to the remote server (captured to 15001),
-//!    the remote client to the app (captured to 15006, source kept), and the
-//!    node to the app (a kubelet probe: not captured), and a DNS query over
-//!    UDP to a resolver address nothing serves (captured to ztunnel's DNS
-//!    proxy on 15053, which answers);
-//! 4. prints what ztunnel proxied, `ambpf status` and `bpftool`'s view (the
+//!    the remote client to the app (captured to 15006, source kept), printing
+//!    for each what the app's and ztunnel's sockets say (getsockname,
+//!    getpeername, the address ztunnel accepted on and from, SO_ORIGINAL_DST);
+//!    the node to the app (a kubelet probe: not captured), and a DNS query
+//!    over UDP to a resolver address nothing serves (captured to ztunnel's
+//!    DNS proxy on 15053, which answers);
+//! 4. prints what ztunnel proxied, `ambpf status` (with the outbound
+//!    connection still open, so it shows under the pod) and `bpftool`'s view (the
 //!    programs, and the pods map with its BTF field names), holds
 //!    so you can look around, then stops and removes everything (also on
 //!    Ctrl-C).
@@ -24,14 +27,17 @@ use std::{
     os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     process::{Child, Command},
-    sync::atomic::{AtomicBool, Ordering},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
-    ztunnel::{ZtunnelConfig, ZtunnelDouble, dns},
+    ztunnel::{ProxiedConnection, ZtunnelConfig, ZtunnelDouble, dns},
 };
 use clap::Parser;
 use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, kill, sigaction};
@@ -175,16 +181,44 @@ async fn demo(
 
     let remote = SocketAddr::new(cluster.remote.addrs.v4.into(), REMOTE_PORT);
     let app = SocketAddr::new(pod.addrs.v4.into(), APP_PORT);
-    echo_server(&cluster.remote.ns, remote)?;
-    echo_server(
+    let remote_server = echo_server(&cluster.remote.ns, remote)?;
+    let app_server = echo_server(
         &pod.ns,
         SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), APP_PORT),
     )?;
 
-    println!("== pod app -> remote {remote}");
-    exchange(&pod.ns, remote)?;
-    println!("== remote client -> pod app {app}");
-    exchange(&cluster.remote.ns, app)?;
+    // One connection each way, with what each end's sockets say: the same
+    // values Istio's iptables rules give (agent/tests/parity.rs checks every
+    // one in both modes; the README's "Where the modes differ" lists the
+    // exceptions).
+    println!("== outbound: the pod's app connects to the remote server {remote}");
+    let outbound = connect(&pod.ns, remote)?;
+    println!("   app      {}", sockets(&outbound));
+    let accepted = proxied_from(&ztunnel, outbound.local).await?;
+    println!("   ztunnel  {}", ztunnel_view(&accepted));
+    println!("            (under Istio's rules: the same addresses on both sides)");
+    if let Some((_, peer)) = remote_server.last() {
+        println!(
+            "   remote   accepted from {peer} (ztunnel's own connection, from the pod's address)"
+        );
+    }
+    println!("== inbound: the remote client connects to the pod's app {app}");
+    let inbound = connect(&cluster.remote.ns, app)?;
+    println!("   client   {}", sockets(&inbound));
+    let accepted = proxied_from(&ztunnel, inbound.local).await?;
+    println!("   ztunnel  {}", ztunnel_view(&accepted));
+    println!(
+        "            (under Istio's rules it accepts on {}:15006 and SO_ORIGINAL_DST says {app}:",
+        pod.addrs.v4
+    );
+    println!("            the same destination)");
+    if let Some((local, peer)) = app_server.last() {
+        println!(
+            "   app      getsockname {local}  getpeername {peer} (ztunnel connected from the client's address)"
+        );
+    }
+    drop(inbound);
+
     println!("== node (kubelet probe) -> pod app {app}");
     exchange(&cluster.node, app)?;
     // Nothing serves DNS at the remote's address: only the capture answers.
@@ -209,8 +243,11 @@ async fn demo(
         );
     }
 
-    println!("== ambpf status");
+    // The outbound connection is still open: status shows it under the pod,
+    // read from the kernel's original-destination map.
+    println!("== ambpf status (the outbound connection above is still open)");
     run_agent_cli(&args.agent, pin_root, &["status"]);
+    drop(outbound);
     if Command::new("bpftool").arg("version").output().is_ok() {
         // This demo's programs only: the ids its pins and its pod's filter
         // run (other ambpf agents on the machine have their own).
@@ -291,23 +328,104 @@ fn spawn_agent(
         .map_err(|e| format!("starting {}: {e}", agent.display()).into())
 }
 
-/// A thread echoing on `addr` inside `ns`; it ends with the process.
-fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> Result<(), Error> {
+/// The connections an echo server accepted: its socket's own address and
+/// its peer, in accept order.
+#[derive(Clone, Default)]
+struct Accepted(Arc<Mutex<Vec<(SocketAddr, SocketAddr)>>>);
+
+impl Accepted {
+    fn last(&self) -> Option<(SocketAddr, SocketAddr)> {
+        self.0.lock().ok()?.last().copied()
+    }
+}
+
+/// A thread echoing on `addr` inside `ns`, a thread per connection; they
+/// end with the process.
+fn echo_server(ns: &NetnsGuard, addr: SocketAddr) -> Result<Accepted, Error> {
     let listener = ns.run(|| TcpListener::bind(addr))??;
+    let accepted = Accepted::default();
+    let record = accepted.clone();
     std::thread::spawn(move || {
         for mut conn in listener.incoming().flatten() {
-            let peer = conn
-                .peer_addr()
-                .map(|p| unmap(p.ip()).to_string())
-                .unwrap_or_default();
-            println!("   server {addr} accepted a connection from {peer}");
-            let mut buf = [0u8; 64];
-            if let Ok(n) = conn.read(&mut buf) {
-                let _ = conn.write_all(&buf[..n]);
+            if let (Ok(local), Ok(peer)) = (conn.local_addr(), conn.peer_addr())
+                && let Ok(mut seen) = record.0.lock()
+            {
+                seen.push((unmap_addr(local), unmap_addr(peer)));
             }
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                while let Ok(n @ 1..) = conn.read(&mut buf) {
+                    if conn.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
         }
     });
-    Ok(())
+    Ok(accepted)
+}
+
+/// A connection made from inside `ns` after one request/response, kept
+/// open, with what its socket says.
+struct Connection {
+    _stream: TcpStream,
+    /// getsockname()
+    local: SocketAddr,
+    /// getpeername()
+    peer: SocketAddr,
+}
+
+fn connect(ns: &NetnsGuard, to: SocketAddr) -> Result<Connection, Error> {
+    let connection = ns.run(|| -> std::io::Result<Connection> {
+        let mut stream = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let hello = b"hello through ambpf";
+        stream.write_all(hello)?;
+        // The echo: the connection works end to end before it is shown.
+        stream.read_exact(&mut vec![0u8; hello.len()])?;
+        Ok(Connection {
+            local: unmap_addr(stream.local_addr()?),
+            peer: unmap_addr(stream.peer_addr()?),
+            _stream: stream,
+        })
+    })??;
+    Ok(connection)
+}
+
+fn sockets(c: &Connection) -> String {
+    format!("getsockname {}  getpeername {}", c.local, c.peer)
+}
+
+/// ztunnel's record of the connection it accepted from `client`.
+async fn proxied_from(
+    ztunnel: &ZtunnelDouble,
+    client: SocketAddr,
+) -> Result<ProxiedConnection, Error> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(conn) = ztunnel.proxied().into_iter().find(|c| c.client == client) {
+            return Ok(conn);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("ztunnel accepted no connection from {client}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What ztunnel's accepted socket says.
+fn ztunnel_view(c: &ProxiedConnection) -> String {
+    let original = match c.so_original_dst {
+        Some(dst) => format!("SO_ORIGINAL_DST {dst}"),
+        None => format!(
+            "SO_ORIGINAL_DST none (nothing was rewritten: the destination is the local {})",
+            c.local
+        ),
+    };
+    format!(
+        "accepted on {} from {}, {original} -> proxies to {}",
+        c.local, c.client, c.original_dst
+    )
 }
 
 /// One request/response from inside `ns`.
@@ -348,11 +466,12 @@ fn resolve(ns: &NetnsGuard, resolver: SocketAddr, name: &str) -> Result<(), Erro
     Ok(())
 }
 
-fn unmap(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+fn unmap_addr(addr: SocketAddr) -> SocketAddr {
+    let ip = match addr.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(addr.ip(), IpAddr::V4),
         v4 => v4,
-    }
+    };
+    SocketAddr::new(ip, addr.port())
 }
 
 /// The ids of the programs under `pin_root`, from `ambpf status -o json`.

@@ -274,10 +274,20 @@ pub struct ProxiedConnection {
     pub listener_port: u16,
     /// The peer of the accepted socket (IPv4-mapped addresses unmapped).
     pub client: SocketAddr,
-    /// SO_ORIGINAL_DST (IPv4, then IPv6), else the accepted socket's local
-    /// address; for 15008 the CONNECT target (or the local address if the
-    /// request was unreadable).
+    /// The accepted socket's own address (IPv4-mapped addresses unmapped).
+    pub local: SocketAddr,
+    /// What `SO_ORIGINAL_DST` (IPv4, then IPv6) answered on the accepted
+    /// socket, `None` if it failed (no NAT and no ambpf answer); never asked
+    /// on 15008.
+    pub so_original_dst: Option<SocketAddr>,
+    /// SO_ORIGINAL_DST, else the accepted socket's local address; for 15008
+    /// the CONNECT target (or the local address if the request was
+    /// unreadable).
     pub original_dst: SocketAddr,
+    /// 15001 only: the `Forwarded` header ztunnel's HBONE CONNECT for this
+    /// connection carries, built as ztunnel builds it, from the accepted
+    /// socket's peer (`for=10.0.0.1`, `for="[fd00::1]"`).
+    pub forwarded: Option<String>,
     pub outcome: ConnectionOutcome,
 }
 

@@ -11,7 +11,7 @@
 
 use std::{
     io,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     os::fd::BorrowedFd,
     sync::Arc,
     time::Duration,
@@ -27,7 +27,7 @@ use super::{
     ConnectionOutcome, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT,
     ProxiedConnection, Shared,
     dns_server::{self, DnsAnswers, DnsContext},
-    sockets::{PodSockets, canonical, original_destination},
+    sockets::{PodSockets, canonical, so_original_dst},
 };
 
 /// ztunnel's own ports: a connection to one of them is a call to itself.
@@ -67,21 +67,43 @@ struct ProxyContext {
     shared: Arc<Shared>,
 }
 
+/// An accepted connection's addresses, as ztunnel reads them.
+#[derive(Clone, Copy)]
+struct Accepted {
+    kind: ListenerKind,
+    /// The accepted socket's peer and own address.
+    client: SocketAddr,
+    local: SocketAddr,
+    so_original_dst: Option<SocketAddr>,
+}
+
 impl ProxyContext {
-    fn record(
-        &self,
-        kind: ListenerKind,
-        client: SocketAddr,
-        original_dst: SocketAddr,
-        outcome: ConnectionOutcome,
-    ) {
+    fn record(&self, accepted: Accepted, original_dst: SocketAddr, outcome: ConnectionOutcome) {
+        let Accepted {
+            kind,
+            client,
+            local,
+            so_original_dst,
+        } = accepted;
         self.shared.record_connection(ProxiedConnection {
             uid: self.uid.clone(),
             listener_port: kind.port(),
             client,
+            local,
+            so_original_dst,
             original_dst,
+            forwarded: (kind == ListenerKind::Outbound).then(|| forwarded_header(client)),
             outcome,
         });
+    }
+}
+
+/// The `Forwarded` header of ztunnel's HBONE CONNECT (RFC 7239): the source
+/// is the accepted socket's peer; an IPv6 one is quoted in brackets.
+fn forwarded_header(source: SocketAddr) -> String {
+    match source.ip() {
+        IpAddr::V4(ip) => format!("for={ip}"),
+        IpAddr::V6(ip) => format!("for=\"[{ip}]\""),
     }
 }
 
@@ -184,27 +206,33 @@ async fn handle(
     let Ok(local) = downstream.local_addr().map(canonical) else {
         return;
     };
+    let accepted = Accepted {
+        kind,
+        client,
+        local,
+        so_original_dst: None,
+    };
     match kind {
         ListenerKind::Outbound | ListenerKind::InboundPlaintext => {
+            // A busy ztunnel asks for the original destination late.
             let delay = pod.shared.original_dst_delay;
             if !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }
-            let Ok(original_dst) = original_destination(&downstream) else {
-                return;
+            let accepted = Accepted {
+                so_original_dst: so_original_dst(&downstream),
+                ..accepted
             };
+            // Without SO_ORIGINAL_DST: TPROXY-style delivery (the local
+            // address is the destination), or a direct connection.
+            let original_dst = accepted.so_original_dst.unwrap_or(local);
             let self_call = if kind == ListenerKind::Outbound {
                 is_outbound_self_call(original_dst, local)
             } else {
                 is_inbound_self_call(original_dst)
             };
             if self_call {
-                pod.record(
-                    kind,
-                    client,
-                    original_dst,
-                    ConnectionOutcome::RefusedSelfCall,
-                );
+                pod.record(accepted, original_dst, ConnectionOutcome::RefusedSelfCall);
                 return;
             }
             // Inbound keeps the client's address, as ztunnel does; outbound
@@ -214,25 +242,19 @@ async fn handle(
                 Ok(upstream) => upstream,
                 Err(e) => {
                     let outcome = ConnectionOutcome::UpstreamFailed(e.to_string());
-                    pod.record(kind, client, original_dst, outcome);
+                    pod.record(accepted, original_dst, outcome);
                     return;
                 }
             };
-            pod.record(kind, client, original_dst, ConnectionOutcome::Proxied);
+            pod.record(accepted, original_dst, ConnectionOutcome::Proxied);
             relay(&mut downstream, &mut upstream).await;
         }
-        ListenerKind::Hbone => serve_connect(downstream, client, local, &pod).await,
+        ListenerKind::Hbone => serve_connect(downstream, accepted, &pod).await,
     }
 }
 
 /// The HBONE stand-in: `CONNECT <ip:port> HTTP/1.1`, then a plain tunnel.
-async fn serve_connect(
-    mut downstream: TcpStream,
-    client: SocketAddr,
-    local: SocketAddr,
-    pod: &ProxyContext,
-) {
-    const KIND: ListenerKind = ListenerKind::Hbone;
+async fn serve_connect(mut downstream: TcpStream, accepted: Accepted, pod: &ProxyContext) {
     let mut head = [0u8; CONNECT_HEAD_MAX];
     let (target, head_len, received) = match read_connect_head(&mut downstream, &mut head).await {
         Ok(parsed) => parsed,
@@ -241,9 +263,8 @@ async fn serve_connect(
                 .write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
                 .await;
             pod.record(
-                KIND,
-                client,
-                local,
+                accepted,
+                accepted.local,
                 ConnectionOutcome::BadConnectRequest(reason),
             );
             return;
@@ -253,7 +274,7 @@ async fn serve_connect(
         let _ = downstream
             .write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
             .await;
-        pod.record(KIND, client, target, ConnectionOutcome::RefusedSelfCall);
+        pod.record(accepted, target, ConnectionOutcome::RefusedSelfCall);
         return;
     }
     let mut upstream = match pod.sockets.connect(target, None).await {
@@ -263,8 +284,7 @@ async fn serve_connect(
                 .write_all(b"HTTP/1.1 503 Service Unavailable\r\n\r\n")
                 .await;
             pod.record(
-                KIND,
-                client,
+                accepted,
                 target,
                 ConnectionOutcome::UpstreamFailed(e.to_string()),
             );
@@ -278,7 +298,7 @@ async fn serve_connect(
     {
         return;
     }
-    pod.record(KIND, client, target, ConnectionOutcome::Proxied);
+    pod.record(accepted, target, ConnectionOutcome::Proxied);
     // Bytes the client sent right behind the request head belong upstream.
     if upstream.write_all(&head[head_len..received]).await.is_err() {
         return;
@@ -406,6 +426,15 @@ mod tests {
                 String::from_utf8_lossy(head)
             );
         }
+    }
+
+    #[test]
+    fn forwarded_names_the_accepted_sockets_peer_as_rfc_7239_says() {
+        assert_eq!(forwarded_header(addr("10.244.0.2:40000")), "for=10.244.0.2");
+        assert_eq!(
+            forwarded_header(addr("[fd00:a::2]:40000")),
+            "for=\"[fd00:a::2]\""
+        );
     }
 
     #[test]

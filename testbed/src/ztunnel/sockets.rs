@@ -306,20 +306,16 @@ fn upstream_socket(target: SocketAddr, source: Option<IpAddr>) -> io::Result<std
     Ok(socket.into())
 }
 
-/// The destination the client meant: SO_ORIGINAL_DST (conntrack REDIRECT),
-/// IPv4 then IPv6, else the accepted socket's local address (TPROXY-style
-/// delivery, or a direct connection). IPv4-mapped addresses are unmapped.
-pub(super) fn original_destination(stream: &TcpStream) -> io::Result<SocketAddr> {
+/// SO_ORIGINAL_DST (conntrack REDIRECT, or ambpf's answer), IPv4 then IPv6;
+/// `None` when neither answers. IPv4-mapped addresses are unmapped.
+pub(super) fn so_original_dst(stream: &TcpStream) -> Option<SocketAddr> {
     let socket = SockRef::from(stream);
-    let redirected = socket
+    socket
         .original_dst_v4()
         .or_else(|_| socket.original_dst_v6())
         .ok()
-        .and_then(|address| address.as_socket());
-    match redirected {
-        Some(address) => Ok(canonical(address)),
-        None => stream.local_addr().map(canonical),
-    }
+        .and_then(|address| address.as_socket())
+        .map(canonical)
 }
 
 /// `::ffff:a.b.c.d` as `a.b.c.d`, as ztunnel's `to_canonical`.

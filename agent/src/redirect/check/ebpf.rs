@@ -18,7 +18,7 @@ use crate::{
     redirect::{
         PodKey,
         claims::AddressClaims,
-        ebpf::{claimed, detach_steering, ip_addr, ip_key},
+        ebpf::{claimed, detach_steering, ip_addr},
         podnet, routing,
         rtnl::Rtnl,
         steering,
@@ -217,31 +217,8 @@ pub fn check_pod_netns(
         Err(e) => return vec![unreadable("reading the network", &e)],
     };
     let mut out = Vec::new();
-    let mut now: Vec<IpKey> = crate::redirect::pod_addresses(&net, netns)
-        .map(|addresses| addresses.into_iter().map(ip_key).collect())
-        .unwrap_or_default();
-    let mut enrolled: Vec<IpKey> = claimed(pod).collect();
-    now.sort_unstable_by_key(|k| k.addr);
-    enrolled.sort_unstable_by_key(|k| k.addr);
-    if now != enrolled {
-        let show = |keys: &[IpKey]| {
-            keys.iter()
-                .map(|k| ip_addr(*k).to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        out.push(
-            Violation::new(
-                ViolationKind::PodAddressesChanged,
-                format!(
-                    "the pod with {key} was enrolled with [{}] and now has [{}]",
-                    show(&enrolled),
-                    show(&now)
-                ),
-            )
-            .pod(pod),
-        );
-    }
+    let enrolled: Vec<IpAddr> = claimed(pod).map(ip_addr).collect();
+    out.extend(super::addresses_changed(key, &enrolled, &net, netns));
     let filters = netns.run(|| -> Result<Vec<_>, crate::redirect::rtnl::NetlinkError> {
         let mut rtnl = Rtnl::open()?;
         net.interfaces

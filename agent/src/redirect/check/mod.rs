@@ -181,6 +181,49 @@ impl fmt::Display for Violation {
     }
 }
 
+/// A [`ViolationKind::PodAddressesChanged`] when the pod `key`'s namespace
+/// (`net`, read from `netns`) no longer has the addresses it was enrolled
+/// with, `enrolled`, or has addresses it cannot be enrolled with (none, or
+/// more than one of a family): enrolling it again follows the change, or
+/// says why it cannot. Both modes check this.
+pub(crate) fn addresses_changed(
+    key: PodKey,
+    enrolled: &[IpAddr],
+    net: &super::podnet::PodNetwork,
+    netns: &crate::netns::Netns,
+) -> Option<Violation> {
+    let (mut now, why) = match super::pod_addresses(net, netns) {
+        Ok(addresses) => (addresses, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let mut enrolled = enrolled.to_vec();
+    now.sort_unstable();
+    enrolled.sort_unstable();
+    if now == enrolled && why.is_none() {
+        return None;
+    }
+    let show = |ips: &[IpAddr]| {
+        ips.iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let now = match why {
+        Some(e) => e.to_string(),
+        None => format!("now has [{}]", show(&now)),
+    };
+    Some(
+        Violation::new(
+            ViolationKind::PodAddressesChanged,
+            format!(
+                "the pod with {key} was enrolled with [{}]; {now}",
+                show(&enrolled)
+            ),
+        )
+        .for_pod(key),
+    )
+}
+
 pub(crate) fn key_of(pod: &PodConfig) -> PodKey {
     PodKey {
         netns_cookie: pod.netns_cookie,

@@ -89,6 +89,7 @@
 //! chosen explicitly or, with [`IptablesBackend::Auto`], the one the host
 //! namespace already has rules in (nft when neither or both equally).
 
+mod nat_table;
 mod node;
 mod probes;
 mod rules;
@@ -322,6 +323,10 @@ impl IptablesRedirection {
                 family.ipset_family(),
                 "comment",
             ])?;
+            if backend == IptablesBackend::Nft {
+                // So that uninstalling can leave no empty table behind.
+                nat_table::create_if_missing(&this.host, family)?;
+            }
             let rules = host_rules(family);
             this.tools.apply(&this.host, &rules, &rules)?;
         }

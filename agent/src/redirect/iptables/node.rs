@@ -4,7 +4,7 @@
 use std::{net::IpAddr, path::PathBuf};
 
 use super::{
-    CHAIN_POSTROUTING, Family, IptablesBackend, IptablesError,
+    CHAIN_POSTROUTING, Family, IptablesBackend, IptablesError, nat_table,
     rules::{RuleSet, SavedRules, host_rules, pod_rules},
     tools::{Tools, families_in_use, find_binary, ipset_binary, run_in},
 };
@@ -50,7 +50,8 @@ pub fn remove_pod_rules(netns: &Netns) -> Result<(), EnrollError> {
     Ok(())
 }
 
-/// Removes the host rules (in each backend present) and then the probe
+/// Removes the host rules (in each backend present), the nft `nat` tables
+/// ambpf created for them once empty ([`nat_table`]), and then the probe
 /// ipsets, idempotently. Returns whether any of them was there.
 pub fn remove_host_rules(host: &Netns) -> Result<bool, IptablesError> {
     let mut found = false;
@@ -61,6 +62,9 @@ pub fn remove_host_rules(host: &Netns) -> Result<bool, IptablesError> {
                 .save(host, family)?
                 .has_chain("nat", CHAIN_POSTROUTING);
             tools.apply(host, &owned, &RuleSet::empty(family))?;
+            if tools.backend == IptablesBackend::Nft {
+                found |= nat_table::remove_if_owned_and_empty(host, family)?;
+            }
         }
     }
     if let Some(ipset) = find_binary("ipset") {

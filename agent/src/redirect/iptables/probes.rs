@@ -232,9 +232,26 @@ impl IptablesRedirection {
         }
     }
 
-    /// Inside one enrolled pod: its capture rules and policy routing.
+    /// Inside one enrolled pod: the addresses it was enrolled with (its
+    /// probe ipset members), its capture rules and policy routing.
     pub(super) fn check_pod(&self, key: PodKey, netns: &Netns) -> Vec<Violation> {
         let mut out = Vec::new();
+        let enrolled = self.pods.get(&key.netns_cookie).map(|e| &e.addresses);
+        match (crate::redirect::podnet::inspect(netns), enrolled) {
+            (Ok(net), Some(enrolled)) => {
+                out.extend(crate::redirect::check::addresses_changed(
+                    key, enrolled, &net, netns,
+                ));
+            }
+            (Ok(_), None) => {}
+            (Err(e), _) => out.push(
+                Violation::new(
+                    ViolationKind::Unreadable,
+                    format!("reading the network of the pod with {key}: {e}"),
+                )
+                .for_pod(key),
+            ),
+        }
         for family in self.tools.families.keys().copied() {
             match self.tools.save(netns, family) {
                 Ok(saved) if saved.captures() => {}

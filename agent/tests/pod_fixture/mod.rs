@@ -1,0 +1,437 @@
+//! The fixture of the privileged redirection tests (`redirect.rs`,
+//! `parity.rs`): a testbed cluster whose pod 1 is enrolled in one
+//! redirection mode, served by the ztunnel double over the agent's ZDS
+//! server, with echo servers in the pod, its neighbour and the remote.
+
+#![allow(dead_code, unused_macros)] // each test binary uses a different subset
+
+use std::{
+    io::{Read, Write},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use ambpf::{
+    bpf::{Dataplane, PinLayout},
+    netns::Netns,
+    redirect::{
+        EnrollOptions, PodRedirection, RedirectMode,
+        iptables::{self, Family, IptablesBackend, IptablesRedirection},
+    },
+    zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
+};
+use ambpf_common::NodeConfig;
+use ambpf_testbed::{
+    BpffsMount, CgroupGuard, NetnsGuard,
+    cluster::Cluster,
+    ztunnel::{ProxiedConnection, ZtunnelConfig, ZtunnelDouble},
+};
+
+/// Tests move this process between cgroups (eBPF mode) and share the
+/// namespaces' names: one at a time.
+pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub const PATIENCE: Duration = Duration::from_secs(10);
+pub const APP_PORT: u16 = 8080;
+pub const PEER_PORT: u16 = 9000;
+pub const POD_UID: &str = "pod-1-uid";
+
+/// Peers each server has seen, in accept order.
+pub type Seen = Arc<Mutex<Vec<SocketAddr>>>;
+
+/// An echo server in a namespace that records its peers.
+pub struct EchoServer {
+    pub seen: Seen,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl EchoServer {
+    pub fn start(ns: &NetnsGuard, addr: SocketAddr) -> Self {
+        let listener = ns.run(|| TcpListener::bind(addr)).unwrap().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        let seen: Seen = Arc::default();
+        let record = seen.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut conn, peer)) = listener.accept().await else {
+                    return;
+                };
+                // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
+                record
+                    .lock()
+                    .unwrap()
+                    .push(SocketAddr::new(unmap(peer.ip()), peer.port()));
+                tokio::spawn(async move {
+                    let (mut r, mut w) = conn.split();
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                });
+            }
+        });
+        Self { seen, task }
+    }
+
+    pub fn last_peer(&self) -> Option<SocketAddr> {
+        self.seen.lock().unwrap().last().copied()
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One request/response through a new connection made inside `ns`, with the
+/// socket options `prepare` sets; returns the socket's view of its peer.
+pub fn echo_once(
+    ns: &NetnsGuard,
+    to: SocketAddr,
+    from: Option<IpAddr>,
+    mark: Option<u32>,
+) -> SocketAddr {
+    tokio::task::block_in_place(|| {
+        ns.run(|| {
+            let domain = if to.is_ipv4() {
+                socket2::Domain::IPV4
+            } else {
+                socket2::Domain::IPV6
+            };
+            let socket = socket2::Socket::new(domain, socket2::Type::STREAM, None).unwrap();
+            if let Some(mark) = mark {
+                socket.set_mark(mark).unwrap();
+            }
+            if let Some(ip) = from {
+                socket.bind(&SocketAddr::new(ip, 0).into()).unwrap();
+            }
+            socket.set_read_timeout(Some(PATIENCE)).unwrap();
+            socket
+                .connect_timeout(&to.into(), PATIENCE)
+                .unwrap_or_else(|e| panic!("connect {to}: {e}"));
+            let mut stream: TcpStream = socket.into();
+            stream.write_all(b"ambpf").unwrap();
+            let mut reply = [0u8; 5];
+            stream
+                .read_exact(&mut reply)
+                .unwrap_or_else(|e| panic!("echo from {to}: {e}"));
+            assert_eq!(&reply, b"ambpf");
+            let peer = stream.peer_addr().unwrap();
+            stream.shutdown(Shutdown::Both).unwrap();
+            peer
+        })
+        .unwrap()
+    })
+}
+
+pub const ENROLL: EnrollOptions = EnrollOptions { dns_capture: true };
+
+/// An enrolled pod 1 with ztunnel serving it, a neighbour and a remote peer.
+pub struct Fixture {
+    pub mode: RedirectMode,
+    pub ztunnel: ZtunnelDouble,
+    pub redirection: Box<dyn PodRedirection>,
+    /// iptables mode: the backend in use.
+    pub iptables_backend: Option<IptablesBackend>,
+    pub remote_v4: EchoServer,
+    pub remote_v6: EchoServer,
+    pub app: EchoServer,
+    pub neighbour_app: EchoServer,
+    pub _zds: tokio::task::JoinHandle<()>,
+    pub _zds_dir: TempDir,
+    /// The agent's ZDS socket, for another ztunnel.
+    pub zds_socket: std::path::PathBuf,
+    pub cluster: Cluster,
+    /// eBPF mode: where the programs are pinned.
+    pub bpffs: Option<BpffsMount>,
+}
+
+pub struct TempDir(pub std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Fixture {
+    pub fn pod(&self) -> &NetnsGuard {
+        &self.cluster.pods[0].ns
+    }
+
+    pub fn pod_ip(&self, v6: bool) -> IpAddr {
+        let addrs = self.cluster.pods[0].addrs;
+        if v6 { addrs.v6.into() } else { addrs.v4.into() }
+    }
+
+    pub fn remote_ip(&self, v6: bool) -> IpAddr {
+        let addrs = self.cluster.remote.addrs;
+        if v6 { addrs.v6.into() } else { addrs.v4.into() }
+    }
+
+    pub fn proxied(&self) -> Vec<ProxiedConnection> {
+        self.ztunnel.proxied()
+    }
+
+    pub fn pod_netns(&self) -> Netns {
+        Netns::open(self.pod().name()).unwrap()
+    }
+
+    /// iptables mode: pod 1's rules for `family`, as iptables-save prints them.
+    pub fn pod_rules(&self, family: Family) -> iptables::SavedRules {
+        let backend = self.iptables_backend.expect("iptables mode");
+        iptables::saved_rules(&self.pod_netns(), backend, family).unwrap()
+    }
+
+    /// Replaces ztunnel with one that speaks ZDS but runs no proxies, and
+    /// waits until pod 1 has no listener on 15006 any more (a connection
+    /// from inside the pod to its own address is never captured).
+    pub async fn stop_ztunnel_proxies(&mut self) {
+        let zds_only =
+            ZtunnelDouble::connect_with_retry(&self.zds_socket, ZtunnelConfig::zds_only());
+        drop(std::mem::replace(&mut self.ztunnel, zds_only));
+        let deadline = std::time::Instant::now() + PATIENCE;
+        for v6 in [false, true] {
+            let inbound = SocketAddr::new(self.pod_ip(v6), 15006);
+            loop {
+                let refused = tokio::task::block_in_place(|| {
+                    self.pod()
+                        .run(|| TcpStream::connect_timeout(&inbound, PATIENCE))
+                        .unwrap()
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+                });
+                if refused {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{inbound} still listens"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    pub async fn wait_proxied(&self, port: u16, original_dst: SocketAddr) -> ProxiedConnection {
+        self.ztunnel
+            .wait_until(
+                |s| {
+                    s.proxied
+                        .iter()
+                        .any(|c| c.listener_port == port && c.original_dst == original_dst)
+                },
+                PATIENCE,
+            )
+            .await
+            .unwrap();
+        self.proxied()
+            .into_iter()
+            .find(|c| c.listener_port == port && c.original_dst == original_dst)
+            .unwrap()
+    }
+}
+
+/// `cgroup`: the cgroup this process is in, for the eBPF mode's programs.
+pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
+    let cluster = Cluster::create(2).unwrap();
+    let (mut redirection, bpffs, iptables_backend): (Box<dyn PodRedirection>, _, _) = match mode {
+        RedirectMode::Ebpf => {
+            let bpffs = BpffsMount::create().unwrap();
+            let mut dataplane =
+                Dataplane::load(PinLayout::new(bpffs.path().join("ambpf"))).unwrap();
+            dataplane
+                .attach_cgroup(cgroup.expect("eBPF mode needs a cgroup").path())
+                .unwrap();
+            dataplane
+                .set_node_config(NodeConfig {
+                    dns_capture: 1,
+                    _pad: 0,
+                })
+                .unwrap();
+            dataplane
+                .set_host_addresses(&cluster.node_addresses())
+                .unwrap();
+            (Box::new(dataplane), Some(bpffs), None)
+        }
+        RedirectMode::Iptables => {
+            // The node namespace is the host: the probe SNAT goes there.
+            let host = Netns::open(cluster.node.name()).unwrap();
+            let redirection = IptablesRedirection::new(host, IptablesBackend::Auto).unwrap();
+            let backend = redirection.backend();
+            (Box::new(redirection), None, Some(backend))
+        }
+    };
+    assert_eq!(redirection.mode(), mode);
+
+    let pod = &cluster.pods[0];
+    redirection
+        .enroll(&Netns::open(pod.ns.name()).unwrap(), ENROLL)
+        .unwrap();
+
+    let dir =
+        std::env::temp_dir().join(format!("ambpf-redirect-{}", ambpf_testbed::unique_name("")));
+    let socket = dir.join("ztunnel.sock");
+    let zds = ZdsHandle::new(ZdsConfig {
+        socket: socket.clone(),
+        ..Default::default()
+    });
+    let listener = ambpf::zds::listener::bind(&socket).unwrap();
+    let server = tokio::spawn(zds.clone().serve_on(listener));
+    zds.upsert(Workload {
+        uid: POD_UID.into(),
+        name: "app-1".into(),
+        namespace: "shop".into(),
+        service_account: "app".into(),
+        netns: NetnsSource::Path(pod.ns.path()),
+    });
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+    ztunnel
+        .wait_until(
+            |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+
+    let any = |ip: IpAddr, port| SocketAddr::new(ip, port);
+    let remote = &cluster.remote;
+    let remote_v4 = EchoServer::start(&remote.ns, any(remote.addrs.v4.into(), PEER_PORT));
+    let remote_v6 = EchoServer::start(&remote.ns, any(remote.addrs.v6.into(), PEER_PORT));
+    let unspecified: IpAddr = std::net::Ipv6Addr::UNSPECIFIED.into();
+    let app = EchoServer::start(&pod.ns, any(unspecified, APP_PORT));
+    let neighbour_app = EchoServer::start(&cluster.pods[1].ns, any(unspecified, APP_PORT));
+    Fixture {
+        mode,
+        ztunnel,
+        redirection,
+        iptables_backend,
+        remote_v4,
+        remote_v6,
+        app,
+        neighbour_app,
+        _zds: server,
+        _zds_dir: TempDir(dir),
+        zds_socket: socket,
+        cluster,
+        bpffs,
+    }
+}
+
+/// Runs `test` with a fresh fixture in `mode`; in eBPF mode this process is
+/// inside the test's cgroup meanwhile.
+macro_rules! with_fixture {
+    ($mode:expr, |$f:ident| $body:block) => {{
+        let mode: RedirectMode = $mode;
+        let _serial = SERIAL.lock().await;
+        let cgroup = (mode == RedirectMode::Ebpf).then(|| CgroupGuard::create().unwrap());
+        let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
+        #[allow(unused_mut)]
+        let mut $f = fixture(mode, cgroup.as_ref()).await;
+        $body
+    }};
+}
+
+/// One behaviour, tested in both modes: `<name>::ebpf` and
+/// `<name>::iptables`.
+macro_rules! in_both_modes {
+    ($name:ident, |$f:ident| $body:block) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn ebpf() {
+                with_fixture!(RedirectMode::Ebpf, |$f| $body)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn iptables() {
+                with_fixture!(RedirectMode::Iptables, |$f| $body)
+            }
+        }
+    };
+}
+
+/// How the app prepares its socket before `connect()`.
+#[derive(Clone, Copy, Debug)]
+pub enum AppBind {
+    None,
+    /// To its pod address, port 0.
+    PodAddress,
+    /// To the wildcard address with a port of its own.
+    PortOnly,
+    /// To the wildcard address, port 0.
+    Wildcard,
+}
+
+/// One request/response from the pod to `to` over a socket prepared as
+/// `bind` says (`dual_stack`: an IPv6 socket reaching an IPv4 peer through
+/// its v4-mapped address); returns the socket's own address and its peer,
+/// as the app sees them (v4-mapped addresses unmapped).
+pub fn outbound_as_app(
+    f: &Fixture,
+    to: SocketAddr,
+    bind: AppBind,
+    dual_stack: bool,
+) -> (SocketAddr, SocketAddr) {
+    let pod_ip = f.pod_ip(to.is_ipv6());
+    tokio::task::block_in_place(|| {
+        f.pod()
+            .run(|| {
+                let (domain, to) = match (dual_stack, to) {
+                    (true, SocketAddr::V4(v4)) => (
+                        socket2::Domain::IPV6,
+                        SocketAddr::new(v4.ip().to_ipv6_mapped().into(), v4.port()),
+                    ),
+                    (_, to) if to.is_ipv6() => (socket2::Domain::IPV6, to),
+                    (_, to) => (socket2::Domain::IPV4, to),
+                };
+                let socket = socket2::Socket::new(domain, socket2::Type::STREAM, None).unwrap();
+                if domain == socket2::Domain::IPV6 {
+                    socket.set_only_v6(false).unwrap();
+                }
+                let wildcard: IpAddr = if domain == socket2::Domain::IPV6 {
+                    std::net::Ipv6Addr::UNSPECIFIED.into()
+                } else {
+                    std::net::Ipv4Addr::UNSPECIFIED.into()
+                };
+                let local = match bind {
+                    AppBind::None => None,
+                    AppBind::PodAddress if dual_stack => match pod_ip {
+                        IpAddr::V4(v4) => Some(SocketAddr::new(v4.to_ipv6_mapped().into(), 0)),
+                        v6 => Some(SocketAddr::new(v6, 0)),
+                    },
+                    AppBind::PodAddress => Some(SocketAddr::new(pod_ip, 0)),
+                    // A port per family: the first connection's TIME_WAIT
+                    // holds its port.
+                    AppBind::PortOnly => Some(SocketAddr::new(
+                        wildcard,
+                        if to.is_ipv6() { 40124 } else { 40123 },
+                    )),
+                    AppBind::Wildcard => Some(SocketAddr::new(wildcard, 0)),
+                };
+                if let Some(local) = local {
+                    socket.bind(&local.into()).unwrap();
+                }
+                socket.set_read_timeout(Some(PATIENCE)).unwrap();
+                socket
+                    .connect_timeout(&to.into(), PATIENCE)
+                    .unwrap_or_else(|e| panic!("connect {to}: {e}"));
+                let mut stream: TcpStream = socket.into();
+                stream.write_all(b"ambpf").unwrap();
+                let mut reply = [0u8; 5];
+                stream.read_exact(&mut reply).unwrap();
+                let unmapped = |a: SocketAddr| SocketAddr::new(unmap(a.ip()), a.port());
+                (
+                    unmapped(stream.local_addr().unwrap()),
+                    unmapped(stream.peer_addr().unwrap()),
+                )
+            })
+            .unwrap()
+    })
+}
+
+pub fn unmap(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
