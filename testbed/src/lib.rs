@@ -29,6 +29,7 @@ pub mod apiserver;
 pub mod bench;
 pub mod cluster;
 pub mod privileges;
+pub mod soak;
 pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
