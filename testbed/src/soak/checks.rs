@@ -19,6 +19,9 @@ use super::{Mode, Soak, events::label, netstate};
 const NETNS_SAMPLE: usize = 6;
 /// A pod held this long must show everything it needs.
 const GRACE: Duration = Duration::from_secs(1);
+/// The annotator patches at once and retries every 5 s (the kube source's
+/// resync) when the API server did not take it.
+const ANNOTATION_GRACE: Duration = Duration::from_secs(12);
 
 impl Soak<'_> {
     /// One round; `full` reads every pod's namespace and runs `ambpf status
@@ -26,9 +29,14 @@ impl Soak<'_> {
     pub(super) async fn check_round(&mut self, full: bool) -> Result<()> {
         let now = Instant::now();
         let mut suspects = HashSet::new();
-        let (held, accounted, accounted_uids) = {
+        let (held, accounted, accounted_uids, gone_at) = {
             let t = self.tracker();
-            (t.held_since(), t.accounted_inodes(), t.accounted_uids())
+            (
+                t.held_since(),
+                t.accounted_inodes(),
+                t.accounted_uids(),
+                t.gone_at.clone(),
+            )
         };
         let settled = |since: &Instant| now.duration_since(*since) > GRACE;
 
@@ -77,10 +85,26 @@ impl Soak<'_> {
                     ));
                 }
             }
-            for link in status["links"].as_array().into_iter().flatten() {
-                let pin = link["pin"].as_str().unwrap_or_default();
-                if !pin.contains("cgroup") {
-                    suspects.insert(format!("pinned link|{pin} ({})", link["program_name"]));
+            // Per-pod link directories (by netns cookie) only for enrolled
+            // pods; no per-interface TCX links.
+            let cookies: HashSet<u64> = status["pods"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p["netns_cookie"].as_u64())
+                .collect();
+            let pod_links = self.agent.pin_root.join("links/pods");
+            for entry in std::fs::read_dir(&pod_links)
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.parse().is_ok_and(|c: u64| !cookies.contains(&c)) {
+                    suspects.insert(format!(
+                        "pinned link|{} belongs to no enrolled pod",
+                        entry.path().display()
+                    ));
                 }
             }
             if !status["tc_links"].as_array().is_none_or(Vec::is_empty) {
@@ -131,9 +155,17 @@ impl Soak<'_> {
             .filter_map(|p| {
                 let lbl = label(p.namespace, &p.name);
                 let now_annotated = self.world.annotation(p.namespace, &p.name);
-                if held.get(&p.netns_inode).is_some_and(settled) {
+                if held
+                    .get(&p.netns_inode)
+                    .is_some_and(|since| now.duration_since(*since) > ANNOTATION_GRACE)
+                {
                     Some((lbl, true, now_annotated))
-                } else if !self.world.is_ambient(p) && !accounted.contains(&p.netns_inode) {
+                } else if !self.world.is_ambient(p)
+                    && !accounted.contains(&p.netns_inode)
+                    && gone_at
+                        .get(&p.uid)
+                        .is_none_or(|at| now.duration_since(*at) > ANNOTATION_GRACE)
+                {
                     Some((lbl, false, now_annotated))
                 } else {
                     None

@@ -51,6 +51,8 @@ pub struct Tracker {
     pub enrol_ms: Vec<f64>,
     pub remove_ms: Vec<f64>,
     pub violations: Vec<Violation>,
+    /// When each pod was last seen gone from ztunnel as it had to be.
+    pub gone_at: HashMap<String, Instant>,
 }
 
 impl Tracker {
@@ -62,6 +64,7 @@ impl Tracker {
             enrol_ms: Vec::new(),
             remove_ms: Vec::new(),
             violations: Vec::new(),
+            gone_at: HashMap::new(),
         }
     }
 
@@ -129,6 +132,7 @@ impl Tracker {
         }
         for uid in finished {
             self.expects.remove(&uid);
+            self.gone_at.insert(uid, now);
         }
     }
 
