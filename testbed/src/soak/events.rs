@@ -55,10 +55,12 @@ impl Soak<'_> {
     /// What every pod must come to now; `at` is when its event happened.
     pub(super) fn refresh_wants(&mut self, at: Instant) {
         let mut wants = Vec::new();
-        for slot in &self.world.slots {
-            if let Some(pod) = &slot.pod {
+        let ns_ambient = self.world.ns_ambient;
+        for slot in &mut self.world.slots {
+            if let Some(pod) = &mut slot.pod {
                 let known = pod.listed || pod.cni_added;
-                let want = if known && self.world.is_ambient(pod) {
+                let want = if known && super::world::is_ambient(&ns_ambient, pod) {
+                    pod.ever_ambient = true;
                     Want::Held
                 } else {
                     Want::Gone

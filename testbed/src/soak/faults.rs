@@ -65,19 +65,26 @@ impl Soak<'_> {
                     self.conn_stats.opened += 1;
                     if redirected {
                         // Both went through ztunnel: it recorded them.
-                        let through = double.inspect(|s| {
-                            let ports: Vec<u16> =
-                                s.proxied.iter().map(|p| p.client.port()).collect();
-                            ports.contains(&conns.outbound_port)
-                                && ports.contains(&conns.inbound_port)
+                        let (outbound, inbound) = double.inspect(|s| {
+                            let through = |port: u16, listener: u16| {
+                                s.proxied
+                                    .iter()
+                                    .any(|p| p.client.port() == port && p.listener_port == listener)
+                            };
+                            (
+                                through(conns.outbound_port, crate::ztunnel::OUTBOUND_PORT),
+                                through(conns.inbound_port, crate::ztunnel::INBOUND_PLAINTEXT_PORT),
+                            )
                         });
-                        if !through {
-                            self.violation(
-                                "redirect",
-                                format!(
-                                    "{label}: ambient and held by ztunnel, but its connections did not go through ztunnel"
-                                ),
-                            );
+                        for (went, what) in [(outbound, "outbound"), (inbound, "inbound")] {
+                            if !went {
+                                self.violation(
+                                    "redirect",
+                                    format!(
+                                        "{label}: ambient and held by ztunnel, but its {what} connection did not go through ztunnel"
+                                    ),
+                                );
+                            }
                         }
                     }
                     if let Some(pod) = self.world.slots[slot].pod.as_mut() {
@@ -190,22 +197,32 @@ impl Soak<'_> {
         let double = self.double();
         let connections = double.inspect(|s| s.connections.len());
         self.restart_agent().await?;
-        let deadline = Instant::now() + PATIENCE;
-        let mut hit = false;
-        while Instant::now() < deadline {
-            let (partial, done) = double.inspect(|s| match s.connections.get(connections..) {
-                Some([.., c]) => (!c.added.is_empty() && !c.snapshot_sent, c.snapshot_sent),
-                _ => (false, false),
-            });
-            if partial {
-                hit = true;
-                break;
+        // A snapshot of a few pods takes a millisecond or two: watched from
+        // a thread of its own, spinning, which kills the agent the moment
+        // the double has some of it.
+        let pid = self.agent.pid().unwrap_or(0);
+        let hit = tokio::task::spawn_blocking(move || {
+            let deadline = Instant::now() + PATIENCE;
+            while Instant::now() < deadline {
+                let (partial, done) = double.inspect(|s| match s.connections.get(connections..) {
+                    Some([.., c]) => (!c.added.is_empty() && !c.snapshot_sent, c.snapshot_sent),
+                    _ => (false, false),
+                });
+                if partial {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid as i32),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    return true;
+                }
+                if done {
+                    return false;
+                }
+                std::thread::yield_now();
             }
-            if done {
-                break;
-            }
-            tokio::time::sleep(Duration::from_micros(200)).await;
-        }
+            false
+        })
+        .await?;
         self.agent.kill()?;
         if hit {
             self.mid_snapshot_hits += 1;

@@ -53,6 +53,16 @@ pub struct Tracker {
     pub violations: Vec<Violation>,
     /// When each pod was last seen gone from ztunnel as it had to be.
     pub gone_at: HashMap<String, Instant>,
+    /// The slowest convergences (to held), slowest first.
+    pub slowest: Vec<Slow>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Slow {
+    pub pod: String,
+    pub ms: f64,
+    /// When its event happened.
+    pub at_s: f64,
 }
 
 impl Tracker {
@@ -65,6 +75,7 @@ impl Tracker {
             remove_ms: Vec::new(),
             violations: Vec::new(),
             gone_at: HashMap::new(),
+            slowest: Vec::new(),
         }
     }
 
@@ -100,6 +111,7 @@ impl Tracker {
     /// Checks the double's pods against every expectation.
     pub fn observe(&mut self, workloads: &BTreeMap<String, Workload>, now: Instant) {
         let mut finished = Vec::new();
+        let mut slow = Vec::new();
         for (uid, e) in &mut self.expects {
             let held = workloads
                 .get(uid)
@@ -114,7 +126,14 @@ impl Tracker {
                     e.done = Some(now);
                     let ms = now.saturating_duration_since(e.since).as_secs_f64() * 1e3;
                     match e.want {
-                        Want::Held => self.enrol_ms.push(ms),
+                        Want::Held => {
+                            self.enrol_ms.push(ms);
+                            slow.push(Slow {
+                                pod: e.label.clone(),
+                                ms,
+                                at_s: e.since.saturating_duration_since(self.start).as_secs_f64(),
+                            });
+                        }
                         Want::Gone => {
                             self.remove_ms.push(ms);
                             finished.push(uid.clone());
@@ -133,6 +152,11 @@ impl Tracker {
         for uid in finished {
             self.expects.remove(&uid);
             self.gone_at.insert(uid, now);
+        }
+        if !slow.is_empty() {
+            self.slowest.extend(slow);
+            self.slowest.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+            self.slowest.truncate(5);
         }
     }
 

@@ -71,6 +71,14 @@ pub fn missing_for_redirected(found: &[String], ebpf: bool) -> Vec<&'static str>
     missing
 }
 
+/// Only the reply routing (rules and table-100 routes): what the agent
+/// leaves, by design, in a pod that stops being ambient while it lives.
+pub fn only_reply_routing(found: &[String]) -> bool {
+    found
+        .iter()
+        .all(|f| f.starts_with("rule") || f.starts_with("route"))
+}
+
 fn run(program: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(program)
         .args(args)
@@ -102,5 +110,7 @@ mod tests {
         );
         assert_eq!(missing_for_redirected(&all[..4], true).len(), 1);
         assert_eq!(missing_for_redirected(&all, false).len(), 1);
+        assert!(!only_reply_routing(&all));
+        assert!(only_reply_routing(&all[1..]));
     }
 }

@@ -52,6 +52,7 @@ pub struct SoakReport {
     pub convergence_ms: Option<Stats>,
     /// Event to the pod gone from ztunnel, ms.
     pub removal_ms: Option<Stats>,
+    pub slowest_convergence: Vec<super::invariants::Slow>,
     pub connections: ConnStats,
     /// Over the longest-lived agent, its first 5 s left out.
     pub resources: Option<Resources>,
@@ -129,6 +130,12 @@ impl SoakReport {
             }
         }
         print!("{table}");
+        for s in &self.slowest_convergence {
+            println!(
+                "  slow: {} took {:.0} ms (event at {:.1} s)",
+                s.pod, s.ms, s.at_s
+            );
+        }
 
         if let Some(r) = &self.resources {
             println!();
@@ -183,6 +190,7 @@ impl Soak<'_> {
             mid_snapshot_kills_hit: self.mid_snapshot_hits,
             convergence_ms: Stats::of(&tracker.enrol_ms),
             removal_ms: Stats::of(&tracker.remove_ms),
+            slowest_convergence: tracker.slowest.clone(),
             connections: self.conn_stats.clone(),
             resources: resources(&self.samples),
             violations: tracker.violations.clone(),

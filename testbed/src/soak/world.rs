@@ -55,6 +55,9 @@ pub struct Pod {
     pub listed: bool,
     /// CNI ADD enrolled it (it must be held from then on).
     pub cni_added: bool,
+    /// It has been ambient: the agent keeps its reply routing while it
+    /// lives (see `netstate::only_reply_routing`).
+    pub ever_ambient: bool,
     pub conns: Option<super::conns::PodConns>,
     process: Child,
     cgroup: PathBuf,
@@ -156,11 +159,7 @@ impl World {
     }
 
     pub fn is_ambient(&self, pod: &Pod) -> bool {
-        match pod.label {
-            PodLabel::OptOut => false,
-            PodLabel::Ambient => true,
-            PodLabel::Inherit => self.ns_ambient[pod.namespace],
-        }
+        is_ambient(&self.ns_ambient, pod)
     }
 
     pub fn netns_path(&self, slot: usize) -> PathBuf {
@@ -194,6 +193,7 @@ impl World {
             netns_inode: ns.inode()?,
             listed: false,
             cni_added: false,
+            ever_ambient: false,
             conns: None,
             process,
             cgroup,
@@ -278,6 +278,15 @@ impl World {
             ))?
             .as_str()
             .map(str::to_owned)
+    }
+}
+
+/// Istio's rule: the pod's own label, else its namespace's.
+pub fn is_ambient(ns_ambient: &[bool; NAMESPACES], pod: &Pod) -> bool {
+    match pod.label {
+        PodLabel::OptOut => false,
+        PodLabel::Ambient => true,
+        PodLabel::Inherit => ns_ambient[pod.namespace],
     }
 }
 
