@@ -79,9 +79,18 @@ impl Soak<'_> {
             }
             for (inode, since) in &held {
                 if settled(since) && !enrolled.contains(inode) {
+                    let uid = self
+                        .world
+                        .slots
+                        .iter()
+                        .filter_map(|s| s.pod.as_ref())
+                        .find(|p| p.netns_inode == *inode)
+                        .map(|p| p.uid.clone())
+                        .unwrap_or_default();
                     suspects.insert(format!(
-                        "redirect|netns {inode} is held by ztunnel but has no {} entry",
-                        common_maps_pods()
+                        "redirect|netns {inode} is held by ztunnel but has no {} entry; ztunnel's events for it: {}",
+                        common_maps_pods(),
+                        ztunnel_history(&self.double(), &uid)
                     ));
                 }
             }
@@ -339,4 +348,42 @@ fn pod_of(status: &Value, inode: u64) -> String {
         .flatten()
         .find(|p| p["netns_inode"] == inode)
         .map_or_else(|| "?".to_owned(), |p| p["pod"].to_string())
+}
+
+/// The double's last events about pod `uid` (and connection changes among
+/// them), for a violation's details.
+pub(super) fn ztunnel_history(double: &crate::ztunnel::ZtunnelDouble, uid: &str) -> String {
+    use crate::ztunnel::ZdsEvent;
+    double.inspect(|s| {
+        let mut about: Vec<String> = Vec::new();
+        let mut since_connected = String::new();
+        for e in &s.events {
+            match e {
+                ZdsEvent::Add {
+                    uid: u,
+                    netns_inode,
+                    ..
+                } if u == uid => about.push(format!("Add(netns {netns_inode}){since_connected}")),
+                ZdsEvent::Keep { uid: u } if u == uid => {
+                    about.push(format!("Keep{since_connected}"))
+                }
+                ZdsEvent::Del { uid: u } if u == uid => about.push(format!("Del{since_connected}")),
+                ZdsEvent::Nacked {
+                    uid: Some(u),
+                    reason,
+                } if u == uid => about.push(format!("NACK {reason}{since_connected}")),
+                ZdsEvent::Connected { connection } => {
+                    since_connected = format!(" on connection {connection}")
+                }
+                _ => {}
+            }
+        }
+        let start = about.len().saturating_sub(6);
+        format!(
+            "[{}]; held now: {}; {} connections",
+            about[start..].join(", "),
+            s.workloads.contains_key(uid),
+            s.connections.len()
+        )
+    })
 }

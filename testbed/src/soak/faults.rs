@@ -106,6 +106,7 @@ impl Soak<'_> {
         self.conn_round += 1;
         let round = self.conn_round;
         let mut failed = Vec::new();
+        let double = self.double();
         for slot in &mut self.world.slots {
             let Some(pod) = slot.pod.as_mut() else {
                 continue;
@@ -117,13 +118,14 @@ impl Soak<'_> {
                 Ok(()) => self.conn_stats.echoed += 1,
                 Err(e) => {
                     failed.push(format!(
-                        "{} ({}): {e:#}",
+                        "{} ({}): {e:#}; ztunnel's last events for it: {}",
                         super::events::label(pod.namespace, &pod.name),
                         if conns.redirected {
                             "through ztunnel"
                         } else {
                             "direct"
-                        }
+                        },
+                        super::checks::ztunnel_history(&double, &pod.uid)
                     ));
                     pod.conns = None;
                 }

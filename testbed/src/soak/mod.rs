@@ -213,13 +213,16 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     };
     let outcome = soak.drive().await;
     drop(observer);
-    let report = soak.report();
-    if let Err(e) = outcome {
-        // Keep the agent's log for the error.
+    let mut report = soak.report();
+    if outcome.is_err() || !report.passed() {
+        // The agent's log outlives the run's directory.
         let kept = std::env::temp_dir().join(format!("ambpf-soak-agent-{}.log", cfg.seed));
-        let _ = std::fs::copy(soak.agent.log(), &kept);
-        return Err(e.context(format!("the agent's log: {}", kept.display())));
+        if std::fs::copy(soak.agent.log(), &kept).is_ok() {
+            eprintln!("soak: the agent's log is kept at {}", kept.display());
+            report.agent_log = Some(kept);
+        }
     }
+    outcome?;
     soak.agent.stop()?;
     Ok(report)
 }

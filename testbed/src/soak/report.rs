@@ -57,6 +57,8 @@ pub struct SoakReport {
     /// Over the longest-lived agent, its first 5 s left out.
     pub resources: Option<Resources>,
     pub violations: Vec<Violation>,
+    /// Kept when anything failed.
+    pub agent_log: Option<std::path::PathBuf>,
     pub samples: Vec<Sample>,
 }
 
@@ -194,6 +196,7 @@ impl Soak<'_> {
             connections: self.conn_stats.clone(),
             resources: resources(&self.samples),
             violations: tracker.violations.clone(),
+            agent_log: None,
             samples: self.samples.clone(),
         }
     }
