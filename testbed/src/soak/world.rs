@@ -2,9 +2,10 @@
 //! server on the node's loopback, and the pods themselves.
 //!
 //! A slot is one of the [`Cluster`]'s pod namespaces with its addresses. A
-//! pod occupies a slot: an object in the API server, a `sleep` in the slot's
+//! pod occupies a slot: an object in the API server, two `sleep`s in the slot's
 //! namespace inside a cgroup named as the kubelet's systemd driver names a
-//! pod's (so the agent's `/proc` scan finds it by UID), and an echo server
+//! pod's (so the agent's `/proc` scan finds it by UID; the first is the
+//! sandbox's, kept through container restarts), and an echo server
 //! on [`APP_PORT`] in the namespace (the app, target of inbound connections).
 //! Deleting a pod tears its network down and gives the slot a fresh
 //! namespace with the same addresses, as a node's IPAM reuses them.
@@ -59,14 +60,18 @@ pub struct Pod {
     /// lives (see `netstate::only_reply_routing`).
     pub ever_ambient: bool,
     pub conns: Option<super::conns::PodConns>,
+    /// The sandbox's process (the oldest, as a pause container is): it
+    /// holds on through container restarts.
+    pause: Child,
+    /// The container's process, replaced on a restart.
     process: Child,
     cgroup: PathBuf,
     _app: super::conns::Task,
 }
 
 impl Pod {
-    /// Replaces the pod's process (a container restart: same namespace and
-    /// cgroup, new processes).
+    /// Replaces the container's process (a container restart: same sandbox,
+    /// namespace and cgroup, a new process).
     pub fn restart_process(&mut self, netns: &Path) -> Result<()> {
         let _ = self.process.kill();
         let _ = self.process.wait();
@@ -77,8 +82,10 @@ impl Pod {
 
 impl Drop for Pod {
     fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
+        for process in [&mut self.process, &mut self.pause] {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
         // The cgroup may take a moment to notice its last process is gone.
         for _ in 0..200 {
             if std::fs::remove_dir(&self.cgroup).is_ok() || !self.cgroup.exists() {
@@ -177,8 +184,18 @@ impl World {
         ));
         std::fs::create_dir(&cgroup)?;
         let ns = &self.cluster.pods[slot].ns;
-        let process = match spawn_in(&ns.path(), &cgroup) {
-            Ok(p) => p,
+        let spawned = spawn_in(&ns.path(), &cgroup).and_then(|mut pause| {
+            match spawn_in(&ns.path(), &cgroup) {
+                Ok(process) => Ok((pause, process)),
+                Err(e) => {
+                    let _ = pause.kill();
+                    let _ = pause.wait();
+                    Err(e)
+                }
+            }
+        });
+        let (pause, process) = match spawned {
+            Ok(both) => both,
             Err(e) => {
                 let _ = std::fs::remove_dir(&cgroup);
                 return Err(e);
@@ -195,6 +212,7 @@ impl World {
             cni_added: false,
             ever_ambient: false,
             conns: None,
+            pause,
             process,
             cgroup,
             _app: app?,
