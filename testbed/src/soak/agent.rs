@@ -5,6 +5,10 @@
 use std::{
     path::{Path, PathBuf},
     process::Command,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
 };
 
 use anyhow::{Context as _, Result, ensure};
@@ -26,6 +30,8 @@ pub struct Agent {
     node: PathBuf,
     log: PathBuf,
     process: Option<ProcessGuard>,
+    /// The running agent's pid (0: none), for the resource sampler.
+    pid_cell: Arc<AtomicU32>,
     pub starts: u32,
     // Unmounted once every agent is gone (field order).
     _bpffs: BpffsMount,
@@ -62,6 +68,7 @@ impl Agent {
             node: node.path(),
             log: dir.join("agent.log"),
             process: None,
+            pid_cell: Arc::new(AtomicU32::new(0)),
             starts: 0,
             _bpffs: bpffs,
         })
@@ -108,12 +115,15 @@ impl Agent {
             });
         }
         self.starts += 1;
-        self.process = Some(ProcessGuard::spawn("the agent", command, &self.log)?);
+        let process = ProcessGuard::spawn("the agent", command, &self.log)?;
+        self.pid_cell.store(process.pid(), Ordering::SeqCst);
+        self.process = Some(process);
         Ok(())
     }
 
     /// SIGKILL: no chance to clean up, as in a crash or an OOM kill.
     pub fn kill(&mut self) -> Result<()> {
+        self.pid_cell.store(0, Ordering::SeqCst);
         if let Some(mut process) = self.process.take() {
             kill(
                 nix::unistd::Pid::from_raw(process.pid() as i32),
@@ -143,25 +153,9 @@ impl Agent {
         std::os::unix::net::UnixStream::connect(&self.cni_socket).is_ok()
     }
 
-    pub fn sample(&self, at_s: f64) -> Option<Sample> {
-        let pid = self.pid()?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let field = |key: &str| -> Option<u64> {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        };
-        Some(Sample {
-            at_s,
-            pid,
-            fds: std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count(),
-            threads: field("Threads")?,
-            rss_kib: field("VmRSS")?,
-        })
+    /// Where the running agent's pid is kept (0: none).
+    pub fn pid_cell(&self) -> Arc<AtomicU32> {
+        self.pid_cell.clone()
     }
 
     /// The network namespaces the agent holds open, by inode.
@@ -210,6 +204,7 @@ impl Agent {
 
     /// Stops the agent (SIGTERM) and removes its pins.
     pub fn stop(&mut self) -> Result<()> {
+        self.pid_cell.store(0, Ordering::SeqCst);
         if let Some(mut process) = self.process.take() {
             process.stop()?;
         }
@@ -223,6 +218,27 @@ impl Agent {
         }
         Ok(())
     }
+}
+
+/// One reading of process `pid`'s fds, threads and RSS.
+pub fn sample(pid: u32, at_s: f64) -> Option<Sample> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |key: &str| -> Option<u64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    Some(Sample {
+        at_s,
+        pid,
+        fds: std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count(),
+        threads: field("Threads")?,
+        rss_kib: field("VmRSS")?,
+    })
 }
 
 impl Drop for Agent {

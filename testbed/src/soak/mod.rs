@@ -134,7 +134,7 @@ pub(crate) struct Soak<'a> {
     events: Counts,
     faults: Counts,
     checks: Counts,
-    samples: Vec<agent::Sample>,
+    samples: Arc<Mutex<Vec<agent::Sample>>>,
     api_down: bool,
     /// Pods whose namespace vanished, to delete at the given time.
     ghost_deletes: Vec<(usize, Instant)>,
@@ -191,6 +191,8 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     )));
     let double = Arc::new(Mutex::new(Arc::new(double)));
     let observer = observe(double.clone(), tracker.clone());
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let sampler = sample_every_second(agent.pid_cell(), start, samples.clone());
     let mut soak = Soak {
         cfg,
         start,
@@ -204,7 +206,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         events: Counts::new(),
         faults: Counts::new(),
         checks: Counts::new(),
-        samples: Vec::new(),
+        samples: samples.clone(),
         api_down: false,
         ghost_deletes: Vec::new(),
         conn_round: 0,
@@ -212,7 +214,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         mid_snapshot_hits: 0,
     };
     let outcome = soak.drive().await;
-    drop(observer);
+    drop((observer, sampler));
     let mut report = soak.report();
     if outcome.is_err() || !report.passed() {
         // The agent's log outlives the run's directory.
@@ -244,6 +246,29 @@ fn observe(
             });
             drop(current);
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+}
+
+/// Every second, the running agent's fds, threads and RSS.
+fn sample_every_second(
+    pid: Arc<std::sync::atomic::AtomicU32>,
+    start: Instant,
+    samples: Arc<Mutex<Vec<agent::Sample>>>,
+) -> conns::Task {
+    conns::Task::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let pid = pid.load(std::sync::atomic::Ordering::SeqCst);
+            if pid != 0
+                && let Some(sample) = agent::sample(pid, start.elapsed().as_secs_f64())
+            {
+                samples
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(sample);
+            }
         }
     })
 }
@@ -287,13 +312,8 @@ impl Soak<'_> {
         let end = Instant::now() + self.cfg.duration;
         let mut next_fault = Instant::now() + self.fault_gap();
         let mut next_check = Instant::now() + Duration::from_secs(2);
-        let mut next_sample = Instant::now();
         while Instant::now() < end {
             let now = Instant::now();
-            if now >= next_sample {
-                self.sample();
-                next_sample = now + Duration::from_secs(1);
-            }
             if now >= next_check {
                 self.check_round(false).await?;
                 next_check = Instant::now() + Duration::from_secs(2);
@@ -321,12 +341,6 @@ impl Soak<'_> {
         let u = self.rng.unit();
         let mean = self.cfg.fault_interval.as_secs_f64();
         Duration::from_secs_f64((-(1.0 - u).ln() * mean).clamp(mean / 10.0, mean * 4.0))
-    }
-
-    fn sample(&mut self) {
-        if let Some(sample) = self.agent.sample(self.elapsed_s()) {
-            self.samples.push(sample);
-        }
     }
 
     /// Waits until every expectation is met, or the bound passed (the
@@ -366,7 +380,6 @@ impl Soak<'_> {
         tokio::time::sleep(Duration::from_secs(1)).await;
         self.check_round(true).await?;
         self.check_empty();
-        self.sample();
         Ok(())
     }
 }

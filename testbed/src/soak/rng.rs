@@ -61,10 +61,13 @@ mod tests {
         let (mut a, mut b) = (Rng::new(7), Rng::new(7));
         for _ in 0..1000 {
             assert_eq!(a.next_u64(), b.next_u64());
+            assert_eq!(a.below(5), b.below(5));
             assert!(a.below(5) < 5);
             let d = a.millis(10, 20);
             assert!((10..=20).contains(&d.as_millis()));
             assert!(a.weighted(&[0, 3, 0]) == 1);
+            // Keep the two in step.
+            (b.below(5), b.millis(10, 20), b.weighted(&[0, 3, 0]));
         }
         assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
     }
