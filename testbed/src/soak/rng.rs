@@ -67,7 +67,9 @@ mod tests {
             assert!((10..=20).contains(&d.as_millis()));
             assert!(a.weighted(&[0, 3, 0]) == 1);
             // Keep the two in step.
-            (b.below(5), b.millis(10, 20), b.weighted(&[0, 3, 0]));
+            b.below(5);
+            b.millis(10, 20);
+            b.weighted(&[0, 3, 0]);
         }
         assert_ne!(Rng::new(1).next_u64(), Rng::new(2).next_u64());
     }
