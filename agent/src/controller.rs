@@ -94,6 +94,8 @@ struct Enrolled {
     options: EnrollOptions,
     /// `namespace/name`, for reports.
     name: String,
+    /// What ztunnel was last given for it.
+    workload: Workload,
 }
 
 /// A pod the CNI plugin asks to enrol now, and where to say whether its
@@ -177,15 +179,32 @@ impl Controller {
             let netns = match Netns::open(&pod.workload.netns.path().to_string_lossy()) {
                 Ok(netns) => netns,
                 Err(e) => {
-                    report.failed.insert(uid.clone(), e.to_string());
+                    // A `/proc/<pid>` path can die with its process (a
+                    // container restart) while the namespace lives on: an
+                    // enrolled pod keeps its redirection and its place in
+                    // ztunnel until a pass can open its namespace again.
+                    // Taking them away here would leave it enrolled in this
+                    // table, so never enrolled again.
+                    if let Some(current) = self.enrolled.get(uid) {
+                        info!(
+                            "pod {} ({uid}): cannot open {} ({e}); keeping its redirection",
+                            current.name,
+                            pod.workload.netns.path().display()
+                        );
+                        wanted_cookies.insert(current.key.netns_cookie);
+                        ready.push(current.workload.clone());
+                    } else {
+                        report.failed.insert(uid.clone(), e.to_string());
+                    }
                     continue;
                 }
             };
-            if let Some(current) = self.enrolled.get(uid)
+            if let Some(current) = self.enrolled.get_mut(uid)
                 && current.netns.inode() == netns.inode()
                 && current.options == options
             {
                 wanted_cookies.insert(current.key.netns_cookie);
+                current.workload = pod.workload.clone();
                 ready.push(pod.workload.clone());
                 continue;
             }
@@ -217,6 +236,7 @@ impl Controller {
                             key: done.key(),
                             options,
                             name,
+                            workload: pod.workload.clone(),
                         },
                     );
                     report.enrolled += 1;
@@ -643,6 +663,32 @@ mod tests {
                 format!("enroll {} dns=false", inode(&b)),
                 format!("unenroll {}", inode(&a)),
             ]
+        );
+    }
+
+    #[test]
+    fn a_pod_whose_netns_path_dies_with_its_process_stays_enrolled_and_with_ztunnel() {
+        let a = NetnsGuard::create("ctl").unwrap();
+        let recorder = Recorder::default();
+        let log = recorder.log.clone();
+        let (mut ctl, zds) = controller(recorder, true);
+        ctl.apply(&[spec("a", &a, None)]);
+        assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+
+        // The source names the namespace by a process that has just exited
+        // (a container restart); the namespace itself lives on.
+        let mut gone = spec("a", &a, None);
+        gone.workload.netns = NetnsSource::Path("/proc/0/ns/net".into());
+        let report = ctl.apply(&[gone]);
+        assert_eq!(report, PassReport::default());
+        assert_eq!(zds.workloads()["a"].netns, NetnsSource::Path(a.path()));
+
+        // The next pass names the new process: nothing to redo.
+        assert_eq!(ctl.apply(&[spec("a", &a, None)]), PassReport::default());
+        assert_eq!(
+            *log.lock().unwrap(),
+            [format!("enroll {} dns=true", inode(&a))],
+            "the pod was never removed"
         );
     }
 

@@ -315,6 +315,14 @@ async fn a_pod_whose_netns_is_gone_is_kept_not_dropped() {
     // ztunnel could not be given the vanished pod: refused, not acked.
     assert_eq!(ztunnel_status(&server, "live"), Some(ZtunnelStatus::Acked));
     wait_for_status(&server, "vanished", ZtunnelStatus::Refused).await;
+
+    // ztunnel kept the pod: when it goes, ztunnel is told, or it would keep
+    // its proxy (and the netns) until its next snapshot.
+    server.handle.remove("vanished");
+    let del = peer.recv_some().await;
+    assert_eq!((del.kind(), del.uid()), ("del", "vanished"));
+    peer.ack().await;
+    assert!(peer.stays_quiet().await, "one Del, nothing else");
 }
 
 #[tokio::test]

@@ -30,6 +30,7 @@ pub mod bench;
 pub mod cluster;
 pub mod node;
 pub mod privileges;
+pub mod soak;
 pub mod storm;
 pub mod ztunnel;
 

@@ -9,6 +9,9 @@
 //!   than `test` runs (needs root).
 //! - `bench <suite>`: build, then run a benchmark suite of `ambpf-bench`
 //!   (needs root); results in `target/bench/<suite>.json`.
+//! - `soak`: build, then run the soak with invariants (`ambpf-soak`, needs
+//!   root): random pod events and faults against the real agent; summary in
+//!   `target/bench/soak.json`, non-zero exit on any violation.
 //! - `image`: build the release binaries and the OCI image (`image.rs`).
 
 mod ebpf_build;
@@ -63,6 +66,15 @@ enum Cmd {
     /// and busybox-static.
     Node {
         /// Arguments for `ambpf-node` (see `--help` after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Build the agent and the soak, and run it: random pod events and
+    /// faults against the real agent with invariants checked throughout,
+    /// writing `target/bench/soak.json`; fails on any violation. Needs root.
+    Soak {
+        /// Arguments for `ambpf-soak` (e.g. `--duration 30m --pods 1000
+        /// --seed 7`; see `target/release/ambpf-soak --help`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -150,6 +162,25 @@ fn main() -> Result<()> {
             cargo(&root, &["build", "-p", "ambpf", "-p", "ambpf-testbed"])?;
             let mut cmd = Command::new(root.join("target/debug/ambpf-node"));
             cmd.args(&args);
+            run(&mut cmd)
+        }
+        Cmd::Soak { args } => {
+            require_root(
+                "the soak creates network namespaces and runs the agent, which loads BPF programs",
+            )?;
+            cargo(
+                &root,
+                &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"],
+            )?;
+            let release = root.join("target/release");
+            let mut cmd = Command::new(release.join("ambpf-soak"));
+            cmd.arg("--agent")
+                .arg(release.join("ambpf"))
+                .arg("--cni-plugin")
+                .arg(release.join("ambpf-cni"))
+                .arg("--out")
+                .arg(root.join("target/bench/soak.json"))
+                .args(&args);
             run(&mut cmd)
         }
         Cmd::Image { reference } => {

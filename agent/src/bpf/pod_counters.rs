@@ -68,6 +68,11 @@ impl Dataplane {
     pub(crate) fn remove_pod_counters(&mut self, netns_cookie: u64) -> Result<(), MapError> {
         match self.pod_counters()?.remove(&netns_cookie) {
             Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+            // aya reports a missing key as the syscall's ENOENT: removing a
+            // pod twice must not fail before its steering filter is gone.
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {
+                Ok(())
+            }
             Err(e) => Err(e),
         }
     }

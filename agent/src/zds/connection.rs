@@ -12,12 +12,17 @@
 //! Failures and what they cost:
 //! - a NACK: logged and counted; the pod is retried with backoff;
 //! - a pod whose netns cannot be opened: sent as Keep during the snapshot (so
-//!   ztunnel keeps its proxy, as Istio does), retried later otherwise;
+//!   ztunnel keeps its proxy, as Istio does; it gets a Del when it goes, like
+//!   a pod Added), retried later otherwise;
 //! - no Ack in time, undecodable bytes, unsolicited messages, or the peer
 //!   going away: the connection is closed; ztunnel reconnects and gets the
 //!   full snapshot again. The desired pods are never touched.
 
-use std::{collections::HashMap, os::fd::AsFd, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::AsFd,
+    time::Duration,
+};
 
 use ambpf_proto::{MAX_MESSAGE_LEN, Message as _, ZTUNNEL_READ_BUFFER, zds};
 use log::{debug, info, warn};
@@ -86,6 +91,9 @@ struct Connection<'a> {
     socket: &'a UnixSeqpacket,
     shared: &'a Shared,
     sent: HashMap<String, Sent>,
+    /// Pods sent as Keep (ztunnel keeps what it had), not yet Added: they
+    /// get a Del when they go, as sent ones do.
+    kept: HashSet<String>,
     retries: HashMap<String, Retry>,
 }
 
@@ -99,6 +107,7 @@ pub(super) async fn serve(
         socket,
         shared,
         sent: HashMap::new(),
+        kept: HashSet::new(),
         retries: HashMap::new(),
     };
     match conn.run().await {
@@ -173,12 +182,17 @@ impl Connection<'_> {
                         workload.namespace, workload.name
                     );
                     ZdsStats::bump(&self.shared.stats.keeps_sent);
-                    if let Outcome::Nacked(why) = self
+                    match self
                         .request(&zds::WorkloadRequest::keep(&workload.uid), None)
                         .await?
                     {
-                        self.nacked(workload, &why);
-                        self.shared.ztunnel_answered(&workload.uid, false);
+                        Outcome::Acked => {
+                            self.kept.insert(workload.uid.clone());
+                        }
+                        Outcome::Nacked(why) => {
+                            self.nacked(workload, &why);
+                            self.shared.ztunnel_answered(&workload.uid, false);
+                        }
                     }
                     // Not "sent" with a netns: once it can be opened, Add it.
                     self.schedule_retry(&workload.uid);
@@ -205,9 +219,10 @@ impl Connection<'_> {
     /// Brings ztunnel in line with `desired`: Dels for pods gone (every
     /// connection), Adds for pods new or moved (the newest connection only).
     async fn reconcile(&mut self, desired: &WorkloadSet, is_newest: bool) -> Result<(), ConnError> {
-        let gone: Vec<String> = self
+        let gone: HashSet<String> = self
             .sent
             .keys()
+            .chain(&self.kept)
             .filter(|uid| !desired.contains_key(*uid))
             .cloned()
             .collect();
@@ -220,6 +235,7 @@ impl Connection<'_> {
                 }
             }
             self.sent.remove(&uid);
+            self.kept.remove(&uid);
         }
         self.retries.retain(|uid, _| desired.contains_key(uid));
         if !is_newest {
@@ -275,6 +291,7 @@ impl Connection<'_> {
             Outcome::Acked => {
                 ZdsStats::bump(&self.shared.stats.adds_acked);
                 self.retries.remove(&workload.uid);
+                self.kept.remove(&workload.uid);
                 self.sent.insert(
                     workload.uid.clone(),
                     Sent {
