@@ -62,7 +62,10 @@ async fn a_kubelet_style_pod_starts_on_the_bridge_and_everything_goes_on_drop() 
         .await
         .unwrap();
     cri.remove_pod(&second.sandbox_id).await.unwrap();
-    assert_eq!(cri.sandboxes().await.unwrap(), std::slice::from_ref(&running.sandbox_id));
+    assert_eq!(
+        cri.sandboxes().await.unwrap(),
+        std::slice::from_ref(&running.sandbox_id)
+    );
     assert_eq!(fs::read_dir(node.netns_dir()).unwrap().count(), 1);
     // libcni cached the running pod's results on the host, outside the node
     // (the removed pod's went with its DEL).
