@@ -13,7 +13,7 @@
 
 use std::{
     io::{Read, Write},
-    net::{IpAddr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
     sync::Arc,
     time::Duration,
 };
@@ -349,8 +349,8 @@ in_both_modes!(
 );
 
 /// A TCP SYN from `from:40999` to `to`, as a raw socket sends it (the kernel
-/// adds the IP header).
-fn raw_syn(from: std::net::Ipv4Addr, to: SocketAddrV4) -> [u8; 20] {
+/// adds the IP header; the checksum covers either family's pseudo-header).
+fn raw_syn(from: IpAddr, to: SocketAddr) -> [u8; 20] {
     let mut tcp = [0u8; 20];
     tcp[0..2].copy_from_slice(&40999u16.to_be_bytes());
     tcp[2..4].copy_from_slice(&to.port().to_be_bytes());
@@ -358,11 +358,16 @@ fn raw_syn(from: std::net::Ipv4Addr, to: SocketAddrV4) -> [u8; 20] {
     tcp[12] = 5 << 4; // header length: 5 words
     tcp[13] = 0x02; // SYN
     tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
-    let mut sum: u32 = 6 + 20; // protocol and TCP length of the pseudo-header
-    for pair in from
-        .octets()
+    let octets = |ip: IpAddr| match ip {
+        IpAddr::V4(ip) => ip.octets().to_vec(),
+        IpAddr::V6(ip) => ip.octets().to_vec(),
+    };
+    // The pseudo-header's protocol and TCP length are the same words in
+    // both families.
+    let mut sum: u32 = 6 + 20;
+    for pair in octets(from)
         .chunks(2)
-        .chain(to.ip().octets().chunks(2))
+        .chain(octets(to.ip()).chunks(2))
         .chain(tcp.chunks(2))
     {
         sum += u32::from(u16::from_be_bytes([pair[0], pair[1]]));
@@ -374,20 +379,21 @@ fn raw_syn(from: std::net::Ipv4Addr, to: SocketAddrV4) -> [u8; 20] {
     tcp
 }
 
+fn raw_tcp_socket(v6: bool) -> std::io::Result<socket2::Socket> {
+    let domain = if v6 {
+        socket2::Domain::IPV6
+    } else {
+        socket2::Domain::IPV4
+    };
+    socket2::Socket::new(domain, socket2::Type::RAW, Some(socket2::Protocol::TCP))
+}
+
 /// Whether `ns` receives a TCP SYN from `from` to port `port` within a
 /// second and a half after `send` runs (seen by a raw socket there, before
 /// any TCP processing).
 fn syn_arrives(ns: &NetnsGuard, from: IpAddr, port: u16, send: impl FnOnce() + Send) -> bool {
-    let sniffer = ns
-        .run(|| {
-            socket2::Socket::new(
-                socket2::Domain::IPV4,
-                socket2::Type::RAW,
-                Some(socket2::Protocol::TCP),
-            )
-        })
-        .unwrap()
-        .unwrap();
+    let v6 = from.is_ipv6();
+    let sniffer = ns.run(|| raw_tcp_socket(v6)).unwrap().unwrap();
     sniffer
         .set_read_timeout(Some(Duration::from_millis(100)))
         .unwrap();
@@ -395,21 +401,28 @@ fn syn_arrives(ns: &NetnsGuard, from: IpAddr, port: u16, send: impl FnOnce() + S
     let deadline = std::time::Instant::now() + Duration::from_millis(1500);
     let mut packet = [std::mem::MaybeUninit::<u8>::uninit(); 1500];
     while std::time::Instant::now() < deadline {
-        let Ok(n) = sniffer.recv(&mut packet) else {
+        let Ok((n, sender)) = sniffer.recv_from(&mut packet) else {
             continue;
         };
-        // SAFETY: recv initialized the first n bytes.
+        // SAFETY: recv_from initialized the first n bytes.
         let packet: Vec<u8> = packet[..n]
             .iter()
             .map(|b| unsafe { b.assume_init() })
             .collect();
-        let ihl = usize::from(packet[0] & 0x0f) * 4;
-        if n < ihl + 14 {
+        // An IPv4 raw socket reads the IP header too; an IPv6 one only
+        // the TCP segment, its source in the sender's address.
+        let (source, tcp) = if v6 {
+            (sender.as_socket().map(|a| a.ip()), &packet[..])
+        } else {
+            let ihl = usize::from(packet[0] & 0x0f) * 4;
+            let source = IpAddr::from([packet[12], packet[13], packet[14], packet[15]]);
+            (Some(source), packet.get(ihl..).unwrap_or_default())
+        };
+        if tcp.len() < 14 {
             continue;
         }
-        let source = IpAddr::from([packet[12], packet[13], packet[14], packet[15]]);
-        let dst_port = u16::from_be_bytes([packet[ihl + 2], packet[ihl + 3]]);
-        if source == from && dst_port == port && packet[ihl + 13] & 0x02 != 0 {
+        let dst_port = u16::from_be_bytes([tcp[2], tcp[3]]);
+        if source == Some(from) && dst_port == port && tcp[13] & 0x02 != 0 {
             return true;
         }
     }
@@ -424,28 +437,19 @@ in_both_modes!(
         // raw socket's included, and send its SYN to ztunnel; ambpf's
         // outbound capture is a socket hook (connect), which a raw socket
         // never calls, so its raw-socket guard drops the SYN at egress.
-        let IpAddr::V4(pod) = f.pod_ip(false) else {
-            unreachable!()
-        };
-        let IpAddr::V4(remote) = f.remote_ip(false) else {
-            unreachable!()
-        };
-        let to = SocketAddrV4::new(remote, 9123);
         // Whether the SYN arrived, and what the sender's send_to said.
-        let raw_syn_from = |ns: &NetnsGuard, ip: std::net::Ipv4Addr| {
+        let raw_syn_from = |ns: &NetnsGuard, from: IpAddr, to: SocketAddr| {
             tokio::task::block_in_place(|| {
                 let mut sent = None;
-                let arrived = syn_arrives(&f.cluster.remote.ns, ip.into(), to.port(), || {
+                let arrived = syn_arrives(&f.cluster.remote.ns, from, to.port(), || {
                     sent = ns
                         .run(|| {
                             drop_thread_privileges(Privileges::Only(&[CAP_NET_RAW])).unwrap();
-                            let raw = socket2::Socket::new(
-                                socket2::Domain::IPV4,
-                                socket2::Type::RAW,
-                                Some(socket2::Protocol::TCP),
-                            )
-                            .unwrap();
-                            raw.send_to(&raw_syn(ip, to), &SocketAddr::V4(to).into())
+                            let raw = raw_tcp_socket(from.is_ipv6()).unwrap();
+                            // An IPv6 raw socket reads the address's port
+                            // as a protocol number: 0 means the socket's own.
+                            let dst = SocketAddr::new(to.ip(), 0);
+                            raw.send_to(&raw_syn(from, to), &dst.into())
                                 .map(drop)
                                 .map_err(|e| e.raw_os_error())
                         })
@@ -465,27 +469,36 @@ in_both_modes!(
                     .1
             })
         };
-        // The non-enrolled neighbour's raw SYN arrives in either mode.
         let neighbour = &f.cluster.pods[1];
-        assert_eq!(
-            raw_syn_from(&neighbour.ns, neighbour.addrs.v4),
-            (true, Ok(()))
-        );
-        assert_eq!(dropped(), f.bpffs.as_ref().map(|_| 0));
-        let (arrived, sent) = raw_syn_from(f.pod(), pod);
-        assert!(!arrived, "the raw SYN left the pod uncaptured");
-        match f.mode {
-            // nat OUTPUT sends it to ztunnel's 15001.
-            RedirectMode::Iptables => assert_eq!(sent, Ok(())),
-            // The egress drop is the sender's EPERM, and counted.
-            RedirectMode::Ebpf => {
-                assert_eq!(sent, Err(Some(libc::EPERM)));
-                assert_eq!(dropped(), Some(1));
+        for (family, v6) in [false, true].into_iter().enumerate() {
+            let to = SocketAddr::new(f.remote_ip(v6), 9123);
+            // The non-enrolled neighbour's raw SYN arrives in either mode.
+            let neighbour_ip = if v6 {
+                IpAddr::V6(neighbour.addrs.v6)
+            } else {
+                IpAddr::V4(neighbour.addrs.v4)
+            };
+            assert_eq!(
+                raw_syn_from(&neighbour.ns, neighbour_ip, to),
+                (true, Ok(())),
+                "the neighbour's raw SYN (IPv6: {v6})"
+            );
+            assert_eq!(dropped(), f.bpffs.as_ref().map(|_| family as u64));
+            let (arrived, sent) = raw_syn_from(f.pod(), f.pod_ip(v6), to);
+            assert!(!arrived, "the raw SYN left the pod uncaptured (IPv6: {v6})");
+            match f.mode {
+                // nat OUTPUT sends it to ztunnel's 15001.
+                RedirectMode::Iptables => assert_eq!(sent, Ok(())),
+                // The egress drop is the sender's EPERM, and counted.
+                RedirectMode::Ebpf => {
+                    assert_eq!(sent, Err(Some(libc::EPERM)), "IPv6: {v6}");
+                    assert_eq!(dropped(), Some(family as u64 + 1));
+                }
             }
+            // The pod's ordinary connections are untouched by the guard.
+            let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
+            assert_eq!(echo_once(f.pod(), dst, None, None), dst);
         }
-        // The pod's ordinary connections are untouched by the guard.
-        let dst = SocketAddr::new(f.remote_ip(false), PEER_PORT);
-        assert_eq!(echo_once(f.pod(), dst, None, None), dst);
     }
 );
 

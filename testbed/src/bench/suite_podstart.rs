@@ -74,6 +74,11 @@ struct Lane {
     cri: Cri,
     node: Node,
     samples: Vec<f64>,
+    /// Each round's untimed teardown, to see where a round's time goes:
+    /// StopPodSandbox + RemovePodSandbox, then the API delete until the
+    /// double's Del.
+    remove_ms: Vec<f64>,
+    ztunnel_del_ms: Vec<f64>,
 }
 
 impl Lane {
@@ -90,6 +95,8 @@ impl Lane {
             cri,
             node,
             samples: Vec::new(),
+            remove_ms: Vec::new(),
+            ztunnel_del_ms: Vec::new(),
         };
         if mode != Mode::Direct {
             lane.start_agent(binary, work).await?;
@@ -156,9 +163,12 @@ impl Lane {
                 agent_log.unwrap_or_default()
             )
         })?;
+        let removing = Instant::now();
         tokio::time::timeout(TIMEOUT, self.cri.remove_pod(&sandbox))
             .await
             .context("removing the sandbox hung")??;
+        self.remove_ms.push(ms(removing.elapsed()));
+        let deleting = Instant::now();
         self.api.delete("pods", NAMESPACE, &pod.name);
         if let Some(ztunnel) = &self.ztunnel {
             let uid = pod.uid.clone();
@@ -166,6 +176,7 @@ impl Lane {
                 .wait_until(|s| !s.workloads.contains_key(&uid), TIMEOUT)
                 .await
                 .map_err(|e| anyhow::anyhow!("pod {} never left ztunnel: {e}", pod.uid))?;
+            self.ztunnel_del_ms.push(ms(deleting.elapsed()));
         }
         Ok(elapsed)
     }
@@ -199,6 +210,16 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
         }
         if (round + 1) % 10 == 0 {
             eprintln!("podstart: {} rounds", round + 1);
+            for lane in &lanes {
+                let p50 = |v: &[f64]| Stats::of(v).map_or(f64::NAN, |s| s.median);
+                eprintln!(
+                    "podstart:   {:<8} RunPodSandbox p50 {:.1} ms; untimed: remove p50 {:.1} ms, API delete to ztunnel Del p50 {:.1} ms",
+                    lane.mode.name(),
+                    p50(&lane.samples),
+                    p50(&lane.remove_ms),
+                    p50(&lane.ztunnel_del_ms),
+                );
+            }
         }
     }
     let results = summarize(&lanes)?;

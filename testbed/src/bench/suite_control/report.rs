@@ -1,0 +1,183 @@
+//! The `control` results: per-mode summaries, ratios and tables.
+
+use super::*;
+
+
+/// Each mode's churn, pooled over the runs.
+pub(super) fn summarize_churn(churns: &[Churn]) -> Vec<ChurnSummary> {
+    [Mode::Iptables, Mode::Ebpf]
+        .into_iter()
+        .filter_map(|mode| {
+            let of: Vec<&Churn> = churns.iter().filter(|c| c.mode == mode).collect();
+            let pooled = |f: fn(&Churn) -> &Vec<f64>| -> Vec<f64> {
+                of.iter().flat_map(|c| f(c).iter().copied()).collect()
+            };
+            let pods = pooled(|c| &c.add_ms).len().max(1) as f64;
+            Some(ChurnSummary {
+                mode,
+                add_ms: Stats::of(&pooled(|c| &c.add_ms))?,
+                annotate_ms: Stats::of(&pooled(|c| &c.annotate_ms))?,
+                del_ms: Stats::of(&pooled(|c| &c.del_ms))?,
+                create_cpu_ms_per_pod: of.iter().map(|c| c.create_cpu_ms).sum::<f64>() / pods,
+                delete_cpu_ms_per_pod: of.iter().map(|c| c.delete_cpu_ms).sum::<f64>() / pods,
+                vm_hwm_kib: of.iter().map(|c| c.memory_after.vm_hwm_kib).max()?,
+            })
+        })
+        .collect()
+}
+
+/// Each mode's snapshots: the steady runs (all after the first, or the
+/// only one) and, with more than one run, the first apart.
+pub(super) fn summarize_snapshots(snapshots: &[Snapshot], runs: usize) -> Vec<SnapshotSummary> {
+    let mut out = Vec::new();
+    for (label, in_group) in bench::RUN_GROUPS {
+        for mode in [Mode::Iptables, Mode::Ebpf] {
+            let of: Vec<&Snapshot> = snapshots
+                .iter()
+                .filter(|s| s.mode == mode && in_group(s.run, runs))
+                .collect();
+            let stats =
+                |f: fn(&Snapshot) -> f64| Stats::of(&of.iter().map(|s| f(s)).collect::<Vec<_>>());
+            let summary = (|| {
+                Some(SnapshotSummary {
+                    mode,
+                    runs: label,
+                    pods: of.first()?.pods,
+                    programmed_ms: stats(|s| s.programmed_ms)?,
+                    ztunnel_ms: stats(|s| s.ztunnel_ms)?,
+                    annotated_ms: stats(|s| s.annotated_ms)?,
+                    agent_cpu_ms: stats(|s| s.agent_cpu_ms)?,
+                    vm_rss_kib: of.iter().map(|s| s.memory.vm_rss_kib).max()?,
+                    vm_hwm_kib: of.iter().map(|s| s.memory.vm_hwm_kib).max()?,
+                })
+            })();
+            out.extend(summary);
+        }
+    }
+    out
+}
+
+/// ebpf / iptables for each named figure.
+pub(super) fn ratios(
+    churn: &[ChurnSummary],
+    snapshot: &[SnapshotSummary],
+) -> std::collections::BTreeMap<&'static str, f64> {
+    let c = |mode: Mode, f: fn(&ChurnSummary) -> f64| churn.iter().find(|s| s.mode == mode).map(f);
+    let s = |mode: Mode, f: fn(&SnapshotSummary) -> f64| {
+        snapshot
+            .iter()
+            .find(|s| s.mode == mode && s.runs == "steady")
+            .map(f)
+    };
+    let rc = |f: fn(&ChurnSummary) -> f64| sys::ratio(c(Mode::Ebpf, f), c(Mode::Iptables, f));
+    let rs = |f: fn(&SnapshotSummary) -> f64| sys::ratio(s(Mode::Ebpf, f), s(Mode::Iptables, f));
+    [
+        ("churn_add_p50", rc(|s| s.add_ms.median)),
+        ("churn_add_p99", rc(|s| s.add_ms.p99)),
+        ("churn_annotate_p50", rc(|s| s.annotate_ms.median)),
+        ("churn_annotate_p99", rc(|s| s.annotate_ms.p99)),
+        ("churn_del_p50", rc(|s| s.del_ms.median)),
+        ("churn_del_p99", rc(|s| s.del_ms.p99)),
+        ("churn_create_cpu", rc(|s| s.create_cpu_ms_per_pod)),
+        ("churn_delete_cpu", rc(|s| s.delete_cpu_ms_per_pod)),
+        ("snapshot_programmed", rs(|s| s.programmed_ms.median)),
+        ("snapshot_ztunnel", rs(|s| s.ztunnel_ms.median)),
+        ("snapshot_annotated", rs(|s| s.annotated_ms.median)),
+        ("snapshot_cpu", rs(|s| s.agent_cpu_ms.median)),
+        ("snapshot_hwm", rs(|s| s.vm_hwm_kib as f64)),
+    ]
+    .into_iter()
+    .collect()
+}
+
+pub(super) fn print_tables(
+    churn: &[ChurnSummary],
+    snapshot: &[SnapshotSummary],
+    args: &ControlArgs,
+) -> std::collections::BTreeMap<&'static str, f64> {
+    let f1 = |v: f64| format!("{v:.1}");
+    let mib = |kib: u64| format!("{:.1}", kib as f64 / 1024.0);
+    println!();
+    println!(
+        "Churn: {} pods created, then deleted, one at a time, per run (ms from the API event, pooled over {} runs; kube resync {KUBE_RESYNC_S} s)",
+        args.churn, args.runs
+    );
+    let mut table = Table::new([
+        "mode",
+        "add p50",
+        "add p99",
+        "annotated p50",
+        "annotated p99",
+        "del p50",
+        "del p99",
+        "cpu ms/pod add",
+        "cpu ms/pod del",
+        "VmHWM MiB",
+    ]);
+    for s in churn {
+        table.row([
+            s.mode.name().to_owned(),
+            f1(s.add_ms.median),
+            f1(s.add_ms.p99),
+            f1(s.annotate_ms.median),
+            f1(s.annotate_ms.p99),
+            f1(s.del_ms.median),
+            f1(s.del_ms.p99),
+            format!("{:.2}", s.create_cpu_ms_per_pod),
+            format!("{:.2}", s.delete_cpu_ms_per_pod),
+            mib(s.vm_hwm_kib),
+        ]);
+    }
+    print!("{table}");
+    println!();
+    println!(
+        "Snapshot: pods in the API server before the agent starts (ms from spawn; `steady`: median of {} run(s){}",
+        if args.runs > 1 { args.runs - 1 } else { 1 },
+        if args.runs > 1 {
+            ", the first run apart)"
+        } else {
+            ")"
+        }
+    );
+    let mut table = Table::new([
+        "runs",
+        "mode",
+        "pods",
+        "programmed",
+        "at ztunnel",
+        "[min–max]",
+        "annotated",
+        "agent cpu ms",
+        "VmRSS MiB",
+        "VmHWM MiB",
+    ]);
+    for s in snapshot {
+        table.row([
+            s.runs.to_owned(),
+            s.mode.name().to_owned(),
+            s.pods.to_string(),
+            f1(s.programmed_ms.median),
+            f1(s.ztunnel_ms.median),
+            format!("{:.0}–{:.0}", s.ztunnel_ms.min, s.ztunnel_ms.max),
+            f1(s.annotated_ms.median),
+            f1(s.agent_cpu_ms.median),
+            mib(s.vm_rss_kib),
+            mib(s.vm_hwm_kib),
+        ]);
+    }
+    print!("{table}");
+    let ratios = ratios(churn, snapshot);
+    println!();
+    println!("Ratios ebpf/iptables (lower is better; snapshot figures from the steady runs)");
+    let mut table = Table::new(["figure", "ebpf/iptables"]);
+    for (name, r) in &ratios {
+        let cell = if r.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{r:.2}x")
+        };
+        table.row([(*name).to_owned(), cell]);
+    }
+    print!("{table}");
+    ratios
+}
