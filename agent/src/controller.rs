@@ -50,9 +50,13 @@ pub struct SourcePods {
     /// The ambient pods, with their network namespaces: the pods to enrol.
     pub ambient: Vec<PodSpec>,
     /// uid -> why: pods the source knows on this node and judged not
-    /// ambient. A pod in neither list (not seen yet, or ambient with its
-    /// netns not found yet) is not the source's to remove.
+    /// ambient. A pod in no list (not seen yet) is not the source's to remove.
     pub not_ambient: BTreeMap<String, String>,
+    /// Ambient pods the source knows on this node whose network namespace
+    /// it has not found yet (a CNI-added pod before its status has an IP).
+    /// Listed so that their deletion is an update: a CNI-added pod the
+    /// source knew and no longer knows was deleted.
+    pub waiting: BTreeSet<String>,
 }
 
 /// What one pass achieved.
@@ -76,8 +80,8 @@ pub struct Controller {
     reported: bool,
     /// Pods the CNI plugin posted that the source does not report yet, by
     /// uid: they are desired too until the source reports them, knows them
-    /// as not ambient, or their netns is gone.
-    explicit: BTreeMap<String, PodSpec>,
+    /// as not ambient, no longer has them, or their netns is gone.
+    explicit: BTreeMap<String, CniPod>,
     /// How often the full state check runs ([`Controller::check_state`]).
     check_interval: Duration,
 }
@@ -96,6 +100,15 @@ struct Enrolled {
     name: String,
     /// What ztunnel was last given for it.
     workload: Workload,
+}
+
+/// A pod the CNI plugin posted, kept until the source decides.
+#[derive(Debug)]
+struct CniPod {
+    pod: PodSpec,
+    /// The source has listed it as waiting for its netns: once it lists it
+    /// nowhere, the pod object is gone.
+    source_knew: bool,
 }
 
 /// A pod the CNI plugin asks to enrol now, and where to say whether its
@@ -397,7 +410,8 @@ impl Controller {
             .iter()
             .map(|p| p.workload.uid.as_str())
             .collect();
-        self.explicit.retain(|uid, pod| {
+        self.explicit.retain(|uid, cni| {
+            let pod = &cni.pod;
             if reported.contains(uid.as_str()) {
                 return false;
             }
@@ -411,6 +425,18 @@ impl Controller {
                 );
                 return false;
             }
+            // As Istio's node agent: a deleted pod leaves the mesh when the
+            // source sees the delete, whether its sandbox is gone yet or not.
+            if source.waiting.contains(uid) {
+                cni.source_knew = true;
+            } else if cni.source_knew {
+                info!(
+                    "pod {}/{} ({uid}): deleted from the pod source; removing the pod \
+                     the CNI plugin enrolled",
+                    pod.workload.namespace, pod.workload.name
+                );
+                return false;
+            }
             let alive = Netns::open(&pod.workload.netns.path().to_string_lossy()).is_ok();
             if !alive {
                 info!("pod {uid}: its netns is gone; forgetting the CNI add");
@@ -418,7 +444,7 @@ impl Controller {
             alive
         });
         let mut pods = source.ambient.clone();
-        pods.extend(self.explicit.values().cloned());
+        pods.extend(self.explicit.values().map(|cni| cni.pod.clone()));
         pods
     }
 
@@ -433,8 +459,11 @@ impl Controller {
             let netns = request.pod.workload.netns.path();
             match Netns::open(&netns.to_string_lossy()) {
                 Ok(_) => {
-                    self.explicit
-                        .insert(request.pod.workload.uid.clone(), request.pod.clone());
+                    let cni = CniPod {
+                        pod: request.pod.clone(),
+                        source_knew: false,
+                    };
+                    self.explicit.insert(request.pod.workload.uid.clone(), cni);
                     true
                 }
                 Err(e) => {
@@ -498,8 +527,10 @@ impl Controller {
             let enrolled_before = self.enrolled.len();
             self.check_state(std::mem::replace(&mut scope, CheckScope::Records));
             let repass = self.enrolled.len() < enrolled_before;
-            let retry = !report.failed.is_empty() || !self.explicit.is_empty();
             loop {
+                // CNI-added pods are re-checked (is their netns gone?) until
+                // the source takes them over; one may have come in this loop.
+                let retry = !report.failed.is_empty() || !self.explicit.is_empty();
                 tokio::select! {
                     changed = pods.changed() => if changed.is_err() { return },
                     () = std::future::ready(()), if repass => {}
@@ -790,7 +821,7 @@ mod tests {
     fn ambient(pods: Vec<PodSpec>) -> SourcePods {
         SourcePods {
             ambient: pods,
-            not_ambient: BTreeMap::new(),
+            ..Default::default()
         }
     }
 
@@ -802,6 +833,7 @@ mod tests {
                 .iter()
                 .map(|uid| ((*uid).to_owned(), "labelled dataplane-mode=none".to_owned()))
                 .collect(),
+            ..Default::default()
         }
     }
 
@@ -926,10 +958,11 @@ mod tests {
             ],
         );
 
-        // "unseen" is not on the source's lists; "pending" neither, as the
-        // kube source publishes an ambient pod whose netns it has not found
-        // yet. The source knows other pods, ambient and not.
-        let source = knows_not_ambient(vec![spec("known", &known, None)], &["someone-else"]);
+        // "unseen" is not on the source's lists; "pending" is ambient and
+        // waiting for its netns to be found. The source knows other pods,
+        // ambient and not.
+        let mut source = knows_not_ambient(vec![spec("known", &known, None)], &["someone-else"]);
+        source.waiting.insert("pending".to_owned());
         for _ in 0..2 {
             let pods = ctl.desired(&source);
             let report = ctl.apply(&pods);
@@ -950,6 +983,21 @@ mod tests {
                 .any(|l| l.starts_with("unenroll")),
             "{:?}",
             log.lock().unwrap()
+        );
+
+        // "pending" is deleted (its sandbox may still be there): it leaves
+        // at once; "unseen", which the source never knew, stays.
+        source.waiting.clear();
+        let pods = ctl.desired(&source);
+        assert_eq!(ctl.apply(&pods).removed, 1);
+        assert_eq!(
+            zds.workloads().keys().collect::<Vec<_>>(),
+            ["known", "unseen"]
+        );
+        assert_eq!(ctl.explicit.keys().collect::<Vec<_>>(), ["unseen"]);
+        assert_eq!(
+            log.lock().unwrap().last(),
+            Some(&format!("unenroll {}", inode(&pending)))
         );
     }
 

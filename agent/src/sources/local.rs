@@ -188,7 +188,7 @@ fn load(
     info!("{}: {} pods", path.display(), parsed.pods.len());
     pods.send_replace(Arc::new(SourcePods {
         ambient: parsed.pods,
-        not_ambient: Default::default(),
+        ..Default::default()
     }));
     Ok(stamp)
 }

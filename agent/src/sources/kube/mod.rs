@@ -604,6 +604,7 @@ impl Engine {
         self.resolver = Some(resolver);
 
         let mut specs = Vec::new();
+        let mut waiting = BTreeSet::new();
         for query in queries {
             let (label, service_account, dns_capture) =
                 details.remove(&query.uid).expect("details of every query");
@@ -627,14 +628,20 @@ impl Engine {
                         dns_capture,
                     });
                 }
-                Some(Err(why)) => self.note(
-                    &query.uid,
-                    format!("{label} is ambient but not enrolled yet: {why}"),
-                ),
-                None => self.note(
-                    &query.uid,
-                    format!("{label} is ambient but its network namespace is unknown"),
-                ),
+                Some(Err(why)) => {
+                    self.note(
+                        &query.uid,
+                        format!("{label} is ambient but not enrolled yet: {why}"),
+                    );
+                    waiting.insert(query.uid);
+                }
+                None => {
+                    self.note(
+                        &query.uid,
+                        format!("{label} is ambient but its network namespace is unknown"),
+                    );
+                    waiting.insert(query.uid);
+                }
             }
         }
         specs.sort_by(|a, b| a.workload.uid.cmp(&b.workload.uid));
@@ -644,6 +651,7 @@ impl Engine {
         let snapshot = SourcePods {
             ambient: specs,
             not_ambient,
+            waiting,
         };
         if std::mem::take(&mut self.first) {
             info!(
