@@ -427,6 +427,10 @@ pub struct Memory {
     pub vm_rss_kib: u64,
     /// The most ever resident (high-water mark).
     pub vm_hwm_kib: u64,
+    /// Of the resident now: the process's own (heap, stacks) and the pages
+    /// of mapped files (its binary), which are clean and shared.
+    pub rss_anon_kib: u64,
+    pub rss_file_kib: u64,
 }
 
 pub fn memory(pid: u32) -> std::io::Result<Memory> {
@@ -435,6 +439,8 @@ pub fn memory(pid: u32) -> std::io::Result<Memory> {
         (Some(vm_rss_kib), Some(vm_hwm_kib)) => Ok(Memory {
             vm_rss_kib,
             vm_hwm_kib,
+            rss_anon_kib: status_kib(&status, "RssAnon").unwrap_or(0),
+            rss_file_kib: status_kib(&status, "RssFile").unwrap_or(0),
         }),
         _ => Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,

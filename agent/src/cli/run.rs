@@ -21,6 +21,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     // Validate every argument before touching the kernel.
     let pod_source = args.pod_source()?;
     raise_fd_limit();
+    limit_malloc_arenas();
     let targets = args
         .attach
         .iter()
@@ -168,6 +169,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             first.removed,
             first.failed.len()
         );
+        // Start-up (the kernel's BTF parsed, the programs loaded, the initial
+        // pod list decoded) frees far more than the agent keeps.
+        release_free_memory();
         let registry = observe::registry(observe::AgentCollector {
             zds: zds.clone(),
             controller: controller.stats(),
@@ -190,6 +194,30 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         info!("shutting down; pinned attachments stay in place");
         Ok(())
     })
+}
+
+/// glibc's malloc gives each thread that allocates its own arena, up to
+/// eight per CPU, and freed memory stays in the arena that held it; the
+/// agent's work hops between its two workers and the blocking pool, so
+/// its heap would be spread (and kept) over many. Two arenas serve it.
+fn limit_malloc_arenas() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: called before any thread of the agent is started.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
+}
+
+/// Hands the heap memory the agent has freed back to the kernel: glibc's
+/// malloc keeps freed pages of its arenas otherwise, and the agent's RSS
+/// would stay at its start-up peak.
+fn release_free_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim takes no pointers; it only returns free pages of
+    // the allocator's own arenas.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Raises the soft limit on open files to the hard one, as Go's runtime does

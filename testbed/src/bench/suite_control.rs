@@ -191,7 +191,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
                 .await
                 .with_context(|| format!("snapshot run {}, {}", run + 1, mode.name()))?;
             eprintln!(
-                "control: snapshot {} pods run {} {:<8} programmed {:.0} ms, ztunnel {:.0} ms, annotated {:.0} ms, cpu {:.0} ms, RSS {} KiB, HWM {} KiB",
+                "control: snapshot {} pods run {} {:<8} programmed {:.0} ms, ztunnel {:.0} ms, annotated {:.0} ms, cpu {:.0} ms, RSS {} KiB (anon {}, file {}), HWM {} KiB",
                 snapshot.pods,
                 run + 1,
                 mode.name(),
@@ -200,6 +200,8 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
                 snapshot.annotated_ms,
                 snapshot.agent_cpu_ms,
                 snapshot.memory.vm_rss_kib,
+                snapshot.memory.rss_anon_kib,
+                snapshot.memory.rss_file_kib,
                 snapshot.memory.vm_hwm_kib,
             );
             snapshots.push(snapshot);

@@ -3,8 +3,9 @@
 //!
 //! A connection storm past the original-destination capacity: the agent
 //! runs with `--max-redirected-connections C`, and one enrolled pod opens
-//! `M × C` connections at once (all connects first, non-blocking, to four
-//! servers in the `remote` namespace taken in turn), holding every one open,
+//! `M × C` connections at once (all connects first, non-blocking, to eight
+//! servers in the `remote` namespace taken in turn, four on its IPv4 address
+//! and four on its IPv6 one), holding every one open,
 //! then waits for each one's greeting (each server greets with its port, so
 //! a misrouted connection shows). What became of each connection is counted:
 //! reached its server, refused (ztunnel closed it: no original destination),
@@ -30,7 +31,14 @@ use super::redirect::{Agent, Mode, write_pods_file};
 use super::*;
 
 const POD_UID: &str = "storm-pod";
-const PORTS: [u16; 4] = [9101, 9102, 9103, 9104];
+/// One server per port: four IPv4, four IPv6. Two families double the
+/// source ports a pod has towards ztunnel's one listener per family (the
+/// eBPF mode connects there), so a storm past the default capacity fits.
+const PORTS_V4: [u16; 4] = [9101, 9102, 9103, 9104];
+const PORTS_V6: [u16; 4] = [9105, 9106, 9107, 9108];
+/// Descriptors this process holds per connection: the client, the double's
+/// accepted and upstream sockets, and the server's.
+const FDS_PER_CONNECTION: u64 = 4;
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(60);
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// Where the agent serves `/metrics` (its default), in the node namespace.
@@ -94,6 +102,14 @@ pub(super) async fn run(args: StormArgs) -> Result<()> {
     let work = TempDir::create("ambpf-bench-storm")?;
     let cgroup = CgroupGuard::create().context("creating a throwaway cgroup")?;
     let _inside = cgroup.enter_process()?;
+    let largest = args
+        .multiples
+        .iter()
+        .map(|m| (f64::from(args.capacity) * m).round() as u64)
+        .max()
+        .unwrap_or(0);
+    let limit = raise_open_file_limit(largest * FDS_PER_CONNECTION + 4096)?;
+    eprintln!("storm: open-file limit {limit}");
     let mut samples = Vec::new();
     for run in 0..args.runs {
         for &multiple in &args.multiples {
@@ -146,12 +162,18 @@ async fn storm_once(
 ) -> Result<Sample> {
     let cluster = Cluster::create(1).context("creating the cluster")?;
     let pod = &cluster.pods[0];
-    pod.ns.sysctl("net.ipv4.ip_local_port_range=10000 65000")?;
+    // Every source port the pod may use (the sysctl is per namespace and
+    // covers IPv6 too).
+    pod.ns.sysctl("net.ipv4.ip_local_port_range=1024 65535")?;
     // The node's conntrack table must hold the iptables mode's storm.
-    let targets: Vec<SocketAddr> = PORTS
+    let v4 = PORTS_V4
         .iter()
-        .map(|port| SocketAddr::new(cluster.remote.addrs.v4.into(), *port))
-        .collect();
+        .map(|port| SocketAddr::new(cluster.remote.addrs.v4.into(), *port));
+    let v6 = PORTS_V6
+        .iter()
+        .map(|port| SocketAddr::new(cluster.remote.addrs.v6.into(), *port));
+    // Families alternate, so each takes half of the storm.
+    let targets: Vec<SocketAddr> = v4.zip(v6).flat_map(|(a, b)| [a, b]).collect();
     let greeters = Greeters::start(&cluster.remote.ns, &targets)?;
     let pods_file = work.join("pods.json");
     let socket = work.join("ztunnel.sock");
@@ -224,6 +246,27 @@ async fn storm_once(
         misses,
         storm_ms,
     })
+}
+
+/// Raises this process's open-file limit (soft and hard) to at least
+/// `wanted`, as far as the kernel allows (`fs.nr_open`); returns the limit.
+fn raise_open_file_limit(wanted: u64) -> Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft >= wanted {
+        return Ok(soft);
+    }
+    let ceiling: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")?
+        .trim()
+        .parse()
+        .context("fs.nr_open")?;
+    let limit = wanted.min(ceiling).max(soft);
+    setrlimit(Resource::RLIMIT_NOFILE, limit, limit.max(hard))
+        .context("raising RLIMIT_NOFILE (needs CAP_SYS_RESOURCE past the hard limit)")?;
+    if limit < wanted {
+        eprintln!("storm: fs.nr_open caps the open-file limit at {limit}, below the {wanted} wanted");
+    }
+    Ok(limit)
 }
 
 /// The agent's `ambpf_origdst_misses_total` by reason.

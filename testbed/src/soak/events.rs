@@ -56,13 +56,20 @@ impl Soak<'_> {
     pub(super) fn refresh_wants(&mut self, at: Instant) {
         let mut wants = Vec::new();
         let ns_ambient = self.world.ns_ambient;
-        for slot in &mut self.world.slots {
+        let looks_ambient: Vec<bool> = self
+            .world
+            .slots
+            .iter()
+            .map(|slot| slot.pod.as_ref().is_some_and(|p| self.world.may_look_ambient(p)))
+            .collect();
+        for (slot, looks_ambient) in self.world.slots.iter_mut().zip(looks_ambient) {
             if let Some(pod) = &mut slot.pod {
                 let known = pod.listed || pod.cni_added;
                 let want = if known && super::world::is_ambient(&ns_ambient, pod) {
                     pod.ever_ambient = true;
                     Want::Held
                 } else {
+                    pod.ever_ambient |= known && looks_ambient;
                     Want::Gone
                 };
                 wants.push((

@@ -16,7 +16,7 @@ use std::{
     os::{fd::AsFd, unix::process::CommandExt as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result};
@@ -123,6 +123,9 @@ pub struct World {
     // parent and the namespaces.
     pub slots: Vec<Slot>,
     pub ns_ambient: [bool; NAMESPACES],
+    /// When each namespace last stopped being ambient (see
+    /// [`World::may_look_ambient`]).
+    ns_left_ambient: [Option<Instant>; NAMESPACES],
     pub api: ApiServer,
     pub kubeconfig: PathBuf,
     pods_cgroup: CgroupGuard,
@@ -156,6 +159,7 @@ impl World {
         Ok(Self {
             slots: (0..pods).map(|_| Slot::default()).collect(),
             ns_ambient,
+            ns_left_ambient: [None; NAMESPACES],
             api,
             kubeconfig,
             pods_cgroup,
@@ -167,6 +171,20 @@ impl World {
 
     pub fn is_ambient(&self, pod: &Pod) -> bool {
         is_ambient(&self.ns_ambient, pod)
+    }
+
+    /// Whether the agent may rightly see `pod` as ambient now although it
+    /// is not: its namespace stopped being ambient within
+    /// [`STALE_NAMESPACE_VIEW`]. The agent watches pods and namespaces in
+    /// two streams, so it may combine a pod's new state with its
+    /// namespace's old one for a moment (as Istio's node agent may), longer
+    /// after an API server outage, when the two lists come back one after
+    /// the other. Such a pod may be enrolled briefly, and keeps its reply
+    /// routing as any pod that left the mesh alive does.
+    pub fn may_look_ambient(&self, pod: &Pod) -> bool {
+        pod.label == PodLabel::Inherit
+            && self.ns_left_ambient[pod.namespace]
+                .is_some_and(|left| left.elapsed() < STALE_NAMESPACE_VIEW)
     }
 
     pub fn netns_path(&self, slot: usize) -> PathBuf {
@@ -274,6 +292,9 @@ impl World {
     }
 
     pub fn set_namespace_ambient(&mut self, i: usize, ambient: bool) {
+        if self.ns_ambient[i] && !ambient {
+            self.ns_left_ambient[i] = Some(Instant::now());
+        }
         self.ns_ambient[i] = ambient;
         self.api.apply("namespaces", namespace_object(i, ambient));
     }
@@ -298,6 +319,10 @@ impl World {
             .map(str::to_owned)
     }
 }
+
+/// How long after a namespace stops being ambient the agent may still act
+/// on its old label (see [`World::may_look_ambient`]).
+const STALE_NAMESPACE_VIEW: Duration = Duration::from_secs(10);
 
 /// Istio's rule: the pod's own label, else its namespace's.
 pub fn is_ambient(ns_ambient: &[bool; NAMESPACES], pod: &Pod) -> bool {

@@ -31,9 +31,24 @@ impl<K> Lenient<K> {
     }
 }
 
+/// Metadata the agent never reads and a cluster can make large: server-side
+/// apply's `managedFields` (often most of an object's size) and kubectl's
+/// copy of the last applied object. Dropped before decoding, as Istio's
+/// informers drop them, so the caches of a node's pods stay small.
+fn strip_unused(value: &mut Value) {
+    let Some(meta) = value.get_mut("metadata").and_then(Value::as_object_mut) else {
+        return;
+    };
+    meta.remove("managedFields");
+    if let Some(annotations) = meta.get_mut("annotations").and_then(Value::as_object_mut) {
+        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+}
+
 impl<'de, K: DeserializeOwned> Deserialize<'de> for Lenient<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let value = Value::deserialize(deserializer)?;
+        let mut value = Value::deserialize(deserializer)?;
+        strip_unused(&mut value);
         let raw_meta = value.get("metadata").cloned().unwrap_or(Value::Null);
         let metadata = ObjectMeta::deserialize(&raw_meta).unwrap_or_else(|_| salvage(&raw_meta));
         let object = K::deserialize(value).map_err(|e| e.to_string());
@@ -106,5 +121,32 @@ mod tests {
             Some("6")
         );
         assert!(list.items[3].object.is_err());
+    }
+
+    #[test]
+    fn managed_fields_and_the_last_applied_copy_are_not_kept() {
+        let pod: Lenient<Pod> = serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": "web", "namespace": "shop", "uid": "u1",
+                "labels": {"app": "web"},
+                "annotations": {
+                    "kubectl.kubernetes.io/last-applied-configuration": "{\"big\": true}",
+                    "ambient.istio.io/redirection": "enabled"
+                },
+                "managedFields": [{"manager": "kubectl", "operation": "Apply"}]
+            },
+            "spec": {"containers": [{"name": "web"}]}
+        }))
+        .unwrap();
+        let typed = pod.object.as_ref().unwrap();
+        for meta in [pod.metadata(), &typed.metadata] {
+            assert!(meta.managed_fields.is_none());
+            let annotations = meta.annotations.as_ref().unwrap();
+            assert_eq!(
+                annotations.keys().collect::<Vec<_>>(),
+                ["ambient.istio.io/redirection"]
+            );
+            assert_eq!(meta.labels.as_ref().unwrap()["app"], "web");
+        }
     }
 }
