@@ -70,7 +70,7 @@ use ambpf::{
     sources::kube::{KubeSource, KubeSourceConfig, PodQuery, rules::DATAPLANE_MODE_LABEL},
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
-use ambpf_common::{IpKey, NodeConfig, PodConfig, maps};
+use ambpf_common::{IpKey, PodConfig, maps};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     apiserver::ApiServer,
@@ -262,17 +262,9 @@ impl Node {
         match self.mode {
             RedirectMode::Ebpf => {
                 let mut dataplane = Dataplane::load(self.pins()).unwrap();
+                let cgroup = self.cgroup.as_ref().unwrap();
                 dataplane
-                    .attach_cgroup(self.cgroup.as_ref().unwrap())
-                    .unwrap();
-                dataplane
-                    .set_node_config(NodeConfig {
-                        dns_capture: 1,
-                        _pad: 0,
-                    })
-                    .unwrap();
-                dataplane
-                    .set_host_addresses(&self.cluster.node_addresses())
+                    .serve_node(cgroup, true, &self.cluster.node_addresses())
                     .unwrap();
                 Box::new(dataplane)
             }

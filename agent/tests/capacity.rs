@@ -21,7 +21,7 @@ use ambpf::{
     redirect::{CheckScope, EnrollOptions, PodRedirection},
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
-use ambpf_common::{Miss, NodeConfig, maps};
+use ambpf_common::{Miss, maps};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
     cluster::Cluster,
@@ -59,15 +59,8 @@ fn load(
         Dataplane::load_with(PinLayout::new(bpffs.path().join("ambpf")), capacities).unwrap();
     assert_eq!(dataplane.capacities(), capacities);
     assert!(dataplane.capacities_kept().is_empty());
-    dataplane.attach_cgroup(cgroup.path()).unwrap();
     dataplane
-        .set_node_config(NodeConfig {
-            dns_capture: 1,
-            _pad: 0,
-        })
-        .unwrap();
-    dataplane
-        .set_host_addresses(&cluster.node_addresses())
+        .serve_node(cgroup.path(), true, &cluster.node_addresses())
         .unwrap();
     dataplane
 }

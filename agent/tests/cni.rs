@@ -22,7 +22,6 @@ use ambpf::{
     netns::Netns,
     zds::{ZdsConfig, ZdsHandle},
 };
-use ambpf_common::NodeConfig;
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
     apiserver::ApiServer,
@@ -130,15 +129,8 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     let bpffs = BpffsMount::create().unwrap();
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
     let mut dataplane = Dataplane::load(pins.clone()).unwrap();
-    dataplane.attach_cgroup(cgroup.path()).unwrap();
     dataplane
-        .set_node_config(NodeConfig {
-            dns_capture: 1,
-            _pad: 0,
-        })
-        .unwrap();
-    dataplane
-        .set_host_addresses(&cluster.node_addresses())
+        .serve_node(cgroup.path(), true, &cluster.node_addresses())
         .unwrap();
 
     let dir = TempDir::new("agent");

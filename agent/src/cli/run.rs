@@ -15,7 +15,6 @@ use crate::{
     redirect::{PodRedirection, RedirectMode, iptables::IptablesRedirection, podnet},
     sources, zds,
 };
-use ambpf_common::NodeConfig;
 
 pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     // Validate every argument before touching the kernel.
@@ -76,12 +75,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 for (netns, iface) in &targets {
                     dataplane.attach_iface_counters(netns, iface)?;
                 }
-                dataplane.attach_cgroup(&cgroup)?;
-                dataplane.set_node_config(NodeConfig {
-                    dns_capture: u32::from(args.dns_capture),
-                    _pad: 0,
-                })?;
-                dataplane.set_host_addresses(&podnet::host_addresses()?)?;
+                dataplane.serve_node(&cgroup, args.dns_capture, &podnet::host_addresses()?)?;
                 info!(
                     "eBPF redirection ready (pin root {}, cgroup {})",
                     pins_root(&dataplane),

@@ -1,15 +1,42 @@
 //! The eBPF mode's node-wide maps: settings and the node's own addresses.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, path::Path};
 
 use ambpf_common::{IpKey, NodeConfig, maps};
 use aya::maps::{Array, HashMap};
 use log::warn;
 
 use super::ebpf::{EnrollError, ip_key};
-use crate::bpf::Dataplane;
+use crate::bpf::{Dataplane, cgroup::CgroupError};
+
+/// Why [`Dataplane::serve_node`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeSetupError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Map(#[from] EnrollError),
+}
 
 impl Dataplane {
+    /// Serves the node once the programs are loaded: the socket programs
+    /// attached to the pods' cgroup, the node's DNS capture setting, and
+    /// its own addresses exempted (kubelet probes).
+    pub fn serve_node(
+        &mut self,
+        cgroup: &Path,
+        dns_capture: bool,
+        host_addresses: &[IpAddr],
+    ) -> Result<(), NodeSetupError> {
+        self.attach_cgroup(cgroup)?;
+        self.set_node_config(NodeConfig {
+            dns_capture: u32::from(dns_capture),
+            _pad: 0,
+        })?;
+        self.set_host_addresses(host_addresses)?;
+        Ok(())
+    }
+
     /// Node-wide settings.
     pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), EnrollError> {
         let map_err = |source| EnrollError::Map {

@@ -12,6 +12,7 @@ pub mod check;
 pub mod claims;
 pub mod ebpf;
 mod ebpf_node;
+pub use ebpf_node::NodeSetupError;
 pub mod iptables;
 pub mod podnet;
 pub mod routing;

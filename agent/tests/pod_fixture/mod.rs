@@ -21,7 +21,6 @@ use ambpf::{
     },
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
-use ambpf_common::NodeConfig;
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
@@ -238,17 +237,9 @@ pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixtur
             let bpffs = BpffsMount::create().unwrap();
             let mut dataplane =
                 Dataplane::load(PinLayout::new(bpffs.path().join("ambpf"))).unwrap();
+            let cgroup = cgroup.expect("eBPF mode needs a cgroup").path();
             dataplane
-                .attach_cgroup(cgroup.expect("eBPF mode needs a cgroup").path())
-                .unwrap();
-            dataplane
-                .set_node_config(NodeConfig {
-                    dns_capture: 1,
-                    _pad: 0,
-                })
-                .unwrap();
-            dataplane
-                .set_host_addresses(&cluster.node_addresses())
+                .serve_node(cgroup, true, &cluster.node_addresses())
                 .unwrap();
             (Box::new(dataplane), Some(bpffs), None)
         }

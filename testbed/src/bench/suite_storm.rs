@@ -264,7 +264,9 @@ fn raise_open_file_limit(wanted: u64) -> Result<u64> {
     setrlimit(Resource::RLIMIT_NOFILE, limit, limit.max(hard))
         .context("raising RLIMIT_NOFILE (needs CAP_SYS_RESOURCE past the hard limit)")?;
     if limit < wanted {
-        eprintln!("storm: fs.nr_open caps the open-file limit at {limit}, below the {wanted} wanted");
+        eprintln!(
+            "storm: fs.nr_open caps the open-file limit at {limit}, below the {wanted} wanted"
+        );
     }
     Ok(limit)
 }

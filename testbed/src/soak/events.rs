@@ -60,7 +60,11 @@ impl Soak<'_> {
             .world
             .slots
             .iter()
-            .map(|slot| slot.pod.as_ref().is_some_and(|p| self.world.may_look_ambient(p)))
+            .map(|slot| {
+                slot.pod
+                    .as_ref()
+                    .is_some_and(|p| self.world.may_look_ambient(p))
+            })
             .collect();
         for (slot, looks_ambient) in self.world.slots.iter_mut().zip(looks_ambient) {
             if let Some(pod) = &mut slot.pod {

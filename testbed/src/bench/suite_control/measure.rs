@@ -41,7 +41,10 @@ pub(super) async fn until(
 }
 
 pub(super) async fn connect_double(agent: &mut Agent, socket: &Path) -> Result<ZtunnelDouble> {
-    until("the ZDS socket", TIMEOUT, agent, None, || socket_exists(socket)).await?;
+    until("the ZDS socket", TIMEOUT, agent, None, || {
+        socket_exists(socket)
+    })
+    .await?;
     // ZDS only: starting in-pod proxies is ztunnel's cost, the same in both
     // modes, and would hide the agent's.
     let double = ZtunnelDouble::connect_with_retry(socket, ZtunnelConfig::zds_only());
@@ -60,7 +63,12 @@ pub(super) fn socket_exists(path: &Path) -> bool {
 // ---------------------------------------------------------------------------
 // Measurements
 
-pub(super) async fn churn(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: usize) -> Result<Churn> {
+pub(super) async fn churn(
+    env: &Env<'_>,
+    pods: &[BenchPod],
+    mode: Mode,
+    run: usize,
+) -> Result<Churn> {
     let socket = env.work.join(format!("churn-{}-{run}.sock", mode.name()));
     let log = env
         .work
@@ -151,7 +159,12 @@ pub(super) async fn churn(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: usi
     })
 }
 
-pub(super) async fn snapshot(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: usize) -> Result<Snapshot> {
+pub(super) async fn snapshot(
+    env: &Env<'_>,
+    pods: &[BenchPod],
+    mode: Mode,
+    run: usize,
+) -> Result<Snapshot> {
     let n = pods.len();
     let patches_before = env.server.patches().len();
     for pod in pods {
@@ -174,18 +187,24 @@ pub(super) async fn snapshot(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: 
     let double = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::zds_only());
     let mut names: std::collections::HashSet<String> = Default::default();
     let (mut at_ztunnel, mut annotated) = (None, None);
-    until("every pod", timeout_for(n), &mut agent, Some(&double), || {
-        if at_ztunnel.is_none() && double.inspect(|s| s.ready && s.workloads.len() == n) {
-            at_ztunnel = Some(spawned.elapsed());
-        }
-        if annotated.is_none() {
-            names.extend(annotated_since(env.server, patches_before));
-            if names.len() == n {
-                annotated = Some(spawned.elapsed());
+    until(
+        "every pod",
+        timeout_for(n),
+        &mut agent,
+        Some(&double),
+        || {
+            if at_ztunnel.is_none() && double.inspect(|s| s.ready && s.workloads.len() == n) {
+                at_ztunnel = Some(spawned.elapsed());
             }
-        }
-        at_ztunnel.is_some() && annotated.is_some()
-    })
+            if annotated.is_none() {
+                names.extend(annotated_since(env.server, patches_before));
+                if names.len() == n {
+                    annotated = Some(spawned.elapsed());
+                }
+            }
+            at_ztunnel.is_some() && annotated.is_some()
+        },
+    )
     .await?;
     let agent_cpu = bench::cpu_time(pid)?.total();
     let memory = bench::memory(pid)?;
@@ -198,9 +217,13 @@ pub(super) async fn snapshot(env: &Env<'_>, pods: &[BenchPod], mode: Mode, run: 
     for pod in pods {
         env.server.delete("pods", &pod.namespace, &pod.name);
     }
-    until("every pod removed", timeout_for(n), &mut agent, Some(&double), || {
-        double.inspect(|s| s.workloads.is_empty())
-    })
+    until(
+        "every pod removed",
+        timeout_for(n),
+        &mut agent,
+        Some(&double),
+        || double.inspect(|s| s.workloads.is_empty()),
+    )
     .await?;
     double.shutdown().await;
     agent.stop()?;

@@ -2,7 +2,6 @@
 
 use super::*;
 
-
 /// Each mode's churn, pooled over the runs.
 pub(super) fn summarize_churn(churns: &[Churn]) -> Vec<ChurnSummary> {
     [Mode::Iptables, Mode::Ebpf]

@@ -68,7 +68,12 @@ impl World {
         })
     }
 
-    pub(super) fn env<'a>(&'a self, agent: &'a Path, work: &'a TempDir, cgroup: &'a CgroupGuard) -> Env<'a> {
+    pub(super) fn env<'a>(
+        &'a self,
+        agent: &'a Path,
+        work: &'a TempDir,
+        cgroup: &'a CgroupGuard,
+    ) -> Env<'a> {
         Env {
             agent,
             work,
@@ -225,7 +230,12 @@ pub(super) fn annotated_since(server: &ApiServer, from: usize) -> Vec<String> {
 // The agent with the kube source
 
 /// The agent with the Kubernetes source, spawned in the node's namespace.
-pub(super) fn spawn_kube_agent(env: &Env<'_>, mode: Mode, socket: &Path, log: &Path) -> Result<Agent> {
+pub(super) fn spawn_kube_agent(
+    env: &Env<'_>,
+    mode: Mode,
+    socket: &Path,
+    log: &Path,
+) -> Result<Agent> {
     let source = [
         OsStr::new("--pod-source"),
         OsStr::new("kube"),
