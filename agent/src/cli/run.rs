@@ -115,12 +115,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     .into_iter()
                     .filter(|ns| !ns.is_empty())
                     .collect();
-                // The CNI endpoint reads pods through the source's client.
-                cni_selection = crate::cni::selection::PodSelection::Ambient(
-                    crate::cni::selection::AmbientLookup::new(
-                        client.clone(),
-                        config.excluded_namespaces.clone(),
-                    ),
+                let lookup = crate::cni::selection::AmbientLookup::new(
+                    client.clone(),
+                    config.excluded_namespaces.clone(),
                 );
                 info!(
                     "waiting for the pods of node {} from the API server",
@@ -128,7 +125,13 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 );
                 let source = KubeSource::new(client, config)
                     .annotate_from(programmed_rx, zds.ztunnel_pods());
-                kube_source = Some(source.start(pods_tx.clone()).await?);
+                let started = source.start(pods_tx.clone()).await?;
+                // The CNI endpoint reads pods from the source's caches, and
+                // through its client what they do not have yet.
+                cni_selection = crate::cni::selection::PodSelection::Ambient(
+                    lookup.with_caches(started.caches()),
+                );
+                kube_source = Some(started);
             }
             _ => log::warn!("no pod source (give --pods-file, or run in a cluster): no pods enrol"),
         }

@@ -1,8 +1,10 @@
 //! Which of the pods the plugin posts the agent enrols.
 //!
 //! With the Kubernetes pod source the endpoint decides as Istio's CNI plugin
-//! does: it reads the pod and its namespace from the API server (the client
-//! the source uses) and applies the ambient rules ([`rules::ambient`]).
+//! does: it reads the pod and its namespace from the source's caches (as
+//! Istio's node agent reads its informers'), or from the API server (the
+//! client the source uses) when the caches do not have this pod (by UID) or
+//! its namespace yet, and applies the ambient rules ([`rules::ambient`]).
 //!
 //! - Not ambient: skipped; the plugin lets the pod start unredirected.
 //! - A namespace in the excluded list is skipped without asking, so system
@@ -31,13 +33,13 @@ use k8s_openapi::{
     Metadata as _,
     api::core::v1::{Namespace, Pod},
 };
-use kube::{Api, Client};
+use kube::{Api, Client, runtime::reflector::ObjectRef};
 
 use super::CmdAdd;
 use crate::{
     controller::PodSpec,
     sources::kube::{
-        KubeSourceError, Lenient, api_error,
+        KubeCaches, KubeSourceError, Lenient, api_error,
         rules::{self, NotAmbient},
     },
     zds::{NetnsSource, Workload},
@@ -55,10 +57,12 @@ pub enum PodSelection {
     Ambient(AmbientLookup),
 }
 
-/// Istio's ambient rules on pods read from the API server.
+/// Istio's ambient rules on pods read from the source's caches or the API
+/// server.
 #[derive(Clone)]
 pub struct AmbientLookup {
     client: Client,
+    caches: Option<KubeCaches>,
     excluded_namespaces: Arc<BTreeSet<String>>,
     timeout: Duration,
 }
@@ -123,9 +127,33 @@ impl AmbientLookup {
     pub fn new(client: Client, excluded_namespaces: BTreeSet<String>) -> Self {
         Self {
             client,
+            caches: None,
             excluded_namespaces: Arc::new(excluded_namespaces),
             timeout: API_TIMEOUT,
         }
+    }
+
+    /// Reads the pod and its namespace from `caches` first: a pod start
+    /// then waits on no API round trip.
+    pub fn with_caches(mut self, caches: KubeCaches) -> Self {
+        self.caches = Some(caches);
+        self
+    }
+
+    /// The decision from the caches, if they hold this pod (same UID) and
+    /// its namespace. A cache that lags (the pod just created, or replaced
+    /// by a newer one of the same name) leaves it to the API server.
+    fn select_cached(&self, add: &CmdAdd) -> Option<Result<Verdict, LookupError>> {
+        let caches = self.caches.as_ref()?;
+        let pod = caches
+            .pods
+            .get(&ObjectRef::new(&add.pod_name).within(&add.pod_namespace))?;
+        if pod.metadata().uid.as_deref() != Some(add.pod_uid.as_str()) {
+            return None;
+        }
+        let namespace = caches.namespaces.get(&ObjectRef::new(&add.pod_namespace))?;
+        let labels = namespace.metadata().labels.as_ref();
+        Some(decide(add, Some(&*pod), labels, &self.excluded_namespaces))
     }
 
     /// Replaces [`API_TIMEOUT`].
@@ -139,6 +167,9 @@ impl AmbientLookup {
             return Ok(Verdict::Skip(SkipReason::NotAmbient(
                 NotAmbient::ExcludedNamespace,
             )));
+        }
+        if let Some(cached) = self.select_cached(add) {
+            return cached;
         }
         let pods = Api::<Lenient<Pod>>::namespaced(self.client.clone(), &add.pod_namespace);
         let namespaces = Api::<Lenient<Namespace>>::all(self.client.clone());
@@ -410,6 +441,51 @@ mod tests {
             selection.select(&system).await.unwrap(),
             Verdict::Skip(SkipReason::NotAmbient(NotAmbient::ExcludedNamespace))
         );
+    }
+
+    #[tokio::test]
+    async fn the_caches_answer_for_the_pod_they_hold_and_the_api_server_for_the_rest() {
+        use k8s_openapi::api::core::v1::Namespace;
+        use kube::runtime::{reflector, watcher};
+        // The API server never answers: only the caches can decide in time.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", silent.local_addr().unwrap());
+        let client = Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+        let (pods, mut pod_writer) = reflector::store::<Lenient<Pod>>();
+        let (namespaces, mut namespace_writer) = reflector::store::<Lenient<Namespace>>();
+        pod_writer.apply_watcher_event(&watcher::Event::Apply(Lenient::new(pod(&[]))));
+        let shop = Namespace {
+            metadata: ObjectMeta {
+                name: Some("shop".into()),
+                labels: Some(labels(AMBIENT)),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        namespace_writer.apply_watcher_event(&watcher::Event::Apply(Lenient::new(shop)));
+        let lookup = AmbientLookup::new(client, excluded())
+            .with_timeout(Duration::from_millis(200))
+            .with_caches(KubeCaches { pods, namespaces });
+        let selection = PodSelection::Ambient(lookup);
+        let Verdict::Enroll(spec) = selection.select(&add()).await.unwrap() else {
+            panic!("not enrolled");
+        };
+        assert_eq!(spec.workload.uid, UID);
+
+        // The cache holds an older pod of that name: ask the API server.
+        let replaced = CmdAdd {
+            pod_uid: "6f1c2a3b-0000-4000-8000-0000000000ff".into(),
+            ..add()
+        };
+        let err = selection.select(&replaced).await.unwrap_err();
+        assert!(matches!(err, LookupError::Timeout(_)), "{err}");
+        // A pod the cache does not have yet, too.
+        let unseen = CmdAdd {
+            pod_name: "web-1".into(),
+            ..add()
+        };
+        let err = selection.select(&unseen).await.unwrap_err();
+        assert!(matches!(err, LookupError::Timeout(_)), "{err}");
     }
 
     #[tokio::test]

@@ -250,6 +250,8 @@ async fn storm_once(
 
 /// Raises this process's open-file limit (soft and hard) to at least
 /// `wanted`, as far as the kernel allows (`fs.nr_open`); returns the limit.
+/// Past the hard limit that takes CAP_SYS_RESOURCE: without it, a storm
+/// that needs more is refused with the largest that fits.
 fn raise_open_file_limit(wanted: u64) -> Result<u64> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
@@ -260,15 +262,17 @@ fn raise_open_file_limit(wanted: u64) -> Result<u64> {
         .trim()
         .parse()
         .context("fs.nr_open")?;
-    let limit = wanted.min(ceiling).max(soft);
-    setrlimit(Resource::RLIMIT_NOFILE, limit, limit.max(hard))
-        .context("raising RLIMIT_NOFILE (needs CAP_SYS_RESOURCE past the hard limit)")?;
-    if limit < wanted {
-        eprintln!(
-            "storm: fs.nr_open caps the open-file limit at {limit}, below the {wanted} wanted"
-        );
+    let limit = wanted.min(ceiling);
+    if setrlimit(Resource::RLIMIT_NOFILE, limit, limit.max(hard)).is_ok() {
+        return Ok(limit);
     }
-    Ok(limit)
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    bail!(
+        "this storm needs {wanted} open files; the hard limit is {hard} and raising it \
+         needs CAP_SYS_RESOURCE, which this process lacks: the largest storm that fits is \
+         {} connections ({FDS_PER_CONNECTION} descriptors each)",
+        hard.saturating_sub(4096) / FDS_PER_CONNECTION
+    )
 }
 
 /// The agent's `ambpf_origdst_misses_total` by reason.

@@ -215,9 +215,24 @@ pub struct KubeSource {
 /// The running source's tasks; dropping it stops them.
 pub struct KubeSourceHandle {
     tasks: Vec<JoinHandle<()>>,
+    caches: KubeCaches,
+}
+
+/// The source's caches of this node's pods and of the namespaces, kept by
+/// its watches.
+#[derive(Clone)]
+pub struct KubeCaches {
+    pub pods: Store<Lenient<Pod>>,
+    pub namespaces: Store<Lenient<Namespace>>,
 }
 
 impl KubeSourceHandle {
+    /// The source's caches, for readers that can do with what the watches
+    /// have delivered (the CNI endpoint).
+    pub fn caches(&self) -> KubeCaches {
+        self.caches.clone()
+    }
+
     /// Whether every task still runs (they only end when stopped or on a panic).
     pub fn is_running(&self) -> bool {
         self.tasks.iter().all(|t| !t.is_finished())
@@ -301,7 +316,7 @@ impl KubeSource {
         let engine = Engine {
             config: config.clone(),
             pods: pod_store.clone(),
-            namespaces: namespace_store,
+            namespaces: namespace_store.clone(),
             resolver: Some(resolver),
             out: pods,
             published: published_tx,
@@ -309,6 +324,10 @@ impl KubeSource {
             notes: HashMap::new(),
             malformed: HashMap::new(),
             first: true,
+        };
+        let caches = KubeCaches {
+            pods: pod_store.clone(),
+            namespaces: namespace_store,
         };
         let (synced_tx, synced_rx) = oneshot::channel();
         let mut tasks = vec![tokio::spawn(engine.run(
@@ -326,7 +345,7 @@ impl KubeSource {
                 config.resync,
             )));
         }
-        let handle = KubeSourceHandle { tasks };
+        let handle = KubeSourceHandle { tasks, caches };
         synced_rx.await.map_err(|_| KubeSourceError::Stopped)?;
         Ok(handle)
     }
