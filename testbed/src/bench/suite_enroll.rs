@@ -42,8 +42,6 @@ use super::{
 /// A hang, not a slow result.
 const TIMEOUT: Duration = Duration::from_secs(120);
 const PODS_FILE: &str = "pods.json";
-/// Where the agent serves `/metrics` (its default), in the node namespace.
-const METRICS: &str = "127.0.0.1:15014";
 
 #[derive(Args)]
 pub(super) struct EnrollArgs {
@@ -261,16 +259,7 @@ async fn measure(
 /// The agent's `ambpf_enrol_steps_total` and `ambpf_enrol_step_seconds_total`
 /// by step: (times, seconds).
 fn enrol_steps(node: &ambpf_testbed::NetnsGuard) -> Result<BTreeMap<String, (f64, f64)>> {
-    use std::io::{Read as _, Write as _};
-    let body = node.run(|| -> std::io::Result<String> {
-        let mut conn = std::net::TcpStream::connect(METRICS)?;
-        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
-        let mut body = String::new();
-        conn.read_to_string(&mut body)?;
-        Ok(body)
-    })??;
-    Ok(parse_enrol_steps(&body))
+    Ok(parse_enrol_steps(&agent_metrics(node)?))
 }
 
 fn parse_enrol_steps(metrics: &str) -> BTreeMap<String, (f64, f64)> {

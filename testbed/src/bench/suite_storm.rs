@@ -41,8 +41,6 @@ const PORTS_V6: [u16; 4] = [9105, 9106, 9107, 9108];
 const FDS_PER_CONNECTION: u64 = 4;
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(60);
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
-/// Where the agent serves `/metrics` (its default), in the node namespace.
-const METRICS: &str = "127.0.0.1:15014";
 
 #[derive(Args)]
 pub(super) struct StormArgs {
@@ -277,16 +275,7 @@ fn raise_open_file_limit(wanted: u64) -> Result<u64> {
 
 /// The agent's `ambpf_origdst_misses_total` by reason.
 fn origdst_misses(node: &ambpf_testbed::NetnsGuard) -> Result<BTreeMap<String, u64>> {
-    use std::io::{Read as _, Write as _};
-    let body = node.run(|| -> std::io::Result<String> {
-        let mut conn = std::net::TcpStream::connect(METRICS)?;
-        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
-        let mut body = String::new();
-        conn.read_to_string(&mut body)?;
-        Ok(body)
-    })??;
-    Ok(parse_misses(&body))
+    Ok(parse_misses(&agent_metrics(node)?))
 }
 
 fn parse_misses(metrics: &str) -> BTreeMap<String, u64> {

@@ -186,6 +186,23 @@ fn preflight(common: &Common) -> Result<()> {
     Ok(())
 }
 
+/// Where the agent serves `/metrics` (its default), in the node namespace.
+const AGENT_METRICS: &str = "127.0.0.1:15014";
+
+/// The agent's `/metrics` page, read from inside the node namespace.
+fn agent_metrics(node: &ambpf_testbed::NetnsGuard) -> Result<String> {
+    use std::io::{Read as _, Write as _};
+    let body = node.run(|| -> std::io::Result<String> {
+        let mut conn = std::net::TcpStream::connect(AGENT_METRICS)?;
+        conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")?;
+        let mut body = String::new();
+        conn.read_to_string(&mut body)?;
+        Ok(body)
+    })??;
+    Ok(body)
+}
+
 /// Waits until `path` is a unix socket (the agent binds it under a temporary
 /// name and renames it into place, so it exists only once it listens).
 async fn wait_for_socket(agent: &mut ProcessGuard, path: &Path, timeout: Duration) -> Result<()> {
