@@ -260,6 +260,19 @@ impl Collector for AgentCollector {
             ] {
                 counter(&mut encoder, name, help, get(value))?;
             }
+            let help = "Time the agent spent answering CNI ADDs, by phase: decide (ambient or \
+                        not), enrol (waiting for the controller and its enrolment), answer \
+                        (request read to answer ready). Divide by the ADDs answered for the mean.";
+            let mut family = encoder.encode_descriptor(
+                "cni_add_seconds",
+                help,
+                None,
+                ConstCounter::new(0.0).metric_type(),
+            )?;
+            for phase in crate::cni::AddPhase::ALL {
+                ConstCounter::new(cni.seconds(phase))
+                    .encode(family.encode_family(&[("phase", phase.name())])?)?;
+            }
         }
 
         let Some(pins) = &self.pins else {

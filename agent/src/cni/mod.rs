@@ -42,6 +42,33 @@ pub struct CniStats {
     pub refused: AtomicU64,
     /// Requests that were not a valid ADD.
     pub invalid: AtomicU64,
+    /// Time spent answering valid ADDs, by [`AddPhase`], in nanoseconds.
+    pub phase_nanos: [AtomicU64; AddPhase::ALL.len()],
+}
+
+/// Where the agent's time answering one ADD goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddPhase {
+    /// Whether to enrol the pod: the selection (watch caches, or the API
+    /// server when they lack the pod).
+    Decide,
+    /// Waiting for the controller and its enrolment of the pod (redirection
+    /// in place, ztunnel's desired set updated).
+    Enrol,
+    /// From the request read to the answer ready: the two above and the rest.
+    Answer,
+}
+
+impl AddPhase {
+    pub const ALL: [AddPhase; 3] = [AddPhase::Decide, AddPhase::Enrol, AddPhase::Answer];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AddPhase::Decide => "decide",
+            AddPhase::Enrol => "enrol",
+            AddPhase::Answer => "answer",
+        }
+    }
 }
 
 impl CniStats {
@@ -54,6 +81,17 @@ impl CniStats {
             Err(_) => &self.refused,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds `took` to `phase`'s total.
+    pub fn time(&self, phase: AddPhase, took: std::time::Duration) {
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.phase_nanos[phase as usize].fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// `phase`'s total, in seconds.
+    pub fn seconds(&self, phase: AddPhase) -> f64 {
+        self.phase_nanos[phase as usize].load(Ordering::Relaxed) as f64 / 1e9
     }
 }
 

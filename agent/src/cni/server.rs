@@ -9,7 +9,11 @@
 //! status with the reason as the body (503 when the API server could not
 //! say whether the pod is ambient).
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use log::{debug, info, warn};
 use tokio::{
@@ -19,7 +23,7 @@ use tokio::{
 };
 
 use super::{
-    CmdAdd, CmdAddReply, CniStats,
+    AddPhase, CmdAdd, CmdAddReply, CniStats,
     selection::{PodSelection, Verdict},
 };
 use crate::controller::EnrollRequest;
@@ -87,7 +91,15 @@ async fn handle(
 ) {
     let read = crate::http::read_request(&mut conn, MAX_REQUEST);
     let answer = match tokio::time::timeout(READ_TIMEOUT, read).await {
-        Ok(Ok(request)) => respond(&request, &controller, &selection).await,
+        Ok(Ok(request)) => {
+            let started = Instant::now();
+            let answer = respond(&request, &controller, &selection, &stats).await;
+            // Invalid requests (4xx) are not ADDs answered.
+            if !matches!(&answer, Err((status, _)) if *status < 500) {
+                stats.time(AddPhase::Answer, started.elapsed());
+            }
+            answer
+        }
         Ok(Err(e)) => Err((400, format!("{e}\n"))),
         Err(_) => {
             debug!("CNI: dropped a slow request");
@@ -115,6 +127,7 @@ async fn respond(
     request: &crate::http::Request,
     controller: &mpsc::Sender<EnrollRequest>,
     selection: &PodSelection,
+    stats: &CniStats,
 ) -> Answer {
     let (method, path, body) = (&request.method, &request.path, &request.body);
     if path != "/cmdadd" {
@@ -131,7 +144,10 @@ async fn respond(
         return Err((400, "podUid and netns are required\n".to_owned()));
     }
     let pod = format!("{}/{} ({})", add.pod_namespace, add.pod_name, add.pod_uid);
-    let spec = match selection.select(&add).await {
+    let deciding = Instant::now();
+    let verdict = selection.select(&add).await;
+    stats.time(AddPhase::Decide, deciding.elapsed());
+    let spec = match verdict {
         Ok(Verdict::Enroll(spec)) => spec,
         Ok(Verdict::Skip(why)) => {
             let reason = format!("pod {pod} not enrolled: {why}");
@@ -144,14 +160,20 @@ async fn respond(
             return Err((503, format!("{text}\n")));
         }
     };
+    let enrolling = Instant::now();
     let (reply, answer) = oneshot::channel();
     let request = EnrollRequest { pod: spec, reply };
     if controller.send(request).await.is_err() {
         return Err((503, "the agent is shutting down\n".to_owned()));
     }
-    match tokio::time::timeout(ENROLL_TIMEOUT, answer).await {
+    let answer = tokio::time::timeout(ENROLL_TIMEOUT, answer).await;
+    stats.time(AddPhase::Enrol, enrolling.elapsed());
+    match answer {
         Ok(Ok(Ok(()))) => {
-            info!("CNI add: pod {pod} enrolled");
+            info!(
+                "CNI add: pod {pod} enrolled in {:.2} ms",
+                enrolling.elapsed().as_secs_f64() * 1e3
+            );
             Ok(CmdAddReply::Enrolled)
         }
         Ok(Ok(Err(why))) => Err((500, format!("pod {pod} not enrolled: {why}\n"))),

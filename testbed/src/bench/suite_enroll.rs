@@ -264,32 +264,11 @@ fn enrol_steps(node: &ambpf_testbed::NetnsGuard) -> Result<BTreeMap<String, (f64
 
 fn parse_enrol_steps(metrics: &str) -> BTreeMap<String, (f64, f64)> {
     let mut steps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    for line in metrics.lines() {
-        let (is_count, rest) = if let Some(rest) = line.strip_prefix("ambpf_enrol_steps_total{") {
-            (true, rest)
-        } else if let Some(rest) = line.strip_prefix("ambpf_enrol_step_seconds_total{") {
-            (false, rest)
-        } else {
-            continue;
-        };
-        let Some((labels, value)) = rest.split_once("} ") else {
-            continue;
-        };
-        let Some(step) = labels
-            .strip_prefix("step=\"")
-            .and_then(|l| l.strip_suffix('"'))
-        else {
-            continue;
-        };
-        let Ok(value) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        let entry = steps.entry(step.to_owned()).or_default();
-        if is_count {
-            entry.0 = value;
-        } else {
-            entry.1 = value;
-        }
+    for (step, n) in labelled_series(metrics, "ambpf_enrol_steps_total", "step") {
+        steps.entry(step).or_default().0 = n;
+    }
+    for (step, s) in labelled_series(metrics, "ambpf_enrol_step_seconds_total", "step") {
+        steps.entry(step).or_default().1 = s;
     }
     steps
 }

@@ -61,6 +61,10 @@ struct ModeResult {
     /// p50 and p99 over no ambpf's.
     added_p50_ms: f64,
     added_p99_ms: f64,
+    /// The agent's own mean time per measured ADD, by phase
+    /// (`ambpf_cni_add_seconds_total`): how much of what is added happens
+    /// between the plugin's request and the agent's answer.
+    agent_ms_per_add: BTreeMap<String, f64>,
     samples_ms: Vec<f64>,
 }
 
@@ -79,6 +83,9 @@ struct Lane {
     /// double's Del.
     remove_ms: Vec<f64>,
     ztunnel_del_ms: Vec<f64>,
+    /// The agent's CNI timings when the measured rounds began.
+    agent_before: BTreeMap<String, f64>,
+    agent_ms_per_add: BTreeMap<String, f64>,
 }
 
 impl Lane {
@@ -97,6 +104,8 @@ impl Lane {
             samples: Vec::new(),
             remove_ms: Vec::new(),
             ztunnel_del_ms: Vec::new(),
+            agent_before: BTreeMap::new(),
+            agent_ms_per_add: BTreeMap::new(),
         };
         if mode != Mode::Direct {
             lane.start_agent(binary, work).await?;
@@ -144,6 +153,26 @@ impl Lane {
         ));
         self.agent = Some(agent);
         Ok(())
+    }
+
+    /// The agent's CNI timings so far (seconds by phase, and `adds`), none
+    /// without an agent.
+    fn agent_cni_times(&self) -> Result<BTreeMap<String, f64>> {
+        if self.agent.is_none() {
+            return Ok(BTreeMap::new());
+        }
+        let metrics = agent_metrics(&self.node.netns)?;
+        let mut times = labelled_series(&metrics, "ambpf_cni_add_seconds_total", "phase");
+        let adds = ["enrolled", "skipped", "refused"]
+            .iter()
+            .filter_map(|outcome| {
+                let line = format!("ambpf_cni_adds_{outcome}_total ");
+                metrics.lines().find_map(|l| l.strip_prefix(line.as_str()))
+            })
+            .filter_map(|v| v.trim().parse::<f64>().ok())
+            .sum();
+        times.insert("adds".to_owned(), adds);
+        Ok(times)
     }
 
     /// Starts a fresh pod, timing RunPodSandbox, then removes it.
@@ -208,6 +237,11 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
                 lane.samples.push(elapsed);
             }
         }
+        if round + 1 == args.warmup {
+            for lane in &mut lanes {
+                lane.agent_before = lane.agent_cni_times()?;
+            }
+        }
         if (round + 1) % 10 == 0 {
             eprintln!("podstart: {} rounds", round + 1);
             for lane in &lanes {
@@ -220,6 +254,18 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
                     p50(&lane.ztunnel_del_ms),
                 );
             }
+        }
+    }
+    for lane in &mut lanes {
+        let after = lane.agent_cni_times()?;
+        let before = |key: &str| lane.agent_before.get(key).copied().unwrap_or(0.0);
+        let adds = after.get("adds").copied().unwrap_or(0.0) - before("adds");
+        if adds > 0.0 {
+            lane.agent_ms_per_add = after
+                .iter()
+                .filter(|(phase, _)| *phase != "adds")
+                .map(|(phase, s)| (phase.clone(), (s - before(phase)) * 1e3 / adds))
+                .collect();
         }
     }
     let results = summarize(&lanes)?;
@@ -250,6 +296,7 @@ fn summarize(lanes: &[Lane]) -> Result<Vec<ModeResult>> {
                 run_pod_sandbox_ms: s,
                 added_p50_ms: s.median - none.median,
                 added_p99_ms: s.p99 - none.p99,
+                agent_ms_per_add: lane.agent_ms_per_add.clone(),
                 samples_ms: lane.samples.clone(),
             })
         })
@@ -292,6 +339,19 @@ fn print_table(results: &[ModeResult], pods: usize) {
             ebpf.run_pod_sandbox_ms.p99 / iptables.run_pod_sandbox_ms.p99,
             ebpf.added_p50_ms,
             iptables.added_p50_ms,
+        );
+    }
+    for r in results.iter().filter(|r| !r.agent_ms_per_add.is_empty()) {
+        let phases: Vec<String> = r
+            .agent_ms_per_add
+            .iter()
+            .map(|(phase, ms)| format!("{phase} {ms:.2}"))
+            .collect();
+        println!(
+            "{}: the agent's time per ADD, mean ms: {} (the rest of \"added\" is outside the agent: \
+             the plugin's exec and request, containerd)",
+            r.mode.name(),
+            phases.join(", ")
         );
     }
 }

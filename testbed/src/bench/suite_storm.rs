@@ -279,13 +279,9 @@ fn origdst_misses(node: &ambpf_testbed::NetnsGuard) -> Result<BTreeMap<String, u
 }
 
 fn parse_misses(metrics: &str) -> BTreeMap<String, u64> {
-    metrics
-        .lines()
-        .filter_map(|line| line.strip_prefix("ambpf_origdst_misses_total{reason=\""))
-        .filter_map(|rest| {
-            let (reason, value) = rest.split_once("\"} ")?;
-            Some((reason.to_owned(), value.trim().parse().ok()?))
-        })
+    labelled_series(metrics, "ambpf_origdst_misses_total", "reason")
+        .into_iter()
+        .map(|(reason, value)| (reason, value as u64))
         .collect()
 }
 

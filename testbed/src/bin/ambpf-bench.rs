@@ -34,6 +34,7 @@
 //! errors and on Ctrl-C (SIGINT or SIGTERM).
 
 use std::{
+    collections::BTreeMap,
     fs::File,
     os::{
         fd::AsFd,
@@ -201,6 +202,20 @@ fn agent_metrics(node: &ambpf_testbed::NetnsGuard) -> Result<String> {
         Ok(body)
     })??;
     Ok(body)
+}
+
+/// The series of the metric family `name` (`ambpf_..._total`) in a
+/// `/metrics` page with one label `label`: label value -> sample.
+fn labelled_series(metrics: &str, name: &str, label: &str) -> BTreeMap<String, f64> {
+    let prefix = format!("{name}{{{label}=\"");
+    metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix(prefix.as_str()))
+        .filter_map(|rest| {
+            let (value_of_label, sample) = rest.split_once("\"} ")?;
+            Some((value_of_label.to_owned(), sample.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 /// Waits until `path` is a unix socket (the agent binds it under a temporary
