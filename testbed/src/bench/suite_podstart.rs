@@ -8,8 +8,10 @@
 //! chained `ambpf-cni` into its conflist and `ambpf run --pod-source kube`
 //! serves it, with a ZDS-only ztunnel double connected, so a sandbox's CNI
 //! ADD returns only once the pod is redirected and ztunnel's set has it.
-//! Rounds start one fresh ambient pod per mode, modes in rotated order, so
-//! the three share the machine's noise; each pod is removed (StopPodSandbox,
+//! A fourth node without ambpf (`no ambpf, 2nd`) is the control: what two
+//! identical nodes differ by in the same run is the floor under which an
+//! "added" figure is noise. Rounds start one fresh ambient pod per node,
+//! nodes in rotated order, so all share the machine's noise; each pod is removed (StopPodSandbox,
 //! RemovePodSandbox, deleted from the API server, gone from the double)
 //! before the next, untimed.
 
@@ -31,7 +33,13 @@ const NAMESPACE: &str = "mesh";
 /// A hang, not a slow result.
 const TIMEOUT: Duration = Duration::from_secs(120);
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(30);
-const MODES: [Mode; 3] = [Mode::Direct, Mode::Iptables, Mode::Ebpf];
+/// The nodes: the baseline first, the control last.
+const LANES: [(Mode, &str); 4] = [
+    (Mode::Direct, "no ambpf"),
+    (Mode::Iptables, "iptables"),
+    (Mode::Ebpf, "ebpf"),
+    (Mode::Direct, "no ambpf, 2nd"),
+];
 
 #[derive(Args)]
 pub(super) struct PodstartArgs {
@@ -57,6 +65,7 @@ struct Config {
 struct ModeResult {
     /// `direct`: no ambpf.
     mode: Mode,
+    node: &'static str,
     run_pod_sandbox_ms: Stats,
     /// p50 and p99 over no ambpf's.
     added_p50_ms: f64,
@@ -71,6 +80,7 @@ struct ModeResult {
 /// One mode's node, and its agent and double.
 struct Lane {
     mode: Mode,
+    label: &'static str,
     // Field order is drop order: the agent before its node.
     agent: Option<Agent>,
     ztunnel: Option<ZtunnelDouble>,
@@ -89,13 +99,18 @@ struct Lane {
 }
 
 impl Lane {
-    async fn start(mode: Mode, binary: &Path, work: &TempDir) -> Result<Self> {
+    async fn start(
+        (mode, label): (Mode, &'static str),
+        binary: &Path,
+        work: &TempDir,
+    ) -> Result<Self> {
         let node = Node::start(NodeConfig::default()).context("starting containerd")?;
         let cri = node.cri().await?;
         let api = ApiServer::start_in(&node.netns.path()).await?;
         api.apply("namespaces", namespace_object(NAMESPACE, true));
         let mut lane = Self {
             mode,
+            label,
             agent: None,
             ztunnel: None,
             api,
@@ -218,10 +233,10 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
     let binary = std::path::absolute(&args.common.agent)?;
     let work = TempDir::create("ambpf-bench-podstart")?;
     let mut lanes = Vec::new();
-    for mode in MODES {
-        let lane = Lane::start(mode, &binary, &work)
+    for lane in LANES {
+        let lane = Lane::start(lane, &binary, &work)
             .await
-            .with_context(|| format!("setting up the {} node", mode.name()))?;
+            .with_context(|| format!("setting up the {} node", lane.1))?;
         lanes.push(lane);
     }
     let containerd = lanes[0].cri.version().await?.runtime_version;
@@ -232,7 +247,7 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
             let elapsed = lane
                 .measure_one(round)
                 .await
-                .with_context(|| format!("round {round}, {}", lane.mode.name()))?;
+                .with_context(|| format!("round {round}, {}", lane.label))?;
             if round >= args.warmup {
                 lane.samples.push(elapsed);
             }
@@ -247,8 +262,8 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
             for lane in &lanes {
                 let p50 = |v: &[f64]| Stats::of(v).map_or(f64::NAN, |s| s.median);
                 eprintln!(
-                    "podstart:   {:<8} RunPodSandbox p50 {:.1} ms; untimed: remove p50 {:.1} ms, API delete to ztunnel Del p50 {:.1} ms",
-                    lane.mode.name(),
+                    "podstart:   {:<13} RunPodSandbox p50 {:.1} ms; untimed: remove p50 {:.1} ms, API delete to ztunnel Del p50 {:.1} ms",
+                    lane.label,
                     p50(&lane.samples),
                     p50(&lane.remove_ms),
                     p50(&lane.ztunnel_del_ms),
@@ -293,6 +308,7 @@ fn summarize(lanes: &[Lane]) -> Result<Vec<ModeResult>> {
             let s = stats(lane)?;
             Ok(ModeResult {
                 mode: lane.mode,
+                node: lane.label,
                 run_pod_sandbox_ms: s,
                 added_p50_ms: s.median - none.median,
                 added_p99_ms: s.p99 - none.p99,
@@ -306,9 +322,11 @@ fn summarize(lanes: &[Lane]) -> Result<Vec<ModeResult>> {
 fn print_table(results: &[ModeResult], pods: usize) {
     let f1 = |v: f64| format!("{v:.1}");
     println!();
-    println!("RunPodSandbox, {pods} fresh pods per mode (ms; `direct` = no ambpf)");
+    println!(
+        "RunPodSandbox, {pods} fresh pods per node (ms; \"added\" over the first node without ambpf)"
+    );
     let mut table = Table::new([
-        "mode",
+        "node",
         "p50",
         "p90",
         "p99",
@@ -319,10 +337,7 @@ fn print_table(results: &[ModeResult], pods: usize) {
     for r in results {
         let s = &r.run_pod_sandbox_ms;
         table.row([
-            match r.mode {
-                Mode::Direct => "no ambpf".to_owned(),
-                mode => mode.name().to_owned(),
-            },
+            r.node.to_owned(),
             f1(s.median),
             f1(s.p90),
             f1(s.p99),
@@ -332,7 +347,12 @@ fn print_table(results: &[ModeResult], pods: usize) {
         ]);
     }
     println!("{table}");
-    if let [_, iptables, ebpf] = results {
+    if let [_, iptables, ebpf, control] = results {
+        println!(
+            "two nodes without ambpf differ by {:.1} ms at p50, {:.1} ms at p99 in this run: \
+             \"added\" figures within that are noise",
+            control.added_p50_ms, control.added_p99_ms
+        );
         println!(
             "eBPF/iptables: p50 {:.2}x, p99 {:.2}x; added p50 {:.1} ms vs {:.1} ms",
             ebpf.run_pod_sandbox_ms.median / iptables.run_pod_sandbox_ms.median,
@@ -350,7 +370,7 @@ fn print_table(results: &[ModeResult], pods: usize) {
         println!(
             "{}: the agent's time per ADD, mean ms: {} (the rest of \"added\" is outside the agent: \
              the plugin's exec and request, containerd)",
-            r.mode.name(),
+            r.node,
             phases.join(", ")
         );
     }
