@@ -342,6 +342,7 @@ struct Here<'a> {
     rtnl: Rtnl,
     lo_index: u32,
     lo_name: String,
+    lo_up: bool,
 }
 
 impl<'a> Here<'a> {
@@ -355,7 +356,7 @@ impl<'a> Here<'a> {
             }
         };
         let mut rtnl = Rtnl::open().map_err(netlink_err("opening a netlink route socket"))?;
-        let (lo_index, lo_name) = rtnl
+        let (lo_index, lo_name, lo_up) = rtnl
             .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
             .map_err(netlink_err("listing interfaces"))?
             .into_iter()
@@ -367,7 +368,11 @@ impl<'a> Here<'a> {
                         LinkAttribute::IfName(name) => Some(name.clone()),
                         _ => None,
                     });
-                    Some((link.header.index, name.unwrap_or_else(|| "lo".into())))
+                    Some((
+                        link.header.index,
+                        name.unwrap_or_else(|| "lo".into()),
+                        link.header.flags.contains(LinkFlags::Up),
+                    ))
                 }
                 _ => None,
             })
@@ -379,6 +384,7 @@ impl<'a> Here<'a> {
             rtnl,
             lo_index,
             lo_name,
+            lo_up,
         })
     }
 
@@ -409,6 +415,7 @@ impl<'a> Here<'a> {
 
     /// Route, then rule, of each IP version in use.
     fn add_policy_routing(&mut self) -> Result<(), RoutingError> {
+        self.bring_loopback_up()?;
         for family in self.families() {
             self.add_route(family)?;
             self.add_rule(family)?;
@@ -427,6 +434,27 @@ impl<'a> Here<'a> {
             self.delete_rules(family)?;
             self.delete_routes(family)?;
         }
+        Ok(())
+    }
+
+    /// Sets the loopback up, as the `loopback` CNI plugin does, if it is not
+    /// yet. A runtime may run the loopback plugin concurrently with the
+    /// pod's network and so with this agent's enrolment (containerd's CRI
+    /// attaches the two at once); the kernel refuses an IPv6 route through a
+    /// device that is down ("Nexthop device is not up"), and ztunnel's
+    /// sockets in the pod need the loopback anyway.
+    fn bring_loopback_up(&mut self) -> Result<(), RoutingError> {
+        if self.lo_up {
+            return Ok(());
+        }
+        let mut link = LinkMessage::default();
+        link.header.index = self.lo_index;
+        link.header.flags = LinkFlags::Up;
+        link.header.change_mask = LinkFlags::Up;
+        let result = self.rtnl.execute(RouteNetlinkMessage::SetLink(link), 0);
+        let what = format!("setting {} up", self.lo_name);
+        result.map_err(self.netlink_err(what))?;
+        self.lo_up = true;
         Ok(())
     }
 
@@ -732,6 +760,21 @@ mod tests {
         remove_reply_routing(&netns).unwrap();
         assert!(!reply_routing_installed(&netns).unwrap());
         assert_eq!(dump_reply_routing(&ns, IpFamily::V6).0, 0);
+    }
+
+    #[test]
+    fn a_loopback_still_down_is_brought_up_first() {
+        let ns = NetnsGuard::create("lodown").unwrap();
+        ip_show(&ns, &["link", "set", "lo", "down"]);
+        assert!(!ip_show(&ns, &["link", "show", "lo"]).contains(",UP"));
+        let netns = open(&ns);
+        install_reply_routing(&netns).unwrap();
+        assert!(ip_show(&ns, &["link", "show", "lo"]).contains(",UP"));
+        let status = reply_routing_status(&netns).unwrap();
+        assert!(status.is_installed(), "{status:?}");
+        assert!(status.ipv6.is_some(), "IPv6 skipped: {status:?}");
+        assert_eq!(dump_reply_routing(&ns, IpFamily::V6).1.len(), 1);
+        remove_reply_routing(&netns).unwrap();
     }
 
     #[test]
