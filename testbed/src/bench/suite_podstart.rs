@@ -187,6 +187,14 @@ impl Lane {
             .filter_map(|v| v.trim().parse::<f64>().ok())
             .sum();
         times.insert("adds".to_owned(), adds);
+        // Everything the agent does for a round (one ADD each), not only
+        // the ADD: the source's passes, the annotation, the removal.
+        if let Some(agent) = &self.agent {
+            let cpu = ambpf_testbed::bench::cpu_time(agent.pid())?
+                .total()
+                .as_secs_f64();
+            times.insert("cpu per round".to_owned(), cpu);
+        }
         Ok(times)
     }
 
