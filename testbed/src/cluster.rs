@@ -9,6 +9,13 @@
 //! Every namespace routes through the node, so a pod reaches the remote
 //! client and other pods via the node, as on a real node.
 //!
+//! The neighbour entries of the pods' links (the pod's gateway in the pod,
+//! the pod's addresses on the node) are permanent, as the MACs are fixed
+//! ([`pod_macs`]). The kernel's neighbour tables are shared by every
+//! namespace, and their `gc_thresh3` (1,024 by default, settable only from
+//! the host's namespace) caps the entries that are not permanent (Linux
+//! 4.19 on): learnt entries would overflow it at about 500 pods with traffic.
+//!
 //! A node's IPAM hands a deleted pod's addresses to the next pod. The
 //! `recycle_pod*` methods do that to pod i: a new network namespace gets the
 //! same addresses, the same node-side `vpod<i+1>` and routes, and an `eth0`
@@ -67,6 +74,51 @@ fn pod_addrs(n: u16) -> (Addrs, Addrs) {
         v6: Ipv6Addr::new(0xfd00, 0xa, n, 0, 0, 0, 0, 1),
     };
     (pod, gw)
+}
+
+/// A fixed MAC, locally administered.
+#[derive(Clone, Copy, Debug)]
+struct Mac([u8; 6]);
+
+impl Mac {
+    /// The IPv6 link-local address the kernel gives the device (EUI-64).
+    fn link_local(self) -> Ipv6Addr {
+        let [a, b, c, d, e, f] = self.0;
+        Ipv6Addr::from([
+            0xfe,
+            0x80,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            a ^ 0x02,
+            b,
+            c,
+            0xff,
+            0xfe,
+            d,
+            e,
+            f,
+        ])
+    }
+}
+
+impl std::fmt::Display for Mac {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let [a, b, c, d, e, g] = self.0;
+        write!(f, "{a:02x}:{b:02x}:{c:02x}:{d:02x}:{e:02x}:{g:02x}")
+    }
+}
+
+/// Pod `n`'s MACs: its `eth0`'s and the node side's (`vpod<n>`).
+fn pod_macs(n: u16) -> (Mac, Mac) {
+    let [high, low] = n.to_be_bytes();
+    (
+        Mac([0x02, 0xa0, 0, 0, high, low]),
+        Mac([0x02, 0xa1, 0, 0, high, low]),
+    )
 }
 
 const REMOTE: Addrs = Addrs {
@@ -138,15 +190,18 @@ impl Cluster {
     /// Joins each `(n, ns)` to the node as pod `n` (1-based), as a CNI
     /// plugin does: `eth0` made inside the pod's namespace (so it has the
     /// same interface index in every pod) with the pod's addresses, its peer
-    /// `vpod<n>` on the node, default routes through it.
+    /// `vpod<n>` on the node, default routes through it, and the permanent
+    /// neighbour entries of both ends.
     fn connect_pods(&self, pods: &[(u16, &NetnsGuard)]) -> io::Result<()> {
         let mut links = Vec::new();
         let mut node_side = Vec::new();
         for &(n, ns) in pods {
             ns.sysctl("net.ipv6.conf.default.accept_dad=0")?;
-            let (_, gw) = pod_addrs(n);
+            let (addrs, gw) = pod_addrs(n);
+            let (pod_mac, node_mac) = pod_macs(n);
             links.push(format!(
-                "link add eth0 netns {} type veth peer name vpod{n} netns {}",
+                "link add eth0 netns {} address {pod_mac} type veth peer name vpod{n} \
+                 address {node_mac} netns {}",
                 ns.name(),
                 self.node.name()
             ));
@@ -155,22 +210,25 @@ impl Cluster {
                 format!("addr add {}/64 dev vpod{n} nodad", gw.v6),
                 format!("link set vpod{n} up"),
             ]);
+            node_side.extend(permanent_neighbours(&addrs, pod_mac, &format!("vpod{n}")));
         }
         crate::ip_batch(None, &links)?;
         crate::ip_batch(Some(self.node.name()), &node_side)?;
         for &(n, ns) in pods {
             let (addrs, gw) = pod_addrs(n);
-            crate::ip_batch(
-                Some(ns.name()),
-                &[
-                    "link set lo up".to_owned(),
-                    format!("addr add {}/24 dev eth0", addrs.v4),
-                    format!("addr add {}/64 dev eth0 nodad", addrs.v6),
-                    "link set eth0 up".to_owned(),
-                    format!("route add default via {}", gw.v4),
-                    format!("route add default via {}", gw.v6),
-                ],
-            )?;
+            let (_, node_mac) = pod_macs(n);
+            let mut commands = vec![
+                "link set lo up".to_owned(),
+                format!("addr add {}/24 dev eth0", addrs.v4),
+                format!("addr add {}/64 dev eth0 nodad", addrs.v6),
+                "link set eth0 up".to_owned(),
+            ];
+            commands.extend(permanent_neighbours(&gw, node_mac, "eth0"));
+            commands.extend([
+                format!("route add default via {}", gw.v4),
+                format!("route add default via {}", gw.v6),
+            ]);
+            crate::ip_batch(Some(ns.name()), &commands)?;
         }
         Ok(())
     }
@@ -289,7 +347,9 @@ impl Cluster {
     /// changed under a live namespace: the new addresses are added before
     /// the old ones go, so the routes through the node stay.
     pub fn readdress_pod(&mut self, i: usize) -> io::Result<()> {
-        let (_, gw) = pod_addrs(self.pod_number(i)?);
+        let n = self.pod_number(i)?;
+        let (_, gw) = pod_addrs(n);
+        let (pod_mac, _) = pod_macs(n);
         let pod = &mut self.pods[i];
         // The new IPv4 address is a secondary of the old one's subnet: kept
         // (promoted) when the old one goes, rather than deleted with it.
@@ -313,6 +373,13 @@ impl Cluster {
                 format!("route replace default via {}", gw.v6),
             ],
         )?;
+        let device = format!("vpod{n}");
+        let mut node_side = permanent_neighbours(&new, pod_mac, &device);
+        node_side.extend([
+            format!("neigh del {} dev {device}", old.v4),
+            format!("neigh del {} dev {device}", old.v6),
+        ]);
+        crate::ip_batch(Some(self.node.name()), &node_side)?;
         pod.addrs = new;
         Ok(())
     }
@@ -362,6 +429,19 @@ impl UtsNamespace {
     }
 }
 
+/// `ip` commands: `addrs` and the link-local address of `mac` at `mac` on
+/// `device`, permanently (the link-local one would be learnt from the
+/// other end's router solicitations and neighbour discovery).
+fn permanent_neighbours(addrs: &Addrs, mac: Mac, device: &str) -> Vec<String> {
+    [
+        IpAddr::V4(addrs.v4),
+        IpAddr::V6(addrs.v6),
+        IpAddr::V6(mac.link_local()),
+    ]
+    .map(|ip| format!("neigh replace {ip} lladdr {mac} dev {device} nud permanent"))
+    .to_vec()
+}
+
 fn route_via(ns: &NetnsGuard, gw: Addrs) -> io::Result<()> {
     ns.ip(&["route", "add", "default", "via", &gw.v4.to_string()])?;
     ns.ip(&["-6", "route", "add", "default", "via", &gw.v6.to_string()])
@@ -398,6 +478,42 @@ mod tests {
                 v4 => v4,
             };
             assert_eq!(peer, from);
+        }
+    }
+
+    /// `ip neigh show` lines in `ns` for the devices named `prefix...`.
+    fn neighbours(ns: &NetnsGuard, prefix: &str) -> Vec<String> {
+        let out = std::process::Command::new("ip")
+            .args(["-n", ns.name(), "neigh", "show"])
+            .output()
+            .unwrap();
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .filter(|line| line.contains(&format!(" dev {prefix}")))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn pod_traffic_learns_no_neighbour_entries() {
+        let mut cluster = Cluster::create(2).unwrap();
+        cluster.readdress_pod(1).unwrap();
+        for i in 0..2 {
+            assert_reachable(&cluster, i);
+        }
+        let node = neighbours(&cluster.node, "vpod");
+        // Each pod's three addresses, the readdressed pod's old ones gone.
+        assert_eq!(node.len(), 6, "{node:?}");
+        let pods = cluster
+            .pods
+            .iter()
+            .flat_map(|pod| neighbours(&pod.ns, "eth0"));
+        for entry in node.iter().cloned().chain(pods) {
+            assert!(
+                entry.trim_end().ends_with("PERMANENT"),
+                "a learnt entry: {entry}"
+            );
         }
     }
 
