@@ -520,6 +520,8 @@ impl Engine {
         let mut synced = Some(synced);
         let mut tick = tokio::time::interval(self.config.resync);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Pods the resolver left for its next scan of /proc.
+        let mut retry: Option<tokio::time::Instant> = None;
         loop {
             let mut dirty = tokio::select! {
                 Some(event) = pod_events.next() => on_event("pods", event, &mut pods_synced, &mut pod_health),
@@ -527,6 +529,10 @@ impl Engine {
                     on_event("namespaces", event, &mut namespaces_synced, &mut namespace_health)
                 }
                 _ = tick.tick() => true,
+                () = tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)), if retry.is_some() => {
+                    retry = None;
+                    true
+                }
             };
             // Take whatever else is ready, so a burst makes one pass.
             loop {
@@ -552,6 +558,11 @@ impl Engine {
                 continue;
             }
             self.publish().await;
+            retry = self
+                .resolver
+                .as_ref()
+                .and_then(|resolver| resolver.retry_in())
+                .map(|after| tokio::time::Instant::now() + after);
             if let Some(synced) = synced.take() {
                 let _ = synced.send(());
             }

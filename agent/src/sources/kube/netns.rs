@@ -12,10 +12,18 @@
 //!
 //! The answer is `/proc/<pid>/ns/net` of a live process. It is cached by pod
 //! UID with the namespace's inode and checked on every pass: while the
-//! process lives, still belongs to the pod and is still in that namespace,
-//! the same path is given (so that ztunnel is not told of a change); when the
-//! sandbox is recreated (the process is gone, or its namespace changed) the
-//! pod is found again.
+//! process lives and is still in that namespace (one `stat`), and, checked
+//! every [`OWNERSHIP_RECHECK`], still belongs to the pod, the same path is
+//! given (so that ztunnel is not told of a change); when the sandbox is
+//! recreated (the process is gone, or its namespace changed) the pod is
+//! found again.
+//!
+//! What it costs grows with the node: a scan reads the cgroup file of every
+//! process, and the source passes on every pod event. So a pass checks the
+//! cached answers with one `stat` each, and scans at most every
+//! [`SCAN_INTERVAL`]; pods a skipped scan would have looked for are
+//! retried when it has passed ([`NetnsResolver::retry_in`]). On a node of
+//! 1,000 pods under churn, scanning on every event took a CPU.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -23,6 +31,7 @@ use std::{
     net::IpAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use crate::{netns::Netns, redirect::podnet, zds::NetnsSource};
@@ -45,7 +54,19 @@ pub trait NetnsResolver: Send + 'static {
     /// with every ambient pod on each pass; pods not asked for again may be
     /// forgotten.
     fn resolve(&mut self, pods: &[PodQuery]) -> BTreeMap<String, Result<NetnsSource, String>>;
+
+    /// When pods of the last [`Self::resolve`] were left unresolved without
+    /// being looked for, how soon to call again.
+    fn retry_in(&self) -> Option<Duration> {
+        None
+    }
 }
+
+/// How often cached answers are checked to still belong to their pod (a
+/// pid reused by another pod's process in the same namespace).
+pub const OWNERSHIP_RECHECK: Duration = Duration::from_secs(5);
+/// The least time between two scans of the proc filesystem.
+pub const SCAN_INTERVAL: Duration = Duration::from_millis(200);
 
 impl<F> NetnsResolver for F
 where
@@ -67,6 +88,14 @@ pub struct ProcNetnsFinder {
     cache: HashMap<String, Found>,
     host_netns: Option<u64>,
     verify: Verifier,
+    scan_interval: Duration,
+    ownership_recheck: Duration,
+    /// When the cached answers' owners were last checked.
+    ownership_checked: Option<Instant>,
+    /// When the proc filesystem was last scanned.
+    scanned: Option<Instant>,
+    /// Pods were left for a later scan.
+    scan_deferred: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,12 +121,24 @@ impl ProcNetnsFinder {
             cache: HashMap::new(),
             host_netns: fs::metadata("/proc/self/ns/net").ok().map(|m| m.ino()),
             verify: Box::new(holds_any_ip),
+            scan_interval: SCAN_INTERVAL,
+            ownership_recheck: OWNERSHIP_RECHECK,
+            ownership_checked: None,
+            scanned: None,
+            scan_deferred: false,
         }
     }
 
     /// Replaces the check that a namespace holds one of the pod's IPs.
     pub fn with_verifier(mut self, verify: Verifier) -> Self {
         self.verify = verify;
+        self
+    }
+
+    /// Replaces [`SCAN_INTERVAL`] and [`OWNERSHIP_RECHECK`].
+    pub fn with_intervals(mut self, scan: Duration, ownership: Duration) -> Self {
+        self.scan_interval = scan;
+        self.ownership_recheck = ownership;
         self
     }
 
@@ -120,12 +161,19 @@ impl ProcNetnsFinder {
         Some(pod_uids_in_cgroup(&text))
     }
 
-    /// The cached answer, if the process still belongs to the pod and is
-    /// still in the same namespace.
-    fn still_valid(&self, uid: &str, found: Found) -> bool {
-        self.uids_of(found.pid)
-            .is_some_and(|uids| uids.iter().any(|u| u == uid))
-            && self.inode_of(found.pid) == Some(found.inode)
+    /// The cached answer, if the process is still in the same namespace
+    /// and, with `owner`, still belongs to the pod.
+    fn still_valid(&self, uid: &str, found: Found, owner: bool) -> bool {
+        self.inode_of(found.pid) == Some(found.inode)
+            && (!owner
+                || self
+                    .uids_of(found.pid)
+                    .is_some_and(|uids| uids.iter().any(|u| u == uid)))
+    }
+
+    /// Whether `last` is `interval` or longer ago (or never was).
+    fn due(last: Option<Instant>, interval: Duration) -> bool {
+        last.is_none_or(|at| at.elapsed() >= interval)
     }
 
     /// Processes of the wanted pods, by pod UID.
@@ -201,11 +249,16 @@ impl NetnsResolver for ProcNetnsFinder {
     fn resolve(&mut self, pods: &[PodQuery]) -> BTreeMap<String, Result<NetnsSource, String>> {
         let asked: HashSet<&str> = pods.iter().map(|p| p.uid.as_str()).collect();
         self.cache.retain(|uid, _| asked.contains(uid.as_str()));
+        let owners = Self::due(self.ownership_checked, self.ownership_recheck);
+        if owners {
+            self.ownership_checked = Some(Instant::now());
+        }
+        self.scan_deferred = false;
         let mut results = BTreeMap::new();
         let mut missing = Vec::new();
         for pod in pods {
             match self.cache.get(&pod.uid).copied() {
-                Some(found) if self.still_valid(&pod.uid, found) => {
+                Some(found) if self.still_valid(&pod.uid, found, owners) => {
                     results.insert(
                         pod.uid.clone(),
                         Ok(NetnsSource::Path(self.netns_path(found.pid))),
@@ -220,6 +273,16 @@ impl NetnsResolver for ProcNetnsFinder {
         if missing.is_empty() {
             return results;
         }
+        if !Self::due(self.scanned, self.scan_interval) {
+            self.scan_deferred = true;
+            for pod in missing {
+                let why =
+                    "not looked for yet (the last scan of the proc filesystem was too recent)";
+                results.insert(pod.uid.clone(), Err(why.to_owned()));
+            }
+            return results;
+        }
+        self.scanned = Some(Instant::now());
         let wanted: HashSet<&str> = missing.iter().map(|p| p.uid.as_str()).collect();
         let scanned = self.scan(&wanted);
         for pod in missing {
@@ -234,6 +297,12 @@ impl NetnsResolver for ProcNetnsFinder {
             results.insert(pod.uid.clone(), result);
         }
         results
+    }
+
+    fn retry_in(&self) -> Option<Duration> {
+        let since = self.scanned?.elapsed();
+        self.scan_deferred
+            .then(|| self.scan_interval.saturating_sub(since))
     }
 }
 
@@ -434,6 +503,52 @@ mod tests {
         format!("0::/kubepods/burstable/pod{uid}/c0ffee\n")
     }
 
+    /// A finder that scans and checks owners on every pass.
+    fn unthrottled(root: &Path) -> ProcNetnsFinder {
+        ProcNetnsFinder::new(root).with_intervals(Duration::ZERO, Duration::ZERO)
+    }
+
+    #[test]
+    fn scans_are_spaced_and_owners_rechecked_on_their_interval() {
+        let proc = FakeProc::new();
+        proc.process(200, &v2(UID_A), 10);
+        let mut finder = ProcNetnsFinder::new(&proc.root)
+            .with_host_netns(None)
+            .with_intervals(Duration::from_millis(300), Duration::from_millis(300));
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(200))
+        );
+        assert_eq!(finder.retry_in(), None);
+
+        // A pod that appears right after a scan is left for the next one,
+        // and the caller is told when to come back.
+        proc.process(400, &v2(UID_B), 20);
+        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[])]);
+        assert_eq!(found[UID_A], Ok(proc.path(200)));
+        assert!(
+            found[UID_B]
+                .as_ref()
+                .unwrap_err()
+                .contains("not looked for yet")
+        );
+        let retry = finder.retry_in().expect("a scan was deferred");
+        assert!(retry <= Duration::from_millis(300), "{retry:?}");
+
+        // Within the owner interval a cached answer is taken on its
+        // namespace alone; past it, a pid now another pod's is not.
+        fs::write(proc.root.join("200/cgroup"), v2(UID_B)).unwrap();
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(200))
+        );
+        std::thread::sleep(retry.max(Duration::from_millis(300)));
+        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[])]);
+        assert!(found[UID_A].is_err(), "{found:?}");
+        assert_eq!(found[UID_B], Ok(proc.path(200)));
+        assert_eq!(finder.retry_in(), None);
+    }
+
     fn query(uid: &str, ips: &[&str]) -> PodQuery {
         PodQuery {
             uid: uid.into(),
@@ -465,7 +580,7 @@ mod tests {
             5,
         );
         proc.process(500, "0::/system.slice/sshd.service\n", 1);
-        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(None);
+        let mut finder = unthrottled(&proc.root).with_host_netns(None);
 
         let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[]), query("missing", &[])]);
         assert_eq!(found[UID_A], Ok(proc.path(200)));
@@ -493,7 +608,7 @@ mod tests {
         proc.process(200, &v2(UID_A), 10);
         proc.process(300, &v2(UID_A), 20);
         proc.share_netns(300, 200);
-        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(None);
+        let mut finder = unthrottled(&proc.root).with_host_netns(None);
         assert_eq!(
             finder.resolve(&[query(UID_A, &[])])[UID_A],
             Ok(proc.path(200))
@@ -527,7 +642,7 @@ mod tests {
         let proc = FakeProc::new();
         proc.process(200, &v2(UID_A), 10);
         let host = fs::metadata(proc.root.join("200/ns/net")).unwrap().ino();
-        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(Some(host));
+        let mut finder = unthrottled(&proc.root).with_host_netns(Some(host));
         assert!(finder.resolve(&[query(UID_A, &[])])[UID_A].is_err());
     }
 
@@ -547,7 +662,7 @@ mod tests {
                 Ok(path == own)
             }
         });
-        let mut finder = ProcNetnsFinder::new(&proc.root)
+        let mut finder = unthrottled(&proc.root)
             .with_host_netns(None)
             .with_verifier(verifier);
         assert_eq!(
@@ -561,7 +676,7 @@ mod tests {
         assert_eq!(checked.lock().unwrap().len(), 2);
 
         // No namespace holds the IP: an error naming it.
-        let mut strict = ProcNetnsFinder::new(&proc.root)
+        let mut strict = unthrottled(&proc.root)
             .with_host_netns(None)
             .with_verifier(Box::new(|_: &Path, _: &[IpAddr]| Ok(false)));
         let err = strict
@@ -576,7 +691,7 @@ mod tests {
     fn pods_no_longer_asked_for_are_forgotten() {
         let proc = FakeProc::new();
         proc.process(200, &v2(UID_A), 10);
-        let mut finder = ProcNetnsFinder::new(&proc.root).with_host_netns(None);
+        let mut finder = unthrottled(&proc.root).with_host_netns(None);
         finder.resolve(&[query(UID_A, &[])]);
         assert!(finder.cache.contains_key(UID_A));
         finder.resolve(&[]);
