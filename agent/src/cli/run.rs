@@ -169,6 +169,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // Start-up (the kernel's BTF parsed, the programs loaded, the initial
         // pod list decoded) frees far more than the agent keeps.
         release_free_memory();
+        tokio::spawn(release_free_memory_periodically());
         let registry = observe::registry(observe::AgentCollector {
             zds: zds.clone(),
             controller: controller.stats(),
@@ -216,6 +217,21 @@ fn release_free_memory() {
         libc::malloc_trim(0);
     }
 }
+
+/// [`release_free_memory`] every [`TRIM_INTERVAL`]: pod churn frees as much
+/// as it allocates (watch events decoded, passes over every pod), and glibc
+/// keeps the pages it freed (the README's soak figures show the difference).
+async fn release_free_memory_periodically() {
+    let mut tick = tokio::time::interval(TRIM_INTERVAL);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let _ = tokio::task::spawn_blocking(release_free_memory).await;
+    }
+}
+
+/// How often the agent hands freed heap memory back to the kernel.
+const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Raises the soft limit on open files to the hard one, as Go's runtime does
 /// for Istio's node agent: the agent holds each enrolled pod's namespace
