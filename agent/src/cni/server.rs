@@ -167,12 +167,13 @@ async fn respond(
         return Err((503, "the agent is shutting down\n".to_owned()));
     }
     let answer = tokio::time::timeout(ENROLL_TIMEOUT, answer).await;
-    stats.time(AddPhase::Enrol, enrolling.elapsed());
+    let enrolled_in = enrolling.elapsed();
+    stats.time(AddPhase::Enrol, enrolled_in);
     match answer {
         Ok(Ok(Ok(()))) => {
             info!(
                 "CNI add: pod {pod} enrolled in {:.2} ms",
-                enrolling.elapsed().as_secs_f64() * 1e3
+                enrolled_in.as_secs_f64() * 1e3
             );
             Ok(CmdAddReply::Enrolled)
         }

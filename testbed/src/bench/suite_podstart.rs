@@ -11,9 +11,9 @@
 //! A fourth node without ambpf (`no ambpf, 2nd`) is the control: what two
 //! identical nodes differ by in the same run is the floor under which an
 //! "added" figure is noise. Rounds start one fresh ambient pod per node,
-//! nodes in rotated order, so all share the machine's noise; each pod is removed (StopPodSandbox,
-//! RemovePodSandbox, deleted from the API server, gone from the double)
-//! before the next, untimed.
+//! nodes in rotated order, so all share the machine's noise; each pod is
+//! removed (StopPodSandbox, RemovePodSandbox, deleted from the API server,
+//! gone from the double) before the next, untimed.
 
 use std::ffi::OsStr;
 
