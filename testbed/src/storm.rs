@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::NetnsGuard;
 
@@ -27,25 +27,25 @@ pub struct Greeters {
 }
 
 impl Greeters {
+    /// Servers on `addresses` in `ns`.
     pub fn start(ns: &NetnsGuard, addresses: &[SocketAddr]) -> io::Result<Self> {
+        let listeners = ns.run(|| addresses.iter().map(|a| listen(*a)).collect::<io::Result<_>>())??;
+        Self::serve(addresses, listeners)
+    }
+
+    /// Servers on `addresses` in this thread's namespace.
+    pub fn start_here(addresses: &[SocketAddr]) -> io::Result<Self> {
+        let listeners = addresses.iter().map(|a| listen(*a)).collect::<io::Result<_>>()?;
+        Self::serve(addresses, listeners)
+    }
+
+    fn serve(addresses: &[SocketAddr], listeners: Vec<TcpListener>) -> io::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("greeters")
             .enable_all()
             .build()?;
-        for address in addresses {
-            let listener = ns.run(|| {
-                let socket = socket2::Socket::new(
-                    socket2::Domain::for_address(*address),
-                    socket2::Type::STREAM,
-                    None,
-                )?;
-                socket.set_reuse_address(true)?;
-                socket.bind(&(*address).into())?;
-                socket.listen(4096)?;
-                socket.set_nonblocking(true)?;
-                Ok::<TcpListener, io::Error>(socket.into())
-            })??;
+        for (address, listener) in addresses.iter().zip(listeners) {
             let port = address.port();
             let _enter = runtime.enter();
             let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -56,6 +56,19 @@ impl Greeters {
             runtime: Some(runtime),
         })
     }
+}
+
+fn listen(address: SocketAddr) -> io::Result<TcpListener> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(address),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&address.into())?;
+    socket.listen(4096)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
 }
 
 async fn greet(listener: tokio::net::TcpListener, port: u16) {
@@ -131,7 +144,7 @@ impl StormConnection {
 }
 
 /// Counts of each [`Fate`].
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StormSummary {
     pub opened: usize,
     pub reached: usize,
@@ -160,6 +173,17 @@ impl StormSummary {
     }
 }
 
+impl std::ops::AddAssign for StormSummary {
+    fn add_assign(&mut self, other: Self) {
+        self.opened += other.opened;
+        self.reached += other.reached;
+        self.refused += other.refused;
+        self.not_connected += other.not_connected;
+        self.misrouted += other.misrouted;
+        self.hung += other.hung;
+    }
+}
+
 /// Opens `count` connections from inside `ns` as fast as it can (all
 /// connects first, non-blocking, targets taken in turn), then waits up to
 /// `patience` for each one's greeting. The connections stay open.
@@ -169,17 +193,24 @@ pub fn storm(
     count: usize,
     patience: Duration,
 ) -> io::Result<Vec<StormConnection>> {
-    ns.run(|| {
-        let mut pending = Vec::with_capacity(count);
-        for i in 0..count {
-            let target = targets[i % targets.len()];
-            pending.push((target, start_connect(target)));
-        }
-        pending
-            .into_iter()
-            .map(|(target, started)| finish(target, started, patience))
-            .collect::<io::Result<Vec<_>>>()
-    })?
+    ns.run(|| storm_here(targets, count, patience))?
+}
+
+/// [`storm`] from this thread's namespace.
+pub fn storm_here(
+    targets: &[SocketAddr],
+    count: usize,
+    patience: Duration,
+) -> io::Result<Vec<StormConnection>> {
+    let mut pending = Vec::with_capacity(count);
+    for i in 0..count {
+        let target = targets[i % targets.len()];
+        pending.push((target, start_connect(target)));
+    }
+    pending
+        .into_iter()
+        .map(|(target, started)| finish(target, started, patience))
+        .collect()
 }
 
 /// Opens connections one after another, each greeted (or refused) before

@@ -2,15 +2,25 @@
 //! with `#[path]`; not part of the library).
 //!
 //! A connection storm past the original-destination capacity: the agent
-//! runs with `--max-redirected-connections C`, and one enrolled pod opens
-//! `M × C` connections at once (all connects first, non-blocking, to eight
-//! servers in the `remote` namespace taken in turn, four on its IPv4 address
-//! and four on its IPv6 one), holding every one open,
-//! then waits for each one's greeting (each server greets with its port, so
-//! a misrouted connection shows). What became of each connection is counted:
-//! reached its server, refused (ztunnel closed it: no original destination),
-//! not connected, misrouted, hung. The eBPF mode also reports the agent's
+//! runs with `--max-redirected-connections C`, and its enrolled pods open
+//! `M × C` connections at once (each pod all its connects first,
+//! non-blocking, to servers in the `remote` namespace taken in turn, IPv4
+//! and IPv6 alternating), holding every one open, then wait for each one's
+//! greeting (each server greets with its port, so a misrouted connection
+//! shows). What became of each connection is counted: reached its server,
+//! refused (ztunnel closed it: no original destination), not connected,
+//! misrouted, hung. The eBPF mode also reports the agent's
 //! `ambpf_origdst_misses_total` from its `/metrics`.
+//!
+//! A storm of the default capacity (65,536) and past it needs hundreds of
+//! thousands of descriptors (client, ztunnel's accepted and upstream
+//! sockets, server), more than RLIMIT_NOFILE lets one process hold. So the
+//! storm is spread over processes of the `storm-part` binary, each within
+//! its hard limit ([`Layout`]): one client process per pod, several ztunnel
+//! proxy processes per pod (its listeners shared by SO_REUSEPORT, as
+//! ztunnel's are), and greeter processes with two ports each. The ztunnel
+//! double's ZDS side stays in this process. The original-destination maps
+//! are the node's, so the pods' connections share them.
 //!
 //! The baseline is the iptables mode in the same run (conntrack keeps every
 //! REDIRECTed connection's original destination; no capacity of ambpf's),
@@ -22,25 +32,32 @@
 
 use std::{collections::BTreeMap, net::SocketAddr};
 
-use ambpf_testbed::{
-    storm::{self, Greeters, StormSummary},
-    ztunnel::ConnectionOutcome,
-};
+use ambpf_testbed::storm::StormSummary;
+use serde::Deserialize;
 
 use super::redirect::{Agent, Mode, write_pods_file};
 use super::*;
 
-const POD_UID: &str = "storm-pod";
-/// One server per port: four IPv4, four IPv6. Two families double the
-/// source ports a pod has towards ztunnel's one listener per family (the
-/// eBPF mode connects there), so a storm past the default capacity fits.
-const PORTS_V4: [u16; 4] = [9101, 9102, 9103, 9104];
-const PORTS_V6: [u16; 4] = [9105, 9106, 9107, 9108];
-/// Descriptors this process holds per connection: the client, the double's
-/// accepted and upstream sockets, and the server's.
-const FDS_PER_CONNECTION: u64 = 4;
+/// Servers' ports: greeter process `i` listens on `BASE_PORT + 2i` of the
+/// remote's IPv4 address and `BASE_PORT + 2i + 1` of its IPv6 one. The
+/// clients take the targets in turn, families alternating, so each family
+/// carries half of the storm: two families double the source ports a pod
+/// has towards ztunnel's one listener per family (where the eBPF mode
+/// connects).
+const BASE_PORT: u16 = 9101;
+/// Descriptors each part process keeps for itself beside its connections
+/// (runtime, stdio, listeners).
+const FDS_RESERVED: u64 = 1024;
+/// A pod's connections to one family's ztunnel listener all come from its
+/// one address, so one pod holds at most about 2 × 64,512 (the whole port
+/// range of each family); kept well below.
+const MAX_CLIENTS_PER_POD: u64 = 100_000;
+/// SO_REUSEPORT spreads a pod's connections over its proxy processes by a
+/// hash of the 4-tuple, not evenly: each proxy process is sized for this
+/// much more than its even share.
+const PROXY_IMBALANCE: f64 = 1.5;
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(60);
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 #[derive(Args)]
 pub(super) struct StormArgs {
@@ -78,13 +95,51 @@ struct Sample {
     run: usize,
     mode: &'static str,
     connections: usize,
+    layout: Layout,
     summary: StormSummary,
     /// Connections the ztunnel double refused (no original destination).
     ztunnel_refused: usize,
     /// eBPF mode: `ambpf_origdst_misses_total` by reason, after the storm.
     misses: BTreeMap<String, u64>,
-    /// From the first connect to the last connection's fate.
+    /// From `go` to the last client process's report (every connection's
+    /// fate known).
     storm_ms: f64,
+}
+
+/// How a storm is spread over processes, so that none holds more
+/// descriptors than its hard open-file limit allows: one client process
+/// per pod (a descriptor per connection), a few ztunnel proxy processes per
+/// pod (two: accepted and upstream), and greeter processes with two ports
+/// each (one).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+struct Layout {
+    pods: usize,
+    proxies_per_pod: usize,
+    greeters: usize,
+}
+
+impl Layout {
+    /// `budget`: descriptors one process may use for connections.
+    fn for_storm(connections: u64, budget: u64) -> Self {
+        let budget = budget.max(1);
+        let pods = connections.div_ceil(budget.min(MAX_CLIENTS_PER_POD)).max(1);
+        let per_pod = connections.div_ceil(pods);
+        let proxy_fds = (per_pod * 2) as f64 * PROXY_IMBALANCE;
+        let proxies_per_pod = (proxy_fds / budget as f64).ceil().max(1.0) as usize;
+        // Each pod takes the ports in turn from the first, so a port may get
+        // one more than its even share from every pod.
+        let greeters = (connections + pods * 2).div_ceil(budget).max(1);
+        Self {
+            pods: pods as usize,
+            proxies_per_pod,
+            greeters: greeters as usize,
+        }
+    }
+
+    /// Pod `pod`'s share of the connections, as even as possible.
+    fn clients_of_pod(&self, connections: usize, pod: usize) -> usize {
+        connections / self.pods + usize::from(pod < connections % self.pods)
+    }
 }
 
 pub(super) async fn run(args: StormArgs) -> Result<()> {
@@ -100,34 +155,37 @@ pub(super) async fn run(args: StormArgs) -> Result<()> {
     let work = TempDir::create("ambpf-bench-storm")?;
     let cgroup = CgroupGuard::create().context("creating a throwaway cgroup")?;
     let _inside = cgroup.enter_process()?;
-    let largest = args
-        .multiples
-        .iter()
-        .map(|m| (f64::from(args.capacity) * m).round() as u64)
-        .max()
-        .unwrap_or(0);
-    let limit = raise_open_file_limit(largest * FDS_PER_CONNECTION + 4096)?;
-    eprintln!("storm: open-file limit {limit}");
+    let budget = fd_budget()?;
+    eprintln!("storm: up to {budget} descriptors of connections per process");
     let mut samples = Vec::new();
     for run in 0..args.runs {
         for &multiple in &args.multiples {
             let connections = (f64::from(args.capacity) * multiple).round() as usize;
+            let layout = Layout::for_storm(connections as u64, budget);
             for mode in bench::alternated([Mode::Iptables, Mode::Ebpf], run) {
-                let sample = storm_once(&args, &agent, &work, &cgroup, mode, run, connections)
-                    .await
-                    .with_context(|| {
-                        format!(
-                            "run {} mode {} storm of {connections}",
-                            run + 1,
-                            mode.name()
-                        )
-                    })?;
+                let storm = Storm {
+                    args: &args,
+                    agent: &agent,
+                    work: &work,
+                    cgroup: &cgroup,
+                    connections,
+                    layout: layout.clone(),
+                };
+                let sample = storm.run(mode, run).await.with_context(|| {
+                    format!(
+                        "run {} mode {} storm of {connections}",
+                        run + 1,
+                        mode.name()
+                    )
+                })?;
                 eprintln!(
-                    "storm: run {} {:>8} {connections:>6} connections: {:?} misses {:?}",
+                    "storm: run {} {:>8} {connections:>6} connections ({:?}): {:?} misses {:?}, {:.0} ms",
                     run + 1,
                     mode.name(),
+                    sample.layout,
                     sample.summary,
-                    sample.misses
+                    sample.misses,
+                    sample.storm_ms,
                 );
                 samples.push(sample);
             }
@@ -149,128 +207,269 @@ pub(super) async fn run(args: StormArgs) -> Result<()> {
     Ok(())
 }
 
-async fn storm_once(
-    args: &StormArgs,
-    agent_binary: &Path,
-    work: &TempDir,
-    cgroup: &CgroupGuard,
-    mode: Mode,
-    run: usize,
+/// One storm of one mode, on a fresh cluster, agent and double.
+struct Storm<'a> {
+    args: &'a StormArgs,
+    agent: &'a Path,
+    work: &'a TempDir,
+    cgroup: &'a CgroupGuard,
     connections: usize,
-) -> Result<Sample> {
-    let cluster = Cluster::create(1).context("creating the cluster")?;
-    let pod = &cluster.pods[0];
-    // Every source port the pod may use (the sysctl is per namespace and
-    // covers IPv6 too).
-    pod.ns.sysctl("net.ipv4.ip_local_port_range=1024 65535")?;
-    // The node's conntrack table must hold the iptables mode's storm.
-    let v4 = PORTS_V4
-        .iter()
-        .map(|port| SocketAddr::new(cluster.remote.addrs.v4.into(), *port));
-    let v6 = PORTS_V6
-        .iter()
-        .map(|port| SocketAddr::new(cluster.remote.addrs.v6.into(), *port));
-    // Families alternate, so each takes half of the storm.
-    let targets: Vec<SocketAddr> = v4.zip(v6).flat_map(|(a, b)| [a, b]).collect();
-    let greeters = Greeters::start(&cluster.remote.ns, &targets)?;
-    let pods_file = work.join("pods.json");
-    let socket = work.join("ztunnel.sock");
-    write_pods_file(&pods_file, &[(POD_UID.to_owned(), pod.ns.path())])?;
-    let log = work.join(format!("agent-{}-{run}-{connections}.log", mode.name()));
-    let capacity = args.capacity.to_string();
-    let source = [
-        std::ffi::OsStr::new("--pods-file"),
-        pods_file.as_os_str(),
-        std::ffi::OsStr::new("--max-redirected-connections"),
-        std::ffi::OsStr::new(&capacity),
-    ];
-    let mut agent = Agent::spawn(
-        agent_binary,
-        mode,
-        &cluster.node,
-        &source,
-        &socket,
-        cgroup.path(),
-        &log,
-    )?;
-    wait_for_socket(&mut agent.process, &socket, SOCKET_TIMEOUT).await?;
-    let (zt_runtime, _) = redirect::named_runtime("ztunnel-rt", 2, None)?;
-    let config =
-        ZtunnelConfig::default().original_dst_delay(Duration::from_millis(args.ztunnel_delay_ms));
-    let double = {
-        let _enter = zt_runtime.enter();
-        ZtunnelDouble::connect_with_retry(&socket, config)
-    };
-    double
-        .wait_until(
-            |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
-            READY_TIMEOUT,
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("ztunnel never got the pod: {e:?}"))?;
-
-    let patience = Duration::from_secs(args.patience_secs);
-    let started = Instant::now();
-    let opened =
-        tokio::task::block_in_place(|| storm::storm(&pod.ns, &targets, connections, patience))?;
-    let storm_ms = ms(started.elapsed());
-    let summary = StormSummary::of(&opened);
-    // Every connection the double accepted is recorded once decided.
-    let accepted = summary.reached + summary.refused;
-    let _ = double
-        .wait_until(|s| s.proxied.len() >= accepted, READY_TIMEOUT)
-        .await;
-    let ztunnel_refused = double
-        .proxied()
-        .iter()
-        .filter(|c| c.outcome == ConnectionOutcome::RefusedSelfCall)
-        .count();
-    let misses = if mode == Mode::Ebpf {
-        origdst_misses(&cluster.node)?
-    } else {
-        BTreeMap::new()
-    };
-    drop(opened);
-    drop(double);
-    drop(zt_runtime);
-    agent.stop()?;
-    drop(greeters);
-    Ok(Sample {
-        run,
-        mode: mode.name(),
-        connections,
-        summary,
-        ztunnel_refused,
-        misses,
-        storm_ms,
-    })
+    layout: Layout,
 }
 
-/// Raises this process's open-file limit (soft and hard) to at least
-/// `wanted`, as far as the kernel allows (`fs.nr_open`); returns the limit.
-/// Past the hard limit that takes CAP_SYS_RESOURCE: without it, a storm
-/// that needs more is refused with the largest that fits.
-fn raise_open_file_limit(wanted: u64) -> Result<u64> {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    if soft >= wanted {
-        return Ok(soft);
+impl Storm<'_> {
+    async fn run(self, mode: Mode, run: usize) -> Result<Sample> {
+        let Self {
+            args,
+            connections,
+            ref layout,
+            ..
+        } = self;
+        let pod_count = u16::try_from(layout.pods).context("too many storm pods")?;
+        let cluster = Cluster::create(pod_count).context("creating the cluster")?;
+        let uids: Vec<String> = (0..layout.pods).map(|i| format!("storm-pod-{i}")).collect();
+        for pod in &cluster.pods {
+            // Every source port the pod may use (the sysctl is per namespace
+            // and covers IPv6 too).
+            pod.ns.sysctl("net.ipv4.ip_local_port_range=1024 65535")?;
+        }
+        let (mut greeters, targets) = start_greeters(&cluster.remote, layout.greeters)?;
+
+        let pods_file = self.work.join("pods.json");
+        let socket = self.work.join("ztunnel.sock");
+        let pods: Vec<(String, PathBuf)> = uids
+            .iter()
+            .zip(&cluster.pods)
+            .map(|(uid, pod)| (uid.clone(), pod.ns.path()))
+            .collect();
+        write_pods_file(&pods_file, &pods)?;
+        let log = self
+            .work
+            .join(format!("agent-{}-{run}-{connections}.log", mode.name()));
+        let capacity = args.capacity.to_string();
+        let source = [
+            std::ffi::OsStr::new("--pods-file"),
+            pods_file.as_os_str(),
+            std::ffi::OsStr::new("--max-redirected-connections"),
+            std::ffi::OsStr::new(&capacity),
+        ];
+        let mut agent = Agent::spawn(
+            self.agent,
+            mode,
+            &cluster.node,
+            &source,
+            &socket,
+            self.cgroup.path(),
+            &log,
+        )?;
+        wait_for_socket(&mut agent.process, &socket, SOCKET_TIMEOUT).await?;
+        // ztunnel's ZDS side in this process; its proxies are the `proxies`
+        // parts below, several serving each pod together.
+        let (zt_runtime, _) = redirect::named_runtime("ztunnel-rt", 1, None)?;
+        let double = {
+            let _enter = zt_runtime.enter();
+            ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::zds_only())
+        };
+        double
+            .wait_until(
+                |s| s.ready && uids.iter().all(|uid| s.workloads.contains_key(uid)),
+                READY_TIMEOUT,
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("ztunnel never got the pods: {e:?}"))?;
+
+        let mut proxies = Vec::with_capacity(layout.pods * layout.proxies_per_pod);
+        let mut clients = Vec::with_capacity(layout.pods);
+        let delay = args.ztunnel_delay_ms.to_string();
+        for (i, (uid, pod)) in uids.iter().zip(&cluster.pods).enumerate() {
+            for j in 0..layout.proxies_per_pod {
+                let part_args = ["proxies", "--uid", uid, "--original-dst-delay-ms", &delay];
+                proxies.push(Part::spawn(&pod.ns, format!("proxies {i}.{j}"), &part_args)?);
+            }
+            let mut part_args = vec![
+                "clients".to_owned(),
+                "--count".to_owned(),
+                layout.clients_of_pod(connections, i).to_string(),
+                "--patience-secs".to_owned(),
+                args.patience_secs.to_string(),
+            ];
+            for target in &targets {
+                part_args.extend(["--target".to_owned(), target.to_string()]);
+            }
+            clients.push(Part::spawn(&pod.ns, format!("clients {i}"), &part_args)?);
+        }
+
+        let (summary, storm_ms, accepted) = tokio::task::block_in_place(|| {
+            for part in greeters.iter_mut().chain(&mut proxies).chain(&mut clients) {
+                part.receive::<serde_json::Value>()?;
+            }
+            let started = Instant::now();
+            for part in &mut clients {
+                part.send("go")?;
+            }
+            let mut summary = StormSummary::default();
+            for part in &mut clients {
+                summary += part.receive::<ClientsReport>()?.summary;
+            }
+            let storm_ms = ms(started.elapsed());
+            // Every connection a proxy accepted is recorded once decided.
+            let accepted = proxies_report(&mut proxies, summary.reached + summary.refused)?;
+            Ok::<_, anyhow::Error>((summary, storm_ms, accepted))
+        })?;
+        let misses = if mode == Mode::Ebpf {
+            origdst_misses(&cluster.node)?
+        } else {
+            BTreeMap::new()
+        };
+        drop(clients);
+        drop(proxies);
+        drop(double);
+        drop(zt_runtime);
+        agent.stop()?;
+        greeters.clear();
+        Ok(Sample {
+            run,
+            mode: mode.name(),
+            connections,
+            layout: self.layout,
+            summary,
+            ztunnel_refused: accepted.refused_self_call,
+            misses,
+            storm_ms,
+        })
     }
-    let ceiling: u64 = std::fs::read_to_string("/proc/sys/fs/nr_open")?
-        .trim()
-        .parse()
-        .context("fs.nr_open")?;
-    let limit = wanted.min(ceiling);
-    if setrlimit(Resource::RLIMIT_NOFILE, limit, limit.max(hard)).is_ok() {
-        return Ok(limit);
+}
+
+/// `count` greeter parts in `remote`, two ports each; and the storm's
+/// targets, IPv4 and IPv6 alternating.
+fn start_greeters(remote: &cluster::Pod, count: usize) -> Result<(Vec<Part>, Vec<SocketAddr>)> {
+    let mut greeters = Vec::with_capacity(count);
+    let mut targets = Vec::with_capacity(count * 2);
+    for i in 0..count {
+        let port = u16::try_from(i)
+            .ok()
+            .and_then(|i| BASE_PORT.checked_add(2 * i))
+            .context("too many greeters for the port range")?;
+        let pair = [
+            SocketAddr::new(remote.addrs.v4.into(), port),
+            SocketAddr::new(remote.addrs.v6.into(), port + 1),
+        ];
+        let mut part_args = vec!["greeters".to_owned()];
+        for address in pair {
+            part_args.extend(["--address".to_owned(), address.to_string()]);
+        }
+        greeters.push(Part::spawn(&remote.ns, format!("greeters {i}"), &part_args)?);
+        targets.extend(pair);
     }
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-    bail!(
-        "this storm needs {wanted} open files; the hard limit is {hard} and raising it \
-         needs CAP_SYS_RESOURCE, which this process lacks: the largest storm that fits is \
-         {} connections ({FDS_PER_CONNECTION} descriptors each)",
-        hard.saturating_sub(4096) / FDS_PER_CONNECTION
-    )
+    Ok((greeters, targets))
+}
+
+/// The proxies' counts once they have recorded at least `decided`
+/// connections (or after [`READY_TIMEOUT`]).
+fn proxies_report(proxies: &mut [Part], decided: usize) -> Result<ProxiesReport> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        let mut total = ProxiesReport::default();
+        for part in proxies.iter_mut() {
+            part.send("report")?;
+            total += part.receive::<ProxiesReport>()?;
+        }
+        if total.accepted >= decided || Instant::now() > deadline {
+            return Ok(total);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// What a `clients` part reports (see `storm-part`).
+#[derive(Deserialize)]
+struct ClientsReport {
+    summary: StormSummary,
+}
+
+/// What a `proxies` part reports (see `storm-part`).
+#[derive(Default, Deserialize)]
+struct ProxiesReport {
+    accepted: usize,
+    refused_self_call: usize,
+}
+
+impl std::ops::AddAssign for ProxiesReport {
+    fn add_assign(&mut self, other: Self) {
+        self.accepted += other.accepted;
+        self.refused_self_call += other.refused_self_call;
+    }
+}
+
+/// Descriptors one part process may use for its connections: its hard
+/// open-file limit (inherited from this process; it raises its soft limit
+/// to it) less what it keeps for itself.
+fn fd_budget() -> Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    ensure!(
+        hard > FDS_RESERVED * 2,
+        "the open-file hard limit ({hard}) leaves no room for a storm"
+    );
+    Ok(hard - FDS_RESERVED)
+}
+
+/// One `storm-part` process (beside this binary), started in a namespace
+/// and spoken to in JSON lines; killed when dropped.
+struct Part {
+    what: String,
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Part {
+    fn spawn(
+        ns: &ambpf_testbed::NetnsGuard,
+        what: String,
+        args: &[impl AsRef<std::ffi::OsStr>],
+    ) -> Result<Self> {
+        use std::process::Stdio;
+        let binary = std::env::current_exe()?.with_file_name("storm-part");
+        let mut child = ns
+            .command(&binary)?
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("starting {} ({what})", binary.display()))?;
+        let stdin = child.stdin.take().context("storm-part's stdin")?;
+        let stdout = child.stdout.take().context("storm-part's stdout")?;
+        Ok(Self {
+            what,
+            child,
+            stdin,
+            stdout: std::io::BufReader::new(stdout),
+        })
+    }
+
+    fn send(&mut self, line: &str) -> Result<()> {
+        use std::io::Write as _;
+        writeln!(self.stdin, "{line}").with_context(|| format!("telling {} {line}", self.what))
+    }
+
+    /// The part's next line; its exit status if it ended instead.
+    fn receive<T: serde::de::DeserializeOwned>(&mut self) -> Result<T> {
+        use std::io::BufRead as _;
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            let status = self.child.wait()?;
+            bail!("storm part {} ended ({status}) before answering", self.what);
+        }
+        serde_json::from_str(&line).with_context(|| format!("{}: {line:?}", self.what))
+    }
+}
+
+impl Drop for Part {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// The agent's `ambpf_origdst_misses_total` by reason.
@@ -388,6 +587,48 @@ fn print_table(args: &StormArgs, rows: &[Row]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every process of the layout stays within the budget, with its
+    /// imbalance allowance for the proxies.
+    fn assert_fits(connections: u64, budget: u64) -> Layout {
+        let layout = Layout::for_storm(connections, budget);
+        let total: usize = (0..layout.pods)
+            .map(|pod| layout.clients_of_pod(connections as usize, pod))
+            .sum();
+        assert_eq!(total as u64, connections, "{layout:?}");
+        let largest_pod = layout.clients_of_pod(connections as usize, 0) as u64;
+        assert!(largest_pod <= budget.min(MAX_CLIENTS_PER_POD), "{layout:?}");
+        let per_proxy = (largest_pod * 2) as f64 * PROXY_IMBALANCE / layout.proxies_per_pod as f64;
+        assert!(per_proxy <= budget as f64, "{layout:?}");
+        let per_greeter_port = connections.div_ceil(2 * layout.greeters as u64) + layout.pods as u64;
+        assert!(2 * per_greeter_port <= budget, "{layout:?}");
+        layout
+    }
+
+    #[test]
+    fn a_small_storm_is_one_process_of_each() {
+        let layout = assert_fits(1024, 18_976);
+        assert_eq!(
+            layout,
+            Layout {
+                pods: 1,
+                proxies_per_pod: 1,
+                greeters: 1
+            }
+        );
+    }
+
+    #[test]
+    fn storms_past_the_default_capacity_are_spread_within_the_fd_limit() {
+        // 20,000 is this machine's hard limit; 1,048,576 the kernel's nr_open.
+        for budget in [18_976, 64_512, 1_047_552] {
+            for connections in [65_536, 131_072, 262_144] {
+                let layout = assert_fits(connections, budget);
+                assert!(layout.pods >= 1 && layout.greeters >= 1, "{layout:?}");
+            }
+        }
+        assert_eq!(Layout::for_storm(131_072, 18_976).pods, 7);
+    }
 
     #[test]
     fn misses_are_read_from_the_agents_metrics() {

@@ -116,10 +116,7 @@ impl Client {
             start_proxies: config.start_proxies,
             ack_delay: config.ack_delay,
             pending_retry_interval: config.pending_retry_interval,
-            dns_answers: DnsAnswers {
-                v4: config.dns_answer_v4,
-                v6: config.dns_answer_v6,
-            },
+            dns_answers: DnsAnswers::of(config),
             pods: HashMap::new(),
             pending: HashMap::new(),
             snapshot_received: false,

@@ -39,6 +39,13 @@ pub(super) struct DnsAnswers {
 }
 
 impl DnsAnswers {
+    pub(super) fn of(config: &super::ZtunnelConfig) -> Self {
+        Self {
+            v4: config.dns_answer_v4,
+            v6: config.dns_answer_v6,
+        }
+    }
+
     /// A and AAAA of class IN (or ANY) get the configured address.
     fn answer(&self, question: &dns::Question<'_>) -> Option<IpAddr> {
         if question.qclass != dns::CLASS_IN && question.qclass != dns::CLASS_ANY {

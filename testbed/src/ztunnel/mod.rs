@@ -75,6 +75,8 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio_seqpacket::UnixSeqpacket;
 
+use dns_server::DnsAnswers;
+
 /// Where ztunnel looks for the node agent's ZDS socket by default (`INPOD_UDS`).
 pub const DEFAULT_SOCKET_PATH: &str = "/var/run/ztunnel/ztunnel.sock";
 /// Outbound capture listener in each pod.
@@ -497,6 +499,37 @@ impl ZtunnelDouble {
             commands,
             task: Some(task),
         }
+    }
+
+    /// One pod's in-pod proxies and nothing else (no ZDS client), in the pod
+    /// namespace `netns`: what one more ztunnel process serving the same pod
+    /// would add. Its listeners join the pod's others through SO_REUSEPORT,
+    /// so the kernel spreads new connections over every process serving the
+    /// pod; a benchmark uses that to spread a storm's descriptors over
+    /// processes, each of which RLIMIT_NOFILE caps. Recorded connections are
+    /// read as from any double; [`ZtunnelDouble::disconnect`] does nothing.
+    pub async fn serve_pod(
+        uid: &str,
+        netns: std::os::fd::BorrowedFd<'_>,
+        config: ZtunnelConfig,
+    ) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared::new(
+            config.nack_uids.clone(),
+            config.original_dst_delay,
+        ));
+        let answers = DnsAnswers::of(&config);
+        let proxies = proxy::PodProxies::start(uid, netns, shared.clone(), answers).await?;
+        let (commands, mut command_rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            // Serve until shut down (or the handle is gone).
+            while let Some(Command::Disconnect) = command_rx.recv().await {}
+            proxies.stop().await;
+        });
+        Ok(Self {
+            shared,
+            commands,
+            task: Some(task),
+        })
     }
 
     /// Runs `f` on the current state, under its lock: keep it short.
