@@ -25,7 +25,7 @@ use ambpf_common::{Miss, maps};
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
     cluster::Cluster,
-    storm::{self, Fate, Greeters, StormSummary},
+    storm::{self, Greeters, StormSummary},
     ztunnel::{ConnectionOutcome, ZtunnelConfig, ZtunnelDouble},
 };
 
@@ -219,14 +219,9 @@ async fn past_the_redirected_capacity_connections_reach_their_destination_or_are
     }
     // The apps' getpeername: the destination asked for, or (a counted
     // miss) ztunnel's listener.
-    let wrong_peers = storm
-        .iter()
-        .filter(|c| c.fate == Fate::Reached)
-        .filter(|c| c.peer() != Some(c.target))
-        .count();
     assert_eq!(
         misses(&pins, Miss::PeerName) - peer_misses_before,
-        wrong_peers as u64
+        summary.wrong_peer as u64
     );
 
     // The metric reports the misses.

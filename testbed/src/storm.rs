@@ -152,6 +152,10 @@ pub struct StormSummary {
     pub not_connected: usize,
     pub misrouted: usize,
     pub hung: usize,
+    /// Reached, but the app's `getpeername()` shows another address than the
+    /// one it connected to (in eBPF mode: its record was evicted, a counted
+    /// miss).
+    pub wrong_peer: usize,
 }
 
 impl StormSummary {
@@ -162,7 +166,12 @@ impl StormSummary {
         };
         for connection in connections {
             match connection.fate {
-                Fate::Reached => summary.reached += 1,
+                Fate::Reached => {
+                    summary.reached += 1;
+                    if connection.peer() != Some(connection.target) {
+                        summary.wrong_peer += 1;
+                    }
+                }
                 Fate::Refused => summary.refused += 1,
                 Fate::NotConnected(_) => summary.not_connected += 1,
                 Fate::Misrouted { .. } => summary.misrouted += 1,
@@ -181,6 +190,7 @@ impl std::ops::AddAssign for StormSummary {
         self.not_connected += other.not_connected;
         self.misrouted += other.misrouted;
         self.hung += other.hung;
+        self.wrong_peer += other.wrong_peer;
     }
 }
 
@@ -211,6 +221,17 @@ pub fn storm_here(
         .into_iter()
         .map(|(target, started)| finish(target, started, patience))
         .collect()
+}
+
+/// Echoes once through every reached connection; returns how many of them
+/// no longer work.
+pub fn broken(connections: &mut [StormConnection]) -> usize {
+    connections
+        .iter_mut()
+        .filter(|c| c.fate == Fate::Reached)
+        .map(StormConnection::echo)
+        .filter(|echoed| !echoed)
+        .count()
 }
 
 /// Opens connections one after another, each greeted (or refused) before

@@ -97,6 +97,9 @@ struct Sample {
     connections: usize,
     layout: Layout,
     summary: StormSummary,
+    /// Reached connections an echo no longer went through once the storm was
+    /// open.
+    broken: usize,
     /// Connections the ztunnel double refused (no original destination).
     ztunnel_refused: usize,
     /// eBPF mode: `ambpf_origdst_misses_total` by reason, after the storm.
@@ -299,7 +302,7 @@ impl Storm<'_> {
             clients.push(Part::spawn(&pod.ns, format!("clients {i}"), &part_args)?);
         }
 
-        let (summary, storm_ms, accepted) = tokio::task::block_in_place(|| {
+        let (summary, broken, storm_ms, accepted) = tokio::task::block_in_place(|| {
             for part in greeters.iter_mut().chain(&mut proxies).chain(&mut clients) {
                 part.receive::<serde_json::Value>()?;
             }
@@ -308,13 +311,16 @@ impl Storm<'_> {
                 part.send("go")?;
             }
             let mut summary = StormSummary::default();
+            let mut broken = 0;
             for part in &mut clients {
-                summary += part.receive::<ClientsReport>()?.summary;
+                let report = part.receive::<ClientsReport>()?;
+                summary += report.summary;
+                broken += report.broken;
             }
             let storm_ms = ms(started.elapsed());
             // Every connection a proxy accepted is recorded once decided.
             let accepted = proxies_report(&mut proxies, summary.reached + summary.refused)?;
-            Ok::<_, anyhow::Error>((summary, storm_ms, accepted))
+            Ok::<_, anyhow::Error>((summary, broken, storm_ms, accepted))
         })?;
         let misses = if mode == Mode::Ebpf {
             origdst_misses(&cluster.node)?
@@ -333,6 +339,7 @@ impl Storm<'_> {
             connections,
             layout: self.layout,
             summary,
+            broken,
             ztunnel_refused: accepted.refused_self_call,
             misses,
             storm_ms,
@@ -385,6 +392,7 @@ fn proxies_report(proxies: &mut [Part], decided: usize) -> Result<ProxiesReport>
 #[derive(Deserialize)]
 struct ClientsReport {
     summary: StormSummary,
+    broken: usize,
 }
 
 /// What a `proxies` part reports (see `storm-part`).
@@ -495,7 +503,10 @@ struct Row {
     not_connected: f64,
     misrouted: f64,
     hung: f64,
+    wrong_peer: f64,
+    broken: f64,
     misses_so_original_dst: Option<f64>,
+    misses_getpeername: Option<f64>,
     storm_ms: f64,
     /// Reached connections, this mode / iptables (median).
     reached_vs_iptables: f64,
@@ -541,10 +552,15 @@ fn summarize(args: &StormArgs, samples: &[Sample]) -> Vec<Row> {
                     not_connected: med(mode, &|s| s.summary.not_connected as f64),
                     misrouted: med(mode, &|s| s.summary.misrouted as f64),
                     hung: med(mode, &|s| s.summary.hung as f64),
+                    wrong_peer: med(mode, &|s| s.summary.wrong_peer as f64),
+                    broken: med(mode, &|s| s.broken as f64),
                     misses_so_original_dst: (mode == "ebpf").then(|| {
                         med(mode, &|s| {
                             s.misses.get("so_original_dst").copied().unwrap_or(0) as f64
                         })
+                    }),
+                    misses_getpeername: (mode == "ebpf").then(|| {
+                        med(mode, &|s| s.misses.get("getpeername").copied().unwrap_or(0) as f64)
                     }),
                     storm_ms: med(mode, &|s| s.storm_ms),
                     reached_vs_iptables: reached / baseline,
@@ -561,23 +577,27 @@ fn print_table(args: &StormArgs, rows: &[Row]) {
         args.capacity, args.ztunnel_delay_ms, args.runs
     );
     println!(
-        "| runs | connections | mode | reached | refused | not connected | misrouted | hung | \
-         misses counted | storm ms | reached vs iptables |"
+        "| runs | connections | mode | reached | refused (counted) | not connected | misrouted | \
+         hung | app's peer wrong (counted) | broken after | storm ms | reached vs iptables |"
     );
-    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let counted = |n: f64, misses: Option<f64>| match misses {
+        Some(m) => format!("{n} ({m})"),
+        None => n.to_string(),
+    };
     for r in rows {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2}x |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0} | {:.2}x |",
             r.group,
             r.connections,
             r.mode,
             r.reached,
-            r.refused,
+            counted(r.refused, r.misses_so_original_dst),
             r.not_connected,
             r.misrouted,
             r.hung,
-            r.misses_so_original_dst
-                .map_or("–".to_owned(), |m| m.to_string()),
+            counted(r.wrong_peer, r.misses_getpeername),
+            r.broken,
             r.storm_ms,
             r.reached_vs_iptables
         );

@@ -10,8 +10,9 @@
 //! - `clients --target <addr>... --count N --patience-secs S`: prints
 //!   `{"ready":true}`, waits for a `go` line, opens the N connections (all
 //!   connects first, targets in turn) and waits for each one's greeting,
-//!   prints the [`StormSummary`] and how long it took, and holds every
-//!   connection open until stdin closes.
+//!   echoes once through every reached connection, prints the
+//!   [`StormSummary`], how many no longer echoed and how long the storm
+//!   took, and holds every connection open until stdin closes.
 //! - `proxies --uid U [--original-dst-delay-ms D]`: one more ztunnel process
 //!   for the pod (its listeners join the pod's others by SO_REUSEPORT, so
 //!   the kernel spreads the connections); prints `{"ready":true}`, then
@@ -74,6 +75,10 @@ enum Role {
 #[derive(Serialize)]
 struct ClientsReport {
     summary: StormSummary,
+    /// Reached connections an echo no longer goes through, once the storm
+    /// is open.
+    broken: usize,
+    /// From `go` to every connection's fate.
     elapsed_ms: f64,
 }
 
@@ -111,10 +116,12 @@ fn run(role: Role) -> io::Result<()> {
             }
             let started = Instant::now();
             let patience = Duration::from_secs(patience_secs);
-            let connections = storm::storm_here(&targets, count, patience)?;
+            let mut connections = storm::storm_here(&targets, count, patience)?;
+            let elapsed_ms = started.elapsed().as_secs_f64() * 1e3;
             say(&ClientsReport {
                 summary: StormSummary::of(&connections),
-                elapsed_ms: started.elapsed().as_secs_f64() * 1e3,
+                broken: storm::broken(&mut connections),
+                elapsed_ms,
             })?;
             hold(lines)
         }
