@@ -327,20 +327,20 @@ fn clock_ticks_per_second() -> u64 {
     if ticks > 0 { ticks as u64 } else { 100 }
 }
 
-/// Time `pid`'s live threads have spent on a CPU, to the nanosecond: the
-/// sum of `/proc/<pid>/task/*/schedstat`. Precise enough for per-run deltas
-/// of a few milliseconds, where [`cpu_time`]'s clock ticks are not; time of
-/// threads that have exited is not counted, so measure processes whose
-/// threads live across the span (tokio workers do).
+/// Time `pid` has spent on a CPU, to the nanosecond: its process CPU-time
+/// clock (`clock_getcpuclockid`), which counts every thread, those that have
+/// exited included (the agent enrols each pod on a short-lived thread, which
+/// a sum over `/proc/<pid>/task/*/schedstat` would miss). Precise enough for
+/// per-run deltas of a few milliseconds, where [`cpu_time`]'s clock ticks
+/// are not.
 pub fn on_cpu(pid: u32) -> std::io::Result<Duration> {
-    let mut total = Duration::ZERO;
-    for task in fs::read_dir(format!("/proc/{pid}/task"))? {
-        // A thread that exited since readdir simply no longer counts.
-        if let Ok(text) = fs::read_to_string(task?.path().join("schedstat")) {
-            total += parse_schedstat(&text)?;
-        }
-    }
-    Ok(total)
+    use nix::{
+        time::{clock_getcpuclockid, clock_gettime},
+        unistd::Pid,
+    };
+    let pid = i32::try_from(pid).map_err(std::io::Error::other)?;
+    let clock = clock_getcpuclockid(Pid::from_raw(pid))?;
+    Ok(Duration::from(clock_gettime(clock)?))
 }
 
 /// [`on_cpu`] for one thread (`tid` from `gettid()`).
@@ -800,6 +800,20 @@ mod tests {
         let usage = CpuWatch::start([("self", pid)]).unwrap().finish().unwrap();
         assert_eq!(usage.len(), 1);
         assert_eq!(usage[0].label, "self");
+    }
+
+    #[test]
+    fn cpu_of_threads_that_have_exited_still_counts() {
+        use nix::time::{ClockId, clock_gettime};
+        let pid = std::process::id();
+        let before = on_cpu(pid).unwrap();
+        std::thread::spawn(|| {
+            let spent = || Duration::from(clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap());
+            while spent() < Duration::from_millis(30) {}
+        })
+        .join()
+        .unwrap();
+        assert!(on_cpu(pid).unwrap() - before >= Duration::from_millis(30));
     }
 
     #[test]
