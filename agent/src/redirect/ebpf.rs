@@ -170,12 +170,21 @@ impl Dataplane {
         let visit = Instant::now();
         let (net, qdisc_created, mut steps) = netns.run(|| -> Result<_, EnrollError> {
             let mut steps = super::EnrolSteps::default();
-            let net = steps.time("inspect", || podnet::inspect_here(path))?;
+            // One netlink socket for the whole visit.
+            let (mut rtnl, net) = steps.time("inspect", || -> Result<_, EnrollError> {
+                let mut rtnl = Rtnl::open().map_err(|source| podnet::PodNetError::Netlink {
+                    what: "opening a netlink route socket",
+                    netns: path.to_owned(),
+                    source,
+                })?;
+                let net = podnet::inspect_with(&mut rtnl, path)?;
+                Ok((rtnl, net))
+            })?;
             // Addresses first: a pod without any gets nothing installed.
             super::pod_addresses(&net, netns)?;
-            steps.time("routing", || routing::install_reply_routing_here(path))?;
+            steps.time("routing", || routing::install_reply_routing_with(&mut rtnl, path))?;
             let qdisc_created = steps.time("steering", || {
-                attach_steering_here(path, &net.interfaces, program.as_fd())
+                attach_steering_with(&mut rtnl, path, &net.interfaces, program.as_fd())
             })?;
             Ok((net, qdisc_created, steps))
         })??;
@@ -481,11 +490,12 @@ pub fn claimed(pod: &PodConfig) -> impl Iterator<Item = IpKey> + '_ {
 }
 
 /// Attaches `program` as the steering filter of every interface in
-/// `interfaces` (or replaces its program where it is attached), from a
-/// thread in their namespace (`netns` in errors): all of them, or, on an
-/// error, none that this call attached. Returns whether a `clsact` qdisc
-/// had to be created.
-fn attach_steering_here(
+/// `interfaces` (or replaces its program where it is attached), through
+/// `rtnl`, a socket in their namespace (`netns` in errors): all of them, or,
+/// on an error, none that this call attached. Returns whether a `clsact`
+/// qdisc had to be created.
+fn attach_steering_with(
+    rtnl: &mut Rtnl,
     netns: &std::path::Path,
     interfaces: &[podnet::Interface],
     program: std::os::fd::BorrowedFd<'_>,
@@ -498,17 +508,13 @@ fn attach_steering_here(
             source,
         }
     };
-    let Some(first) = interfaces.first() else {
-        return Ok(false);
-    };
-    let mut rtnl = Rtnl::open().map_err(netlink_err(first))?;
     let mut done: Vec<(u32, steering::Attached)> = Vec::new();
     for iface in interfaces {
-        match steering::attach(&mut rtnl, iface.index, program, programs::POD_INGRESS) {
+        match steering::attach(rtnl, iface.index, program, programs::POD_INGRESS) {
             Ok(attached) => done.push((iface.index, attached)),
             Err(e) => {
                 for (ifindex, attached) in done.iter().filter(|(_, a)| !a.replaced) {
-                    let _ = steering::detach(&mut rtnl, *ifindex, attached.qdisc_created);
+                    let _ = steering::detach(rtnl, *ifindex, attached.qdisc_created);
                 }
                 return Err(netlink_err(iface)(e));
             }

@@ -161,6 +161,17 @@ pub fn host_addresses() -> Result<Vec<IpAddr>, PodNetError> {
 /// [`inspect`] from a thread already in the namespace (named `netns` in
 /// errors).
 pub fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
+    let mut rtnl = Rtnl::open().map_err(|source| PodNetError::Netlink {
+        what: "opening a netlink route socket",
+        netns: netns.to_owned(),
+        source,
+    })?;
+    inspect_with(&mut rtnl, netns)
+}
+
+/// [`inspect_here`] through `rtnl`, a socket opened in the namespace, which
+/// the rest of an enrolment goes on using (one socket per visit).
+pub fn inspect_with(rtnl: &mut Rtnl, netns: &Path) -> Result<PodNetwork, PodNetError> {
     let netlink_err = |what| {
         let netns = netns.to_owned();
         move |source| PodNetError::Netlink {
@@ -169,12 +180,12 @@ pub fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
             source,
         }
     };
-    let mut rtnl = Rtnl::open().map_err(netlink_err("opening a netlink route socket"))?;
-    // The netlink socket was created on this thread, so it is in the namespace.
+    // The netlink socket was created in the namespace, so its cookie is the
+    // namespace's.
     let netns_cookie = cookie_of(rtnl.as_fd(), netns)?;
-    let interfaces = interfaces(&mut rtnl).map_err(netlink_err("listing interfaces"))?;
+    let interfaces = interfaces(rtnl).map_err(netlink_err("listing interfaces"))?;
 
-    let addrs = dump_addresses(&mut rtnl).map_err(netlink_err("listing addresses"))?;
+    let addrs = dump_addresses(rtnl).map_err(netlink_err("listing addresses"))?;
     let mut addresses = Vec::new();
     for addr in &addrs {
         if !interfaces.iter().any(|i| i.index == addr.header.index) {

@@ -143,13 +143,14 @@ impl ReplyRoutingStatus {
 /// [`remove_reply_routing`], finishes or undoes it.
 pub fn install_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     let path = netns.path();
-    netns.run(|| install_reply_routing_here(path))?
+    netns.run(|| install_reply_routing_with(&mut open_rtnl(path)?, path))?
 }
 
-/// [`install_reply_routing`] from a thread already in the namespace (named
-/// `netns` in errors).
-pub fn install_reply_routing_here(netns: &Path) -> Result<(), RoutingError> {
-    let mut here = Here::open(netns)?;
+/// [`install_reply_routing`] through `rtnl`, a socket opened in the
+/// namespace (named `netns` in errors), from a thread in it (for the
+/// sysctl).
+pub fn install_reply_routing_with(rtnl: &mut Rtnl, netns: &Path) -> Result<(), RoutingError> {
+    let mut here = Here::on(rtnl, netns)?;
     here.add_policy_routing()?;
     // Why the sysctl: ztunnel's connection to an app (from the client's
     // address) is answered by the app's accepted socket, and eBPF has no
@@ -174,7 +175,7 @@ pub fn install_reply_routing_here(netns: &Path) -> Result<(), RoutingError> {
 /// skipped when the namespace has none.
 pub fn install_policy_routing(netns: &Netns) -> Result<(), RoutingError> {
     let path = netns.path();
-    netns.run(|| Here::open(path)?.add_policy_routing())?
+    netns.run(|| Here::on(&mut open_rtnl(path)?, path)?.add_policy_routing())?
 }
 
 /// Removes what [`install_policy_routing`] installs (every copy of the rule
@@ -182,7 +183,7 @@ pub fn install_policy_routing(netns: &Netns) -> Result<(), RoutingError> {
 /// alone.
 pub fn remove_policy_routing(netns: &Netns) -> Result<(), RoutingError> {
     let path = netns.path();
-    netns.run(|| Here::open(path)?.delete_policy_routing())?
+    netns.run(|| Here::on(&mut open_rtnl(path)?, path)?.delete_policy_routing())?
 }
 
 /// Removes what [`install_reply_routing`] installs, idempotently: sets
@@ -192,7 +193,8 @@ pub fn remove_policy_routing(netns: &Netns) -> Result<(), RoutingError> {
 pub fn remove_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     let path = netns.path();
     netns.run(|| {
-        let mut here = Here::open(path)?;
+        let mut rtnl = open_rtnl(path)?;
+        let mut here = Here::on(&mut rtnl, path)?;
         here.write_sysctl(TCP_FWMARK_ACCEPT, "net.ipv4.tcp_fwmark_accept", 0)?;
         here.delete_policy_routing()
     })?
@@ -209,7 +211,8 @@ pub fn reply_routing_installed(netns: &Netns) -> Result<bool, RoutingError> {
 pub fn reply_routing_status(netns: &Netns) -> Result<ReplyRoutingStatus, RoutingError> {
     let path = netns.path();
     netns.run(|| {
-        let mut here = Here::open(path)?;
+        let mut rtnl = open_rtnl(path)?;
+        let mut here = Here::on(&mut rtnl, path)?;
         let ipv4 = here.family_status(IpFamily::V4)?;
         let ipv6 = if here.ipv6_enabled() {
             Some(here.family_status(IpFamily::V6)?)
@@ -336,9 +339,20 @@ fn is_reply_route(route: &RouteMessage, family: IpFamily, lo_index: u32) -> bool
 }
 
 /// A netlink socket in the namespace being changed, on its thread.
+/// A netlink route socket in the calling thread's namespace (`netns` in
+/// errors).
+fn open_rtnl(netns: &Path) -> Result<Rtnl, RoutingError> {
+    Rtnl::open().map_err(|source| RoutingError::Netlink {
+        what: "opening a netlink route socket".into(),
+        netns: netns.to_owned(),
+        source,
+    })
+}
+
+/// The reply routing of one namespace, through a socket opened in it.
 struct Here<'a> {
     netns: &'a Path,
-    rtnl: Rtnl,
+    rtnl: &'a mut Rtnl,
     lo_index: u32,
     lo_name: String,
     lo_up: bool,
@@ -383,7 +397,7 @@ impl Ipv6State {
 }
 
 impl<'a> Here<'a> {
-    fn open(netns: &'a Path) -> Result<Self, RoutingError> {
+    fn on(rtnl: &'a mut Rtnl, netns: &'a Path) -> Result<Self, RoutingError> {
         let netlink_err = |what: &str| {
             let what = what.to_owned();
             move |source| RoutingError::Netlink {
@@ -392,7 +406,6 @@ impl<'a> Here<'a> {
                 source,
             }
         };
-        let mut rtnl = Rtnl::open().map_err(netlink_err("opening a netlink route socket"))?;
         let (lo_index, lo_name, lo_up, lo_ipv6) = rtnl
             .dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))
             .map_err(netlink_err("listing interfaces"))?
