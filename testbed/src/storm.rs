@@ -58,7 +58,9 @@ impl Greeters {
     }
 }
 
-fn listen(address: SocketAddr) -> io::Result<TcpListener> {
+/// A non-blocking TCP listener on `address` in this thread's namespace
+/// (SO_REUSEADDR, backlog 4096), for a tokio server.
+pub fn listen(address: SocketAddr) -> io::Result<TcpListener> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(address),
         socket2::Type::STREAM,

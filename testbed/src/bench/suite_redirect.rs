@@ -420,18 +420,7 @@ impl Probe {
 fn start_echo(remote: &NetnsGuard, addr: SocketAddr) -> Result<OwnRuntime> {
     let (runtime, failed) = named_runtime("echo-rt", 2, Some(&remote.path()))?;
     ensure!(!failed.load(Ordering::SeqCst), "echo threads: setns failed");
-    let listener = remote.run(|| -> std::io::Result<std::net::TcpListener> {
-        let socket = socket2::Socket::new(
-            socket2::Domain::for_address(addr),
-            socket2::Type::STREAM,
-            None,
-        )?;
-        socket.set_reuse_address(true)?;
-        socket.bind(&addr.into())?;
-        socket.listen(4096)?;
-        socket.set_nonblocking(true)?;
-        Ok(socket.into())
-    })??;
+    let listener = remote.run(|| ambpf_testbed::storm::listen(addr))??;
     runtime.spawn(async move {
         let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
             eprintln!("redirect: echo server: cannot register the listener");

@@ -20,10 +20,14 @@
 //!
 //! What it costs grows with the node: a scan reads the cgroup file of every
 //! process, and the source passes on every pod event. So a pass checks the
-//! cached answers with one `stat` each, and scans at most every
-//! [`SCAN_INTERVAL`]; pods a skipped scan would have looked for are
-//! retried when it has passed ([`NetnsResolver::retry_in`]). On a node of
-//! 1,000 pods under churn, scanning on every event took a CPU.
+//! cached answers with one `stat` each, and a scan waits after the previous
+//! one for [`SCAN_COST_MULTIPLE`] times what that one took (and at least
+//! [`SCAN_MIN_GAP`]), so that scanning takes at most a fifth of a CPU
+//! however busy the node; pods a skipped scan would have looked for are
+//! retried when the wait is over ([`NetnsResolver::retry_in`]). On a node
+//! of 1,000 pods under churn, scanning on every event took a CPU; a fixed
+//! 200 ms between scans instead made a new pod wait up to 200 ms on a quiet
+//! node.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -66,7 +70,9 @@ pub trait NetnsResolver: Send + 'static {
 /// pid reused by another pod's process in the same namespace).
 pub const OWNERSHIP_RECHECK: Duration = Duration::from_secs(5);
 /// The least time between two scans of the proc filesystem.
-pub const SCAN_INTERVAL: Duration = Duration::from_millis(200);
+pub const SCAN_MIN_GAP: Duration = Duration::from_millis(5);
+/// After a scan, the next one waits this many times as long as it took.
+pub const SCAN_COST_MULTIPLE: u32 = 4;
 
 impl<F> NetnsResolver for F
 where
@@ -88,12 +94,14 @@ pub struct ProcNetnsFinder {
     cache: HashMap<String, Found>,
     host_netns: Option<u64>,
     verify: Verifier,
-    scan_interval: Duration,
+    scan_min_gap: Duration,
+    scan_cost_multiple: u32,
     ownership_recheck: Duration,
     /// When the cached answers' owners were last checked.
     ownership_checked: Option<Instant>,
-    /// When the proc filesystem was last scanned.
-    scanned: Option<Instant>,
+    /// When the proc filesystem was last scanned, and how long until the
+    /// next scan may start.
+    scanned: Option<(Instant, Duration)>,
     /// Pods were left for a later scan.
     scan_deferred: bool,
 }
@@ -121,7 +129,8 @@ impl ProcNetnsFinder {
             cache: HashMap::new(),
             host_netns: fs::metadata("/proc/self/ns/net").ok().map(|m| m.ino()),
             verify: Box::new(holds_any_ip),
-            scan_interval: SCAN_INTERVAL,
+            scan_min_gap: SCAN_MIN_GAP,
+            scan_cost_multiple: SCAN_COST_MULTIPLE,
             ownership_recheck: OWNERSHIP_RECHECK,
             ownership_checked: None,
             scanned: None,
@@ -135,9 +144,16 @@ impl ProcNetnsFinder {
         self
     }
 
-    /// Replaces [`SCAN_INTERVAL`] and [`OWNERSHIP_RECHECK`].
-    pub fn with_intervals(mut self, scan: Duration, ownership: Duration) -> Self {
-        self.scan_interval = scan;
+    /// Replaces [`SCAN_MIN_GAP`], [`SCAN_COST_MULTIPLE`] and
+    /// [`OWNERSHIP_RECHECK`] (zeros: no pacing at all).
+    pub fn with_intervals(
+        mut self,
+        scan_min_gap: Duration,
+        scan_cost_multiple: u32,
+        ownership: Duration,
+    ) -> Self {
+        self.scan_min_gap = scan_min_gap;
+        self.scan_cost_multiple = scan_cost_multiple;
         self.ownership_recheck = ownership;
         self
     }
@@ -174,6 +190,12 @@ impl ProcNetnsFinder {
     /// Whether `last` is `interval` or longer ago (or never was).
     fn due(last: Option<Instant>, interval: Duration) -> bool {
         last.is_none_or(|at| at.elapsed() >= interval)
+    }
+
+    /// How long until the next scan may start, if not yet.
+    fn scan_wait(&self) -> Option<Duration> {
+        let (at, gap) = self.scanned?;
+        Some(gap.saturating_sub(at.elapsed())).filter(|wait| !wait.is_zero())
     }
 
     /// Processes of the wanted pods, by pod UID.
@@ -273,18 +295,23 @@ impl NetnsResolver for ProcNetnsFinder {
         if missing.is_empty() {
             return results;
         }
-        if !Self::due(self.scanned, self.scan_interval) {
+        if let Some(wait) = self.scan_wait() {
             self.scan_deferred = true;
             for pod in missing {
-                let why =
-                    "not looked for yet (the last scan of the proc filesystem was too recent)";
-                results.insert(pod.uid.clone(), Err(why.to_owned()));
+                let why = format!(
+                    "not looked for yet (the proc filesystem is scanned again in {wait:?})"
+                );
+                results.insert(pod.uid.clone(), Err(why));
             }
             return results;
         }
-        self.scanned = Some(Instant::now());
+        let started = Instant::now();
         let wanted: HashSet<&str> = missing.iter().map(|p| p.uid.as_str()).collect();
         let scanned = self.scan(&wanted);
+        let gap = self
+            .scan_min_gap
+            .max(started.elapsed() * self.scan_cost_multiple);
+        self.scanned = Some((started, gap));
         for pod in missing {
             let result = match &scanned {
                 Ok(scanned) => self.choose(pod, scanned.get(&pod.uid)),
@@ -300,9 +327,11 @@ impl NetnsResolver for ProcNetnsFinder {
     }
 
     fn retry_in(&self) -> Option<Duration> {
-        let since = self.scanned?.elapsed();
-        self.scan_deferred
-            .then(|| self.scan_interval.saturating_sub(since))
+        if self.scan_deferred {
+            self.scan_wait()
+        } else {
+            None
+        }
     }
 }
 
@@ -390,6 +419,7 @@ mod tests {
 
     const UID_A: &str = "2c48913c-b29f-11e7-9350-020968147796";
     const UID_B: &str = "72f7f152-440c-66ac-9084-e0fc1d8a910c";
+    const UID_C: &str = "0b7c2e3a-6d41-4f0e-9a57-3c1d2e4f5a6b";
 
     #[test]
     fn cgroup_lines_of_every_driver_and_version_name_the_pod() {
@@ -505,7 +535,7 @@ mod tests {
 
     /// A finder that scans and checks owners on every pass.
     fn unthrottled(root: &Path) -> ProcNetnsFinder {
-        ProcNetnsFinder::new(root).with_intervals(Duration::ZERO, Duration::ZERO)
+        ProcNetnsFinder::new(root).with_intervals(Duration::ZERO, 0, Duration::ZERO)
     }
 
     #[test]
@@ -514,7 +544,7 @@ mod tests {
         proc.process(200, &v2(UID_A), 10);
         let mut finder = ProcNetnsFinder::new(&proc.root)
             .with_host_netns(None)
-            .with_intervals(Duration::from_millis(300), Duration::from_millis(300));
+            .with_intervals(Duration::from_millis(300), 0, Duration::from_millis(300));
         assert_eq!(
             finder.resolve(&[query(UID_A, &[])])[UID_A],
             Ok(proc.path(200))
@@ -547,6 +577,31 @@ mod tests {
         assert!(found[UID_A].is_err(), "{found:?}");
         assert_eq!(found[UID_B], Ok(proc.path(200)));
         assert_eq!(finder.retry_in(), None);
+    }
+
+    #[test]
+    fn the_wait_after_a_scan_grows_with_what_the_scan_cost() {
+        let proc = FakeProc::new();
+        for pid in 1000..1200 {
+            proc.process(pid, &v2(UID_B), u64::from(pid));
+        }
+        proc.process(200, &v2(UID_A), 10);
+        let mut finder = ProcNetnsFinder::new(&proc.root)
+            .with_host_netns(None)
+            .with_intervals(Duration::ZERO, 1000, Duration::ZERO);
+        let started = Instant::now();
+        assert_eq!(
+            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            Ok(proc.path(200))
+        );
+        let scan_at_most = started.elapsed();
+        // Reading 201 processes takes well over a microsecond, so the next
+        // scan is at least a millisecond away, and at most 1,000 scans'.
+        proc.process(400, &v2(UID_C), 20);
+        let found = finder.resolve(&[query(UID_A, &[]), query(UID_C, &[])]);
+        assert!(found[UID_C].is_err(), "{found:?}");
+        let wait = finder.retry_in().expect("a scan was deferred");
+        assert!(wait <= scan_at_most * 1000, "{wait:?} after {scan_at_most:?}");
     }
 
     fn query(uid: &str, ips: &[&str]) -> PodQuery {
