@@ -20,14 +20,13 @@
 //!
 //! What it costs grows with the node: a scan reads the cgroup file of every
 //! process, and the source passes on every pod event. So a pass checks the
-//! cached answers with one `stat` each, and a scan waits after the previous
-//! one for [`SCAN_COST_MULTIPLE`] times what that one took (and at least
-//! [`SCAN_MIN_GAP`]), so that scanning takes at most a fifth of a CPU
-//! however busy the node; pods a skipped scan would have looked for are
-//! retried when the wait is over ([`NetnsResolver::retry_in`]). On a node
-//! of 1,000 pods under churn, scanning on every event took a CPU; a fixed
-//! 200 ms between scans instead made a new pod wait up to 200 ms on a quiet
-//! node.
+//! cached answers with one `stat` each, and scans run on a CPU budget
+//! ([`ScanBudget`]): a burst of [`SCAN_BURST`] of scanning at once, then
+//! [`SCAN_CPU_SHARE`] of the time, however busy the node; pods a skipped
+//! scan would have looked for are retried when the budget allows
+//! ([`NetnsResolver::retry_in`]). On a node of 1,000 pods under churn,
+//! scanning on every event took a CPU; a fixed 200 ms between scans instead
+//! made a new pod wait up to 200 ms on a quiet node.
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -69,10 +68,57 @@ pub trait NetnsResolver: Send + 'static {
 /// How often cached answers are checked to still belong to their pod (a
 /// pid reused by another pod's process in the same namespace).
 pub const OWNERSHIP_RECHECK: Duration = Duration::from_secs(5);
-/// The least time between two scans of the proc filesystem.
-pub const SCAN_MIN_GAP: Duration = Duration::from_millis(5);
-/// After a scan, the next one waits this many times as long as it took.
-pub const SCAN_COST_MULTIPLE: u32 = 4;
+/// The share of the time scans of the proc filesystem may take, once their
+/// burst is spent.
+pub const SCAN_CPU_SHARE: f64 = 0.2;
+/// How much scanning may run back to back on a node that was quiet.
+pub const SCAN_BURST: Duration = Duration::from_millis(200);
+
+/// Time the proc filesystem scans may take: credit that grows with the
+/// wall clock at a fixed share, up to a burst, and that each scan spends by
+/// what it took (a token bucket of CPU time).
+#[derive(Clone, Copy, Debug)]
+pub struct ScanBudget {
+    share: f64,
+    burst: f64,
+    /// Seconds of scanning allowed now; below zero after an overrun.
+    credit: f64,
+    updated: Instant,
+}
+
+impl ScanBudget {
+    /// `share` of the time, after a `burst` (which it starts with).
+    pub fn new(share: f64, burst: Duration) -> Self {
+        Self {
+            share,
+            burst: burst.as_secs_f64(),
+            credit: burst.as_secs_f64(),
+            updated: Instant::now(),
+        }
+    }
+
+    /// No limit at all (tests).
+    pub fn unlimited() -> Self {
+        Self::new(f64::MAX, Duration::from_secs(u64::from(u32::MAX)))
+    }
+
+    /// The credit as of now.
+    fn credit(&self) -> f64 {
+        let earned = self.updated.elapsed().as_secs_f64() * self.share;
+        (self.credit + earned).min(self.burst)
+    }
+
+    /// How long until a scan may run, if not now.
+    fn wait(&self) -> Option<Duration> {
+        let credit = self.credit();
+        (credit < 0.0).then(|| Duration::from_secs_f64(-credit / self.share))
+    }
+
+    fn spend(&mut self, scan: Duration) {
+        self.credit = self.credit() - scan.as_secs_f64();
+        self.updated = Instant::now();
+    }
+}
 
 impl<F> NetnsResolver for F
 where
@@ -94,14 +140,10 @@ pub struct ProcNetnsFinder {
     cache: HashMap<String, Found>,
     host_netns: Option<u64>,
     verify: Verifier,
-    scan_min_gap: Duration,
-    scan_cost_multiple: u32,
+    scan_budget: ScanBudget,
     ownership_recheck: Duration,
     /// When the cached answers' owners were last checked.
     ownership_checked: Option<Instant>,
-    /// When the proc filesystem was last scanned, and how long until the
-    /// next scan may start.
-    scanned: Option<(Instant, Duration)>,
     /// Pods were left for a later scan.
     scan_deferred: bool,
 }
@@ -129,11 +171,9 @@ impl ProcNetnsFinder {
             cache: HashMap::new(),
             host_netns: fs::metadata("/proc/self/ns/net").ok().map(|m| m.ino()),
             verify: Box::new(holds_any_ip),
-            scan_min_gap: SCAN_MIN_GAP,
-            scan_cost_multiple: SCAN_COST_MULTIPLE,
+            scan_budget: ScanBudget::new(SCAN_CPU_SHARE, SCAN_BURST),
             ownership_recheck: OWNERSHIP_RECHECK,
             ownership_checked: None,
-            scanned: None,
             scan_deferred: false,
         }
     }
@@ -144,16 +184,9 @@ impl ProcNetnsFinder {
         self
     }
 
-    /// Replaces [`SCAN_MIN_GAP`], [`SCAN_COST_MULTIPLE`] and
-    /// [`OWNERSHIP_RECHECK`] (zeros: no pacing at all).
-    pub fn with_intervals(
-        mut self,
-        scan_min_gap: Duration,
-        scan_cost_multiple: u32,
-        ownership: Duration,
-    ) -> Self {
-        self.scan_min_gap = scan_min_gap;
-        self.scan_cost_multiple = scan_cost_multiple;
+    /// Replaces the scans' budget and [`OWNERSHIP_RECHECK`].
+    pub fn with_pacing(mut self, scans: ScanBudget, ownership: Duration) -> Self {
+        self.scan_budget = scans;
         self.ownership_recheck = ownership;
         self
     }
@@ -190,12 +223,6 @@ impl ProcNetnsFinder {
     /// Whether `last` is `interval` or longer ago (or never was).
     fn due(last: Option<Instant>, interval: Duration) -> bool {
         last.is_none_or(|at| at.elapsed() >= interval)
-    }
-
-    /// How long until the next scan may start, if not yet.
-    fn scan_wait(&self) -> Option<Duration> {
-        let (at, gap) = self.scanned?;
-        Some(gap.saturating_sub(at.elapsed())).filter(|wait| !wait.is_zero())
     }
 
     /// Processes of the wanted pods, by pod UID.
@@ -295,7 +322,7 @@ impl NetnsResolver for ProcNetnsFinder {
         if missing.is_empty() {
             return results;
         }
-        if let Some(wait) = self.scan_wait() {
+        if let Some(wait) = self.scan_budget.wait() {
             self.scan_deferred = true;
             for pod in missing {
                 let why = format!(
@@ -308,10 +335,7 @@ impl NetnsResolver for ProcNetnsFinder {
         let started = Instant::now();
         let wanted: HashSet<&str> = missing.iter().map(|p| p.uid.as_str()).collect();
         let scanned = self.scan(&wanted);
-        let gap = self
-            .scan_min_gap
-            .max(started.elapsed() * self.scan_cost_multiple);
-        self.scanned = Some((started, gap));
+        self.scan_budget.spend(started.elapsed());
         for pod in missing {
             let result = match &scanned {
                 Ok(scanned) => self.choose(pod, scanned.get(&pod.uid)),
@@ -327,11 +351,10 @@ impl NetnsResolver for ProcNetnsFinder {
     }
 
     fn retry_in(&self) -> Option<Duration> {
-        if self.scan_deferred {
-            self.scan_wait()
-        } else {
-            None
-        }
+        // Once the budget allows, at once: the deferred pods must not wait
+        // for the next event.
+        self.scan_deferred
+            .then(|| self.scan_budget.wait().unwrap_or(Duration::ZERO))
     }
 }
 
@@ -535,7 +558,7 @@ mod tests {
 
     /// A finder that scans and checks owners on every pass.
     fn unthrottled(root: &Path) -> ProcNetnsFinder {
-        ProcNetnsFinder::new(root).with_intervals(Duration::ZERO, 0, Duration::ZERO)
+        ProcNetnsFinder::new(root).with_pacing(ScanBudget::unlimited(), Duration::ZERO)
     }
 
     #[test]
@@ -544,11 +567,16 @@ mod tests {
         proc.process(200, &v2(UID_A), 10);
         let mut finder = ProcNetnsFinder::new(&proc.root)
             .with_host_netns(None)
-            .with_intervals(Duration::from_millis(300), 0, Duration::from_millis(300));
+            .with_pacing(
+                ScanBudget::new(0.001, Duration::ZERO),
+                Duration::from_millis(300),
+            );
+        let started = Instant::now();
         assert_eq!(
             finder.resolve(&[query(UID_A, &[])])[UID_A],
             Ok(proc.path(200))
         );
+        let scan_at_most = started.elapsed();
         assert_eq!(finder.retry_in(), None);
 
         // A pod that appears right after a scan is left for the next one,
@@ -562,8 +590,9 @@ mod tests {
                 .unwrap_err()
                 .contains("not looked for yet")
         );
+        // At a 0.1% share, a scan is paid back in 1,000 times what it took.
         let retry = finder.retry_in().expect("a scan was deferred");
-        assert!(retry <= Duration::from_millis(300), "{retry:?}");
+        assert!(retry <= scan_at_most * 1000, "{retry:?} after {scan_at_most:?}");
 
         // Within the owner interval a cached answer is taken on its
         // namespace alone; past it, a pid now another pod's is not.
@@ -572,7 +601,7 @@ mod tests {
             finder.resolve(&[query(UID_A, &[])])[UID_A],
             Ok(proc.path(200))
         );
-        std::thread::sleep(retry.max(Duration::from_millis(300)));
+        std::thread::sleep(retry.max(Duration::from_millis(300)) + Duration::from_millis(1));
         let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[])]);
         assert!(found[UID_A].is_err(), "{found:?}");
         assert_eq!(found[UID_B], Ok(proc.path(200)));
@@ -580,28 +609,49 @@ mod tests {
     }
 
     #[test]
-    fn the_wait_after_a_scan_grows_with_what_the_scan_cost() {
+    fn new_pods_on_a_quiet_node_are_scanned_at_once_and_a_spent_budget_paces_scans() {
         let proc = FakeProc::new();
+        // Other processes, so that a scan costs something.
         for pid in 1000..1200 {
             proc.process(pid, &v2(UID_B), u64::from(pid));
         }
-        proc.process(200, &v2(UID_A), 10);
+        // With credit left, every new pod is looked for at once.
         let mut finder = ProcNetnsFinder::new(&proc.root)
             .with_host_netns(None)
-            .with_intervals(Duration::ZERO, 1000, Duration::ZERO);
+            .with_pacing(
+                ScanBudget::new(0.001, Duration::from_secs(60)),
+                Duration::ZERO,
+            );
+        let mut asked = Vec::new();
+        for (pid, uid) in [(200, UID_A), (300, UID_C)] {
+            proc.process(pid, &v2(uid), u64::from(pid));
+            asked.push(query(uid, &[]));
+            assert_eq!(finder.resolve(&asked)[uid], Ok(proc.path(pid)));
+            assert_eq!(finder.retry_in(), None);
+        }
+
+        // Without, the next scan waits until what the last one took is
+        // earned back at the budget's share of the time.
+        let mut finder = ProcNetnsFinder::new(&proc.root)
+            .with_host_netns(None)
+            .with_pacing(ScanBudget::new(0.001, Duration::ZERO), Duration::ZERO);
         let started = Instant::now();
         assert_eq!(
             finder.resolve(&[query(UID_A, &[])])[UID_A],
             Ok(proc.path(200))
         );
         let scan_at_most = started.elapsed();
-        // Reading 201 processes takes well over a microsecond, so the next
-        // scan is at least a millisecond away, and at most 1,000 scans'.
-        proc.process(400, &v2(UID_C), 20);
         let found = finder.resolve(&[query(UID_A, &[]), query(UID_C, &[])]);
         assert!(found[UID_C].is_err(), "{found:?}");
         let wait = finder.retry_in().expect("a scan was deferred");
         assert!(wait <= scan_at_most * 1000, "{wait:?} after {scan_at_most:?}");
+        // Once earned back, the deferred pods are still to be retried, at
+        // once (not left for the next event), and then found.
+        std::thread::sleep(wait + Duration::from_millis(1));
+        assert_eq!(finder.retry_in(), Some(Duration::ZERO));
+        let found = finder.resolve(&[query(UID_A, &[]), query(UID_C, &[])]);
+        assert_eq!(found[UID_C], Ok(proc.path(300)));
+        assert_eq!(finder.retry_in(), None);
     }
 
     fn query(uid: &str, ips: &[&str]) -> PodQuery {
