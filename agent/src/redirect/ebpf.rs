@@ -172,11 +172,7 @@ impl Dataplane {
             let mut steps = super::EnrolSteps::default();
             // One netlink socket for the whole visit.
             let (mut rtnl, net) = steps.time("inspect", || -> Result<_, EnrollError> {
-                let mut rtnl = Rtnl::open().map_err(|source| podnet::PodNetError::Netlink {
-                    what: "opening a netlink route socket",
-                    netns: path.to_owned(),
-                    source,
-                })?;
+                let mut rtnl = podnet::open_rtnl(path)?;
                 let net = podnet::inspect_with(&mut rtnl, path)?;
                 Ok((rtnl, net))
             })?;

@@ -161,12 +161,17 @@ pub fn host_addresses() -> Result<Vec<IpAddr>, PodNetError> {
 /// [`inspect`] from a thread already in the namespace (named `netns` in
 /// errors).
 pub fn inspect_here(netns: &Path) -> Result<PodNetwork, PodNetError> {
-    let mut rtnl = Rtnl::open().map_err(|source| PodNetError::Netlink {
+    inspect_with(&mut open_rtnl(netns)?, netns)
+}
+
+/// A netlink route socket in the calling thread's namespace (`netns` in
+/// errors).
+pub fn open_rtnl(netns: &Path) -> Result<Rtnl, PodNetError> {
+    Rtnl::open().map_err(|source| PodNetError::Netlink {
         what: "opening a netlink route socket",
         netns: netns.to_owned(),
         source,
-    })?;
-    inspect_with(&mut rtnl, netns)
+    })
 }
 
 /// [`inspect_here`] through `rtnl`, a socket opened in the namespace, which
