@@ -25,6 +25,9 @@ async fn a_short_soak_violates_no_invariant() {
     let config = SoakConfig {
         agent: env!("CARGO_BIN_EXE_ambpf").into(),
         cni_plugin: env!("CARGO_BIN_EXE_ambpf-cni").into(),
+        // Built beside the agent by `cargo test --workspace`.
+        ztunnel_proxies: std::path::Path::new(env!("CARGO_BIN_EXE_ambpf"))
+            .with_file_name("ztunnel-proxies"),
         duration: Duration::from_secs(60),
         pods: 20,
         seed,

@@ -29,13 +29,21 @@ pub struct Greeters {
 impl Greeters {
     /// Servers on `addresses` in `ns`.
     pub fn start(ns: &NetnsGuard, addresses: &[SocketAddr]) -> io::Result<Self> {
-        let listeners = ns.run(|| addresses.iter().map(|a| listen(*a)).collect::<io::Result<_>>())??;
+        let listeners = ns.run(|| {
+            addresses
+                .iter()
+                .map(|a| listen(*a))
+                .collect::<io::Result<_>>()
+        })??;
         Self::serve(addresses, listeners)
     }
 
     /// Servers on `addresses` in this thread's namespace.
     pub fn start_here(addresses: &[SocketAddr]) -> io::Result<Self> {
-        let listeners = addresses.iter().map(|a| listen(*a)).collect::<io::Result<_>>()?;
+        let listeners = addresses
+            .iter()
+            .map(|a| listen(*a))
+            .collect::<io::Result<_>>()?;
         Self::serve(addresses, listeners)
     }
 

@@ -843,13 +843,12 @@ async fn hbone_stand_in_tunnels_connect_to_an_app_in_the_pod() {
 /// 15001 of unmarked TCP): the double recovers the destination with
 /// SO_ORIGINAL_DST (IPv4 and IPv6) and connects there with mark 0x539, which
 /// the rule lets through (without the mark it would loop).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn outbound_redirected_by_iptables_reaches_the_original_destination() {
-    const SERVER_PORT: u16 = 9000;
-    let pn = PodAndNode::create().unwrap();
+/// Istio's outbound capture in `pod`: nat REDIRECT to 15001 of all TCP but
+/// to loopback and ztunnel's own (marked) sockets.
+fn redirect_outbound_with_iptables(pod: &NetnsGuard) {
     for (iptables, loopback) in [("iptables", "127.0.0.1/32"), ("ip6tables", "::1/128")] {
         run_in(
-            &pn.pod,
+            pod,
             iptables,
             &[
                 "-t",
@@ -873,6 +872,13 @@ async fn outbound_redirected_by_iptables_reaches_the_original_destination() {
             ],
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outbound_redirected_by_iptables_reaches_the_original_destination() {
+    const SERVER_PORT: u16 = 9000;
+    let pn = PodAndNode::create().unwrap();
+    redirect_outbound_with_iptables(&pn.pod);
     let mut server_peers = echo_server_in(&pn.node, SERVER_PORT);
     let mut server = ZdsServer::bind();
     let (double, _peer, uid) = pod_with_proxies(&pn, &mut server).await;
@@ -1694,4 +1700,66 @@ async fn the_binary_answers_dns_as_configured_and_prints_each_query() {
         .unwrap();
     assert!(status.success(), "{status}");
     reader.join().unwrap();
+}
+
+/// With `proxy_process`, the proxies run in a `ztunnel-proxies` child: the
+/// pod's listeners are not this process's, traffic and DNS go through them
+/// and their records come back, and a Del closes them there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_in_a_process_of_their_own_proxy_report_and_stop() {
+    const SERVER_PORT: u16 = 9000;
+    let pn = PodAndNode::create().unwrap();
+    redirect_outbound_with_iptables(&pn.pod);
+    let mut server_peers = echo_server_in(&pn.node, SERVER_PORT);
+    let mut server = ZdsServer::bind();
+    let config = ZtunnelConfig::default().proxy_process(env!("CARGO_BIN_EXE_ztunnel-proxies"));
+    let (double, peer, uid) = pod_with_config(&pn.pod, &mut server, config).await;
+
+    let ours = own_sockets(&socket_inodes_in(&pn.pod));
+    assert!(
+        !ours
+            .iter()
+            .any(|(local, _, _)| local.port() == OUTBOUND_PORT),
+        "the listeners are the child's, not this process's: {ours:?}"
+    );
+
+    let destination = SocketAddr::new(IpAddr::V4(PodAndNode::NODE.v4), SERVER_PORT);
+    let mut app = connect_from(&pn.pod, destination).await.unwrap();
+    let client = app.local_addr().unwrap();
+    assert_eq!(exchange(&mut app, b"hello").await, b"hello");
+    tokio::time::timeout(WAIT, server_peers.recv())
+        .await
+        .unwrap();
+    wait(&double, |s| s.proxied.iter().any(|c| c.client == client)).await;
+    let record = double
+        .proxied()
+        .into_iter()
+        .find(|c| c.client == client)
+        .unwrap();
+    assert_eq!(record.uid, uid);
+    assert_eq!(record.listener_port, OUTBOUND_PORT);
+    assert_eq!(record.original_dst, destination);
+    assert_eq!(record.outcome, ConnectionOutcome::Proxied);
+
+    let app_dns = udp_socket_in(&pn.pod, SocketAddr::new(DNS_V4.ip(), 0));
+    let query = dns::encode_query(0x4242, SVC, dns::TYPE_A).unwrap();
+    let (response, _) = ask_udp(&app_dns, DNS_V4, &query).await;
+    let response = dns::Response::parse(&response).unwrap();
+    assert_answer(
+        &response,
+        0x4242,
+        SVC,
+        dns::TYPE_A,
+        Some(IpAddr::V4(DEFAULT_DNS_ANSWER_V4)),
+    );
+    wait(&double, |s| s.dns_queries.iter().any(|q| q.uid == uid)).await;
+
+    assert_eq!(peer.del(&uid).await, Ok(()));
+    expect_closed_by_peer(&mut app).await;
+    wait_tcp_refused(
+        &pn.pod,
+        SocketAddr::new(IpAddr::V4(PodAndNode::POD.v4), OUTBOUND_PORT),
+    )
+    .await;
+    assert!(double.workloads().is_empty());
 }

@@ -178,7 +178,9 @@ impl Dataplane {
             })?;
             // Addresses first: a pod without any gets nothing installed.
             super::pod_addresses(&net, netns)?;
-            steps.time("routing", || routing::install_reply_routing_with(&mut rtnl, path))?;
+            steps.time("routing", || {
+                routing::install_reply_routing_with(&mut rtnl, path)
+            })?;
             let qdisc_created = steps.time("steering", || {
                 attach_steering_with(&mut rtnl, path, &net.interfaces, program.as_fd())
             })?;

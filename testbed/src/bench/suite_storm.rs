@@ -236,7 +236,11 @@ impl Storm<'_> {
         for (i, (uid, pod)) in uids.iter().zip(&cluster.pods).enumerate() {
             for j in 0..layout.proxies_per_pod {
                 let part_args = ["proxies", "--uid", uid, "--original-dst-delay-ms", &delay];
-                proxies.push(Part::spawn(&pod.ns, format!("proxies {i}.{j}"), &part_args)?);
+                proxies.push(Part::spawn(
+                    &pod.ns,
+                    format!("proxies {i}.{j}"),
+                    &part_args,
+                )?);
             }
             let mut part_args = vec![
                 "clients".to_owned(),
@@ -376,7 +380,9 @@ fn summarize(args: &StormArgs, samples: &[Sample]) -> Vec<Row> {
                         })
                     }),
                     misses_getpeername: (mode == "ebpf").then(|| {
-                        med(mode, &|s| s.misses.get("getpeername").copied().unwrap_or(0) as f64)
+                        med(mode, &|s| {
+                            s.misses.get("getpeername").copied().unwrap_or(0) as f64
+                        })
                     }),
                     storm_ms: med(mode, &|s| s.storm_ms),
                     reached_vs_iptables: reached / baseline,

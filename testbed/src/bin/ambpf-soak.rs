@@ -20,6 +20,10 @@ struct Cli {
     /// The ambpf-cni plugin binary.
     #[arg(long, default_value = "target/release/ambpf-cni")]
     cni_plugin: PathBuf,
+    /// The ztunnel double's proxy process [default: ztunnel-proxies beside
+    /// this binary].
+    #[arg(long)]
+    ztunnel_proxies: Option<PathBuf>,
     /// How long events and faults go on (e.g. 90s, 30m).
     #[arg(long, default_value = "120s", value_parser = soak::parse_duration)]
     duration: Duration,
@@ -53,6 +57,16 @@ fn main() -> ExitCode {
     let config = SoakConfig {
         agent: cli.agent,
         cni_plugin: cli.cni_plugin,
+        ztunnel_proxies: match cli.ztunnel_proxies {
+            Some(path) => path,
+            None => match std::env::current_exe() {
+                Ok(exe) => exe.with_file_name("ztunnel-proxies"),
+                Err(e) => {
+                    eprintln!("ambpf-soak: where is this binary? {e}");
+                    return ExitCode::FAILURE;
+                }
+            },
+        },
         duration: cli.duration,
         pods: cli.pods,
         seed,

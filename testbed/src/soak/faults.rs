@@ -10,10 +10,13 @@ use std::{
 use anyhow::{Context as _, Result};
 
 use super::{Soak, conns::PodConns};
-use crate::ztunnel::{ZtunnelConfig, ZtunnelDouble};
+use crate::ztunnel::ZtunnelDouble;
 
 /// How long a fault waits for the agent or ztunnel to come back.
 const PATIENCE: Duration = Duration::from_secs(30);
+/// How long a proxied connection's record may trail its echo (it comes from
+/// the double's proxy process).
+const RECORD_PATIENCE: Duration = Duration::from_secs(5);
 
 impl Soak<'_> {
     pub(super) async fn fault(&mut self) -> Result<()> {
@@ -64,18 +67,24 @@ impl Soak<'_> {
                     conns.generation = self.double_generation;
                     self.conn_stats.opened += 1;
                     if redirected {
-                        // Both went through ztunnel: it recorded them.
-                        let (outbound, inbound) = double.inspect(|s| {
-                            let through = |port: u16, listener: u16| {
+                        // Both went through ztunnel: it recorded them (its
+                        // proxy process reports records as they are made,
+                        // so they may trail the echo a little).
+                        let through = |s: &crate::ztunnel::ZtunnelState| {
+                            let went = |port: u16, listener: u16| {
                                 s.proxied
                                     .iter()
                                     .any(|p| p.client.port() == port && p.listener_port == listener)
                             };
                             (
-                                through(conns.outbound_port, crate::ztunnel::OUTBOUND_PORT),
-                                through(conns.inbound_port, crate::ztunnel::INBOUND_PLAINTEXT_PORT),
+                                went(conns.outbound_port, crate::ztunnel::OUTBOUND_PORT),
+                                went(conns.inbound_port, crate::ztunnel::INBOUND_PLAINTEXT_PORT),
                             )
-                        });
+                        };
+                        let _ = double
+                            .wait_until(|s| through(s) == (true, true), RECORD_PATIENCE)
+                            .await;
+                        let (outbound, inbound) = double.inspect(through);
                         for (went, what) in [(outbound, "outbound"), (inbound, "inbound")] {
                             if !went {
                                 self.violation(
@@ -252,8 +261,7 @@ impl Soak<'_> {
     /// connections it proxied end with it (closed here, not counted as
     /// resets), then it stops.
     async fn ztunnel_takeover(&mut self) -> Result<&'static str> {
-        let new =
-            ZtunnelDouble::connect_with_retry(&self.agent.zds_socket, ZtunnelConfig::default());
+        let new = ZtunnelDouble::connect_with_retry(&self.agent.zds_socket, self.cfg.ztunnel());
         new.wait_until(|s| s.ready, PATIENCE)
             .await
             .map_err(|e| anyhow::anyhow!("the new ztunnel never got ready: {e}"))

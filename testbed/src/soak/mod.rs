@@ -78,6 +78,11 @@ pub struct SoakConfig {
     pub agent: PathBuf,
     /// The `ambpf-cni` binary.
     pub cni_plugin: PathBuf,
+    /// The ztunnel double's proxy process (`ztunnel-proxies`): the proxies
+    /// run apart from this process, as ztunnel's do, so that a thousand
+    /// pods, their connections and two ztunnels during a takeover each
+    /// have their own descriptor limit.
+    pub ztunnel_proxies: PathBuf,
     #[serde(serialize_with = "as_secs")]
     pub duration: Duration,
     /// Pod slots (pods at once, at most).
@@ -90,6 +95,13 @@ pub struct SoakConfig {
     /// Mean time between faults.
     #[serde(serialize_with = "as_secs")]
     pub fault_interval: Duration,
+}
+
+impl SoakConfig {
+    /// How every ztunnel double of the soak runs.
+    fn ztunnel(&self) -> ZtunnelConfig {
+        ZtunnelConfig::default().proxy_process(&self.ztunnel_proxies)
+    }
 }
 
 fn as_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -148,7 +160,11 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
     if !nix::unistd::geteuid().is_root() {
         bail!("run as root: the soak creates network namespaces and the agent loads BPF programs");
     }
-    for (what, path) in [("agent", &cfg.agent), ("CNI plugin", &cfg.cni_plugin)] {
+    for (what, path) in [
+        ("agent", &cfg.agent),
+        ("CNI plugin", &cfg.cni_plugin),
+        ("ztunnel-proxies", &cfg.ztunnel_proxies),
+    ] {
         if !path.is_file() {
             bail!("no {what} binary at {}", path.display());
         }
@@ -183,7 +199,7 @@ pub async fn run(cfg: &SoakConfig) -> Result<SoakReport> {
         dir.path(),
     )?;
     agent.start()?;
-    let double = ZtunnelDouble::connect_with_retry(&agent.zds_socket, ZtunnelConfig::default());
+    let double = ZtunnelDouble::connect_with_retry(&agent.zds_socket, cfg.ztunnel());
     let start = Instant::now();
     let tracker = Arc::new(Mutex::new(invariants::Tracker::new(
         start,

@@ -21,6 +21,7 @@ use super::{
     ZdsEvent, ZtunnelConfig,
     dns_server::DnsAnswers,
     proxy::PodProxies,
+    proxy_host::{ProxyProcess, RunningProxies},
     wire::{self, ControlBuffer, READ_BUFFER_LEN, ReceiveError, Request},
 };
 
@@ -51,7 +52,7 @@ impl Netns {
 
 struct Pod {
     netns: Netns,
-    proxies: Option<PodProxies>,
+    proxies: Option<RunningProxies>,
 }
 
 /// A pod whose proxies failed to start, kept (fd included) for retries.
@@ -100,6 +101,10 @@ pub(super) struct Client {
     ack_delay: Duration,
     pending_retry_interval: Duration,
     dns_answers: DnsAnswers,
+    /// [`ZtunnelConfig::proxy_process`], with what its child is started with.
+    proxy_process: Option<(PathBuf, ZtunnelConfig)>,
+    /// That child, once the first pod needed it.
+    proxy_host: Option<Arc<ProxyProcess>>,
     pods: HashMap<String, Pod>,
     pending: HashMap<String, PendingPod>,
     /// SnapshotSent received on this connection.
@@ -117,6 +122,11 @@ impl Client {
             ack_delay: config.ack_delay,
             pending_retry_interval: config.pending_retry_interval,
             dns_answers: DnsAnswers::of(config),
+            proxy_process: config
+                .proxy_process
+                .clone()
+                .map(|binary| (binary, config.clone())),
+            proxy_host: None,
             pods: HashMap::new(),
             pending: HashMap::new(),
             snapshot_received: false,
@@ -465,16 +475,34 @@ impl Client {
         }
     }
 
-    async fn start_proxies(&self, uid: &str, netns: &Netns) -> Result<Option<PodProxies>, String> {
+    async fn start_proxies(
+        &mut self,
+        uid: &str,
+        netns: &Netns,
+    ) -> Result<Option<RunningProxies>, String> {
         if self.shared.should_fail(uid) {
             return Err(format!("the test configured uid {uid} to fail"));
         }
         if !self.start_proxies {
             return Ok(None);
         }
+        if let Some((binary, config)) = &self.proxy_process {
+            let host = match &self.proxy_host {
+                Some(host) if host.is_running() => host.clone(),
+                _ => {
+                    let host = ProxyProcess::spawn(binary, config, self.shared.clone())
+                        .map_err(|e| e.to_string())?;
+                    self.proxy_host.insert(host).clone()
+                }
+            };
+            return host
+                .start(uid, netns.fd.as_fd())
+                .await
+                .map(|proxies| Some(RunningProxies::Child(proxies)));
+        }
         PodProxies::start(uid, netns.fd.as_fd(), self.shared.clone(), self.dns_answers)
             .await
-            .map(Some)
+            .map(|proxies| Some(RunningProxies::Here(proxies)))
             .map_err(|e| e.to_string())
     }
 

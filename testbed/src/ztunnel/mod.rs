@@ -59,6 +59,7 @@ mod client;
 pub mod dns;
 mod dns_server;
 mod proxy;
+mod proxy_host;
 mod sockets;
 mod wire;
 
@@ -71,11 +72,12 @@ use std::{
     time::Duration,
 };
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_seqpacket::UnixSeqpacket;
 
 use dns_server::DnsAnswers;
+pub use proxy_host::serve_proxy_process;
 
 /// Where ztunnel looks for the node agent's ZDS socket by default (`INPOD_UDS`).
 pub const DEFAULT_SOCKET_PATH: &str = "/var/run/ztunnel/ztunnel.sock";
@@ -123,6 +125,10 @@ pub struct ZtunnelConfig {
     pub dns_answer_v4: Ipv4Addr,
     /// The DNS proxy's answer to every AAAA query.
     pub dns_answer_v6: Ipv6Addr,
+    /// Run the in-pod proxies in a child process of this `ztunnel-proxies`
+    /// binary, whose descriptors are its own, as ztunnel's are (see
+    /// `proxy_host.rs`); `None`: in this process.
+    pub proxy_process: Option<PathBuf>,
 }
 
 impl Default for ZtunnelConfig {
@@ -135,6 +141,7 @@ impl Default for ZtunnelConfig {
             pending_retry_interval: Duration::from_secs(5),
             dns_answer_v4: DEFAULT_DNS_ANSWER_V4,
             dns_answer_v6: DEFAULT_DNS_ANSWER_V6,
+            proxy_process: None,
         }
     }
 }
@@ -178,6 +185,13 @@ impl ZtunnelConfig {
     /// Answers AAAA queries with `address`.
     pub fn dns_answer_v6(mut self, address: Ipv6Addr) -> Self {
         self.dns_answer_v6 = address;
+        self
+    }
+
+    /// Runs the in-pod proxies in a child process of `binary`
+    /// (`ztunnel-proxies`).
+    pub fn proxy_process(mut self, binary: impl Into<PathBuf>) -> Self {
+        self.proxy_process = Some(binary.into());
         self
     }
 }
@@ -251,7 +265,7 @@ pub struct ZdsConnection {
 }
 
 /// What became of a connection accepted by an in-pod listener.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ConnectionOutcome {
     /// Connected upstream; bytes are (or were) copied both ways.
@@ -269,7 +283,7 @@ pub enum ConnectionOutcome {
 /// A connection accepted by a pod's listener, recorded once its fate is
 /// decided (for `Proxied`: once upstream is connected, before any byte is
 /// copied).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProxiedConnection {
     pub uid: String,
     /// 15001, 15006 or 15008.
@@ -294,7 +308,7 @@ pub struct ProxiedConnection {
 }
 
 /// How a DNS query reached the DNS proxy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DnsTransport {
     Udp,
@@ -303,7 +317,7 @@ pub enum DnsTransport {
 
 /// A DNS query the double answered (NOERROR, with or without an answer),
 /// recorded before the answer is sent.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DnsQuery {
     pub uid: String,
     pub transport: DnsTransport,

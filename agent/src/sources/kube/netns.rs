@@ -592,7 +592,10 @@ mod tests {
         );
         // At a 0.1% share, a scan is paid back in 1,000 times what it took.
         let retry = finder.retry_in().expect("a scan was deferred");
-        assert!(retry <= scan_at_most * 1000, "{retry:?} after {scan_at_most:?}");
+        assert!(
+            retry <= scan_at_most * 1000,
+            "{retry:?} after {scan_at_most:?}"
+        );
 
         // Within the owner interval a cached answer is taken on its
         // namespace alone; past it, a pid now another pod's is not.
@@ -644,7 +647,10 @@ mod tests {
         let found = finder.resolve(&[query(UID_A, &[]), query(UID_C, &[])]);
         assert!(found[UID_C].is_err(), "{found:?}");
         let wait = finder.retry_in().expect("a scan was deferred");
-        assert!(wait <= scan_at_most * 1000, "{wait:?} after {scan_at_most:?}");
+        assert!(
+            wait <= scan_at_most * 1000,
+            "{wait:?} after {scan_at_most:?}"
+        );
         // Once earned back, the deferred pods are still to be retried, at
         // once (not left for the next event), and then found.
         std::thread::sleep(wait + Duration::from_millis(1));

@@ -65,7 +65,10 @@ impl Layout {
 
 /// `count` greeter parts in `remote`, two ports each; and the storm's
 /// targets, IPv4 and IPv6 alternating.
-pub(super) fn start_greeters(remote: &cluster::Pod, count: usize) -> Result<(Vec<Part>, Vec<SocketAddr>)> {
+pub(super) fn start_greeters(
+    remote: &cluster::Pod,
+    count: usize,
+) -> Result<(Vec<Part>, Vec<SocketAddr>)> {
     let mut greeters = Vec::with_capacity(count);
     let mut targets = Vec::with_capacity(count * 2);
     for i in 0..count {
@@ -81,7 +84,11 @@ pub(super) fn start_greeters(remote: &cluster::Pod, count: usize) -> Result<(Vec
         for address in pair {
             part_args.extend(["--address".to_owned(), address.to_string()]);
         }
-        greeters.push(Part::spawn(&remote.ns, format!("greeters {i}"), &part_args)?);
+        greeters.push(Part::spawn(
+            &remote.ns,
+            format!("greeters {i}"),
+            &part_args,
+        )?);
         targets.extend(pair);
     }
     Ok((greeters, targets))
@@ -212,7 +219,8 @@ mod tests {
         assert!(largest_pod <= budget.min(MAX_CLIENTS_PER_POD), "{layout:?}");
         let per_proxy = (largest_pod * 2) as f64 * PROXY_IMBALANCE / layout.proxies_per_pod as f64;
         assert!(per_proxy <= budget as f64, "{layout:?}");
-        let per_greeter_port = connections.div_ceil(2 * layout.greeters as u64) + layout.pods as u64;
+        let per_greeter_port =
+            connections.div_ceil(2 * layout.greeters as u64) + layout.pods as u64;
         assert!(2 * per_greeter_port <= budget, "{layout:?}");
         layout
     }
