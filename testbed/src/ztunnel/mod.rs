@@ -37,7 +37,9 @@
 //! ztunnel itself, and pass everything through as plain TCP from sockets
 //! created in the pod's netns with the same mark; inbound (15006) keeps the
 //! client's address (IP_TRANSPARENT + IP_FREEBIND). Every accepted connection
-//! is recorded as a [`ProxiedConnection`].
+//! is recorded as a [`ProxiedConnection`]. With
+//! [`ZtunnelConfig::proxy_process`] they run in a `ztunnel-proxies` child
+//! process of their own, which reports its records back (`proxy_host.rs`).
 //!
 //! Each pod also gets ztunnel's DNS proxy: `127.0.0.1:15053` and
 //! `[::1]:15053` (the latter only if the netns has IPv6 loopback), UDP and
