@@ -3,11 +3,12 @@
 //!
 //! ztunnel's proxies live in ztunnel's process, with its own descriptor
 //! limit. A test harness that runs the agent's pods, their connections and
-//! two ztunnels (a takeover) in one process needs about 20 descriptors per
-//! pod, so at a thousand pods it meets RLIMIT_NOFILE, which ztunnel never
-//! would. With [`ZtunnelConfig::proxy_process`] each double gets a child of
-//! its own: the ZDS client, the pods' state and the netns fds stay in the
-//! double; the listeners, DNS sockets, per-pod threads and proxied
+//! two ztunnels (a takeover) in one process needs about 17 descriptors per
+//! ambient pod and 7 more per pod during a takeover, so at a thousand pods
+//! it meets RLIMIT_NOFILE, which ztunnel never would. With
+//! [`ZtunnelConfig::proxy_process`] each double gets a child of its own: the
+//! ZDS client, the pods' state and the netns fds stay in the double; the
+//! listeners, DNS sockets, per-pod threads and proxied
 //! connections move to the child, which reports every record back.
 //!
 //! The child speaks JSON lines over stdin and stdout. It opens a pod's netns
