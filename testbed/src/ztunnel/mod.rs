@@ -62,6 +62,7 @@ pub mod dns;
 mod dns_server;
 mod proxy;
 mod proxy_host;
+mod reconnect;
 mod sockets;
 mod state;
 mod wire;
