@@ -101,7 +101,7 @@ fn main() -> ExitCode {
 }
 
 fn run(role: Role) -> io::Result<()> {
-    raise_open_file_limit()?;
+    ambpf_testbed::bench::raise_fd_limit()?;
     let mut lines = io::stdin().lock().lines();
     match role {
         Role::Clients {
@@ -172,12 +172,4 @@ fn say(message: &impl Serialize) -> io::Result<()> {
     serde_json::to_writer(&mut out, message)?;
     out.write_all(b"\n")?;
     out.flush()
-}
-
-/// Soft open-file limit up to the hard one (no privilege needed).
-fn raise_open_file_limit() -> io::Result<()> {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-    Ok(())
 }

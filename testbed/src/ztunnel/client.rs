@@ -98,8 +98,8 @@ pub(super) struct Client {
     ack_delay: Duration,
     pending_retry_interval: Duration,
     dns_answers: DnsAnswers,
-    /// [`ZtunnelConfig::proxy_process`], with what its child is started with.
-    proxy_process: Option<(PathBuf, ZtunnelConfig)>,
+    /// [`ZtunnelConfig::proxy_process`].
+    proxy_process: Option<PathBuf>,
     /// That child, once the first pod needed it.
     proxy_host: Option<Arc<ProxyProcess>>,
     pods: HashMap<String, Pod>,
@@ -119,10 +119,7 @@ impl Client {
             ack_delay: config.ack_delay,
             pending_retry_interval: config.pending_retry_interval,
             dns_answers: DnsAnswers::of(config),
-            proxy_process: config
-                .proxy_process
-                .clone()
-                .map(|binary| (binary, config.clone())),
+            proxy_process: config.proxy_process.clone(),
             proxy_host: None,
             pods: HashMap::new(),
             pending: HashMap::new(),
@@ -483,11 +480,11 @@ impl Client {
         if !self.start_proxies {
             return Ok(None);
         }
-        if let Some((binary, config)) = &self.proxy_process {
+        if let Some(binary) = &self.proxy_process {
             let host = match &self.proxy_host {
                 Some(host) if host.is_running() => host.clone(),
                 _ => {
-                    let host = ProxyProcess::spawn(binary, config, self.shared.clone())
+                    let host = ProxyProcess::spawn(binary, self.dns_answers, self.shared.clone())
                         .map_err(|e| e.to_string())?;
                     self.proxy_host.insert(host).clone()
                 }

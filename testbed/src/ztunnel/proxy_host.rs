@@ -102,24 +102,24 @@ pub(super) struct ChildProxies {
 impl ChildProxies {
     async fn stop(mut self) {
         self.stopped = true;
-        let stop = self.host.request(|id| HostRequest::Stop {
-            id,
-            uid: self.uid.clone(),
-        });
         // A dead process has stopped them already.
-        if let Ok(done) = stop {
+        if let Ok(done) = self.send_stop() {
             let _ = done.await;
         }
+    }
+
+    fn send_stop(&self) -> Result<oneshot::Receiver<Result<(), String>>, String> {
+        self.host.request(|id| HostRequest::Stop {
+            id,
+            uid: self.uid.clone(),
+        })
     }
 }
 
 impl Drop for ChildProxies {
     fn drop(&mut self) {
         if !self.stopped {
-            let _ = self.host.request(|id| HostRequest::Stop {
-                id,
-                uid: self.uid.clone(),
-            });
+            let _ = self.send_stop();
         }
     }
 }
@@ -144,20 +144,21 @@ impl Drop for ProxyProcess {
 }
 
 impl ProxyProcess {
-    /// Starts `binary` with the double's DNS answers and delays; its
-    /// records go into `shared`.
+    /// Starts `binary` with the double's DNS answers and its delay before
+    /// asking an original destination (`shared`'s); its records go into
+    /// `shared`.
     pub(super) fn spawn(
         binary: &Path,
-        config: &ZtunnelConfig,
+        answers: DnsAnswers,
         shared: Arc<Shared>,
     ) -> io::Result<Arc<Self>> {
         let mut child = Command::new(binary)
             .arg("--dns-answer-v4")
-            .arg(config.dns_answer_v4.to_string())
+            .arg(answers.v4.to_string())
             .arg("--dns-answer-v6")
-            .arg(config.dns_answer_v6.to_string())
+            .arg(answers.v6.to_string())
             .arg("--original-dst-delay-ms")
-            .arg(config.original_dst_delay.as_millis().to_string())
+            .arg(shared.original_dst_delay.as_millis().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
