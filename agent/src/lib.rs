@@ -13,6 +13,7 @@ pub mod cli;
 pub mod cni;
 pub mod controller;
 pub mod http;
+pub mod mounts;
 pub mod netns;
 pub mod observe;
 pub mod redirect;

@@ -15,15 +15,15 @@ pub const NAMED_NETNS_DIR: &str = "/run/netns";
 pub enum NetnsError {
     #[error("network namespace {path} does not exist")]
     NotFound { path: PathBuf },
-    #[error("cannot open network namespace {path}: {source}")]
+    #[error("cannot open network namespace {path}: {cause}")]
     Open {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{path} is not a network namespace")]
     NotANetns { path: PathBuf },
-    #[error("cannot enter network namespace {path}: {source}")]
-    Enter { path: PathBuf, source: nix::Error },
+    #[error("cannot enter network namespace {path}: {cause}")]
+    Enter { path: PathBuf, cause: nix::Error },
 }
 
 /// An open handle on a network namespace. Holding it keeps the namespace alive.
@@ -47,12 +47,12 @@ impl Netns {
             std::io::ErrorKind::NotFound => NetnsError::NotFound { path: path.clone() },
             _ => NetnsError::Open {
                 path: path.clone(),
-                source,
+                cause: source,
             },
         })?;
         let meta = file.metadata().map_err(|source| NetnsError::Open {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         // A name under /run/netns whose bind mount is gone is an empty regular
         // file on tmpfs; a live namespace is an nsfs inode.
@@ -91,7 +91,7 @@ impl Netns {
                     setns(self.file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
                         NetnsError::Enter {
                             path: self.path.clone(),
-                            source,
+                            cause: source,
                         }
                     })?;
                     Ok(f())
@@ -159,6 +159,15 @@ fn is_nsfs(file: &File) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_error_says_its_cause_once_down_the_chain() {
+        // Below a regular file: ENOTDIR, an open error with its cause.
+        let err = Netns::open("/proc/self/status/net").unwrap_err();
+        assert!(matches!(err, NetnsError::Open { .. }), "{err}");
+        let printed = format!("{:#}", anyhow::Error::new(err).context("enrolling a pod"));
+        assert_eq!(printed.matches("Not a directory").count(), 1, "{printed}");
+    }
 
     #[test]
     fn missing_namespace_is_named_in_the_error() {

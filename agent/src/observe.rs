@@ -261,8 +261,9 @@ impl Collector for AgentCollector {
                 counter(&mut encoder, name, help, get(value))?;
             }
             let help = "Time the agent spent answering CNI ADDs, by phase: decide (ambient or \
-                        not), enrol (waiting for the controller and its enrolment), answer \
-                        (request read to answer ready). Divide by the ADDs answered for the mean.";
+                        not), enrol (waiting for the controller and its enrolment), ztunnel \
+                        (waiting for ztunnel's ack of the pod), answer (request read to \
+                        answer ready). Divide by the ADDs answered for the mean.";
             let mut family = encoder.encode_descriptor(
                 "cni_add_seconds",
                 help,
@@ -291,7 +292,7 @@ impl Collector for AgentCollector {
             Ok(misses) => {
                 let help = "Redirected connections whose original destination was missing \
                             when asked for (evicted from the full LRU maps, or never stored), \
-                            by reason (README \"Map capacities\").";
+                            by reason (docs/operations.md, \"Map capacities\").";
                 let metric = ConstCounter::new(0u64);
                 let mut family = encoder.encode_descriptor(
                     "origdst_misses",

@@ -9,12 +9,14 @@
 //!    (its namespace found again by inode), then the pin tree, which
 //!    detaches every program. The pins stay if a pod could not be cleaned,
 //!    so that running again still knows that pod.
-//! 2. **iptables mode**: the agent keeps its pods in memory only, so every
-//!    network namespace of the host is examined (named under /run/netns or
-//!    /var/run/netns, or held by a process; the host's own is skipped) and
-//!    those holding ambpf's in-pod chains ([`iptables::find_pod_rules`]) lose
-//!    them and their policy routing; then the host's probe rules and ipsets
-//!    go, unless a pod kept its rules ([`iptables::uninstall_node`]).
+//! 2. **iptables mode**: every network namespace of the host is examined
+//!    (the agent's records of its pods may be stale, or missing when an
+//!    older agent kept none): named under /run/netns or /var/run/netns, or
+//!    held by a process; the host's own is skipped. Those holding ambpf's
+//!    in-pod chains ([`iptables::find_pod_rules`]) lose them and their
+//!    policy routing; then the host's probe rules and ipsets go, unless a
+//!    pod kept its rules ([`iptables::uninstall_node`]), and then the
+//!    agent's records of its pods under the pin root.
 //! 3. **Kubernetes**: `ambient.istio.io/redirection: enabled` comes off this
 //!    node's pods, when the API server is configured as for `run`.
 //!
@@ -114,7 +116,7 @@ pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
     }
     if config.mode != Some(RedirectMode::Ebpf) {
         match Netns::open("/proc/self/ns/net") {
-            Ok(host) => iptables_state(&host, namespaces(), &mut report),
+            Ok(host) => iptables_state(&host, namespaces(), &config.pins, &mut report),
             Err(e) => report.failed(format!("iptables: opening this host's namespace: {e}")),
         }
     }
@@ -251,8 +253,9 @@ fn remove_pins(pins: &PinLayout, report: &mut Report) {
     }
 }
 
-/// Every namespace holding ambpf's in-pod chains, then the host side.
-fn iptables_state(host: &Netns, namespaces: &[Netns], report: &mut Report) {
+/// Every namespace holding ambpf's in-pod chains, then the host side, then
+/// the agent's records of its pods.
+fn iptables_state(host: &Netns, namespaces: &[Netns], pins: &PinLayout, report: &mut Report) {
     let mut pods = Vec::new();
     for netns in namespaces {
         if netns.inode() == host.inode() {
@@ -274,6 +277,7 @@ fn iptables_state(host: &Netns, namespaces: &[Netns], report: &mut Report) {
         }
     }
     let done = iptables::uninstall_node(host, pods);
+    let host_clean = matches!(done.host, Some(Ok(_)));
     for (path, result) in done.pods {
         match result {
             Ok(()) => report.done(format!(
@@ -303,6 +307,21 @@ fn iptables_state(host: &Netns, namespaces: &[Netns], report: &mut Report) {
             "kept the host probe rules and ipsets: a pod still has its rules (its kubelet \
              probes need them)",
         ),
+    }
+    if host_clean {
+        remove_pod_records(pins, report);
+    }
+}
+
+/// The iptables mode's records of its pods (only once every pod is clean:
+/// they are how a new agent finds what is left).
+fn remove_pod_records(pins: &PinLayout, report: &mut Report) {
+    let dir = pins.iptables_pods_dir();
+    let Some(parent) = dir.parent() else { return };
+    match std::fs::remove_dir_all(parent) {
+        Ok(()) => report.done(format!("removed {}", parent.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => report.failed(format!("removing {}: {e}", parent.display())),
     }
 }
 

@@ -18,8 +18,8 @@ pub enum SocketFileError {
     InUse(PathBuf),
     #[error("{0} exists and is not a socket; refusing to replace it")]
     NotASocket(PathBuf),
-    #[error("creating the socket {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    #[error("creating the socket {path}: {cause}")]
+    Io { path: PathBuf, cause: io::Error },
 }
 
 /// Binds at `path` with `bind`; `is_live` says whether a server answers on an
@@ -31,7 +31,7 @@ pub fn bind_owner_only<L>(
 ) -> Result<L, SocketFileError> {
     let io_err = |source| SocketFileError::Io {
         path: path.to_owned(),
-        source,
+        cause: source,
     };
     let dir = path
         .parent()

@@ -45,6 +45,11 @@
 //! `a_pod_with_two_addresses_of_a_family_is_refused` (an error naming its
 //! addresses, the node's other pod enrolled).
 
+mod common;
+use common::Server;
+#[macro_use]
+mod modes;
+
 use std::{
     collections::HashMap,
     io::{Read, Write},
@@ -57,7 +62,8 @@ use std::{
 use ambpf::{
     bpf::{Dataplane, PinLayout, inspect},
     controller::{
-        Controller, DEFAULT_CHECK_INTERVAL, EnrollRequest, PodSpec, ProgrammedPods, SourcePods,
+        CniRequest, Controller, DEFAULT_CHECK_INTERVAL, EnrollRequest, PodSpec, ProgrammedPods,
+        SourcePods,
     },
     netns::Netns,
     observe::ControllerStats,
@@ -68,7 +74,7 @@ use ambpf::{
         podnet::netns_cookie,
     },
     sources::kube::{KubeSource, KubeSourceConfig, PodQuery, rules::DATAPLANE_MODE_LABEL},
-    zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
+    zds::{NetnsSource, Workload, ZdsConfig},
 };
 use ambpf_common::{IpKey, PodConfig, maps};
 use ambpf_testbed::{
@@ -84,8 +90,6 @@ use tokio::{
     task::JoinHandle,
 };
 
-/// Tests move this process between cgroups (eBPF mode): one at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const PATIENCE: Duration = Duration::from_secs(10);
 const APP_PORT: u16 = 8080;
 const PEER_PORT: u16 = 9000;
@@ -168,28 +172,18 @@ struct Node {
     cluster: Cluster,
     /// eBPF mode: the pins, shared by the node's successive agents.
     bpffs: Option<BpffsMount>,
-    /// ZDS sockets, one per agent.
-    dir: PathBuf,
-    agents: u32,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 /// What an agent serves ztunnel with, and the ztunnel double it serves.
 struct Agent {
-    zds: ZdsHandle,
+    zds: Server,
     ztunnel: ZtunnelDouble,
-    server: Task,
 }
 
 impl Agent {
     /// The agent goes away, and ztunnel with it (closing X's namespace).
     async fn stop(self) {
-        drop(self.server);
+        drop(self.zds);
         self.ztunnel.shutdown().await;
     }
 }
@@ -204,17 +198,12 @@ impl Node {
             .map(|ip| EchoServer::start(&remote.ns, SocketAddr::new(*ip, PEER_PORT)))
             .collect();
         let bpffs = (mode == RedirectMode::Ebpf).then(|| BpffsMount::create().unwrap());
-        let dir =
-            std::env::temp_dir().join(format!("ambpf-reuse-{}", ambpf_testbed::unique_name("")));
-        std::fs::create_dir(&dir).unwrap();
         Self {
             mode,
             cgroup,
             remote_servers,
             cluster,
             bpffs,
-            dir,
-            agents: 0,
         }
     }
 
@@ -275,27 +264,16 @@ impl Node {
     }
 
     /// A new agent's ZDS server, with a new ztunnel double connected.
-    async fn agent(&mut self) -> Agent {
-        self.agents += 1;
-        let socket = self.dir.join(format!("ztunnel-{}.sock", self.agents));
-        let zds = ZdsHandle::new(ZdsConfig {
-            socket: socket.clone(),
-            ..Default::default()
-        });
-        let listener = ambpf::zds::listener::bind(&socket).unwrap();
-        let server = Task(tokio::spawn(zds.clone().serve_on(listener)));
-        let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+    async fn agent(&self) -> Agent {
+        let zds = Server::start(ZdsConfig::default());
+        let ztunnel = ZtunnelDouble::connect_with_retry(zds.socket(), ZtunnelConfig::default());
         ztunnel.wait_until(|s| s.ready, PATIENCE).await.unwrap();
-        Agent {
-            zds,
-            ztunnel,
-            server,
-        }
+        Agent { zds, ztunnel }
     }
 
     /// A controller of a new agent, enrolling into `redirection()`.
     fn controller(&self, agent: &Agent) -> Controller {
-        Controller::new(self.redirection(), agent.zds.clone(), true)
+        Controller::new(self.redirection(), agent.zds.handle.clone(), true)
     }
 
     /// Runs a controller on `pods` (and CNI requests, if given), as `ambpf
@@ -305,7 +283,7 @@ impl Node {
         &self,
         agent: &Agent,
         pods: watch::Receiver<Arc<SourcePods>>,
-        requests: Option<mpsc::Receiver<EnrollRequest>>,
+        requests: Option<mpsc::Receiver<CniRequest>>,
     ) -> (ProgrammedPods, Arc<ControllerStats>, Task) {
         self.run_checking_every(agent, pods, requests, DEFAULT_CHECK_INTERVAL)
     }
@@ -315,7 +293,7 @@ impl Node {
         &self,
         agent: &Agent,
         pods: watch::Receiver<Arc<SourcePods>>,
-        requests: Option<mpsc::Receiver<EnrollRequest>>,
+        requests: Option<mpsc::Receiver<CniRequest>>,
         check: Duration,
     ) -> (ProgrammedPods, Arc<ControllerStats>, Task) {
         let mut controller = self.controller(agent);
@@ -555,14 +533,19 @@ fn assert_stats(stats: &ControllerStats, conflicts: u64) {
 async fn wait_programmed(programmed: &mut ProgrammedPods, uids: &[&str]) {
     let reached = tokio::time::timeout(
         PATIENCE,
-        programmed.wait_for(|p| p.iter().map(String::as_str).eq(uids.iter().copied())),
+        programmed.wait_for(|p| {
+            p.programmed
+                .iter()
+                .map(String::as_str)
+                .eq(uids.iter().copied())
+        }),
     )
     .await
     .is_ok_and(|r| r.is_ok());
     assert!(
         reached,
         "programmed {:?}, not {uids:?}",
-        programmed.borrow()
+        programmed.borrow().programmed
     );
 }
 
@@ -574,10 +557,11 @@ fn source(pods: Vec<PodSpec>) -> Arc<SourcePods> {
     })
 }
 
-async fn cni_add(requests: &mpsc::Sender<EnrollRequest>, pod: PodSpec) {
+async fn cni_add(requests: &mpsc::Sender<CniRequest>, pod: PodSpec) {
     let (reply, answer) = oneshot::channel();
-    requests.send(EnrollRequest { pod, reply }).await.unwrap();
-    assert_eq!(answer.await.unwrap(), Ok(()), "CNI add");
+    let request = EnrollRequest { pod, reply };
+    requests.send(request.into()).await.unwrap();
+    answer.await.unwrap().expect("CNI add");
 }
 
 /// `stale_pod_at_agent_start` and `netns_inode_reused_at_agent_start`.
@@ -731,7 +715,7 @@ async fn address_change(mut node: Node, _: ()) {
 /// out would bypass ztunnel), while the node's other pod is enrolled; once
 /// the extra address is gone, the next pass enrols it. A pod that gains one
 /// while enrolled fails closed.
-async fn too_many_addresses(mut node: Node, _: ()) {
+async fn too_many_addresses(node: Node, _: ()) {
     let agent = node.agent().await;
     let mut controller = node.controller(&agent);
     let [a, b, c, _] = node.cluster.pods[0].addrs.v4.octets();
@@ -818,45 +802,33 @@ async fn too_many_addresses(mut node: Node, _: ()) {
     }
 }
 
-/// Runs `scenario` on a fresh node in each mode: `<name>::ebpf` (this
-/// process inside a test cgroup meanwhile) and `<name>::iptables`.
-macro_rules! in_both_modes {
-    ($name:ident, $scenario:ident, $arg:expr) => {
-        in_both_modes!($name, $scenario, $arg, 1);
-    };
-    ($name:ident, $scenario:ident, $arg:expr, $pods:expr) => {
-        mod $name {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn ebpf() {
-                let _serial = SERIAL.lock().await;
-                let cgroup = CgroupGuard::create().unwrap();
-                let _inside = cgroup.enter_process().unwrap();
-                let node =
-                    Node::with_pods(RedirectMode::Ebpf, Some(cgroup.path().to_owned()), $pods);
-                $scenario(node, $arg).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn iptables() {
-                let _serial = SERIAL.lock().await;
-                $scenario(Node::with_pods(RedirectMode::Iptables, None, $pods), $arg).await;
-            }
-        }
-    };
+/// A fresh node of `pods` pods in `mode`, its programs on `cgroup` (eBPF mode).
+fn node(mode: RedirectMode, cgroup: Option<&CgroupGuard>, pods: u16) -> Node {
+    Node::with_pods(mode, cgroup.map(|c| c.path().to_owned()), pods)
 }
 
-in_both_modes!(stale_pod_at_agent_start, agent_restart, false);
-in_both_modes!(netns_inode_reused_at_agent_start, agent_restart, true);
-in_both_modes!(cni_add_before_the_old_pods_delete, cni_pod, true);
-in_both_modes!(cni_add_after_the_old_pods_delete, cni_pod, false);
-in_both_modes!(kube_new_pod_before_old_pods_delete, kube_pods, true);
-in_both_modes!(kube_old_pods_delete_before_new_pod, kube_pods, false);
-in_both_modes!(pod_addresses_changed_while_enrolled, address_change, ());
+in_both_modes!(stale_pod_at_agent_start, |mode, cgroup| {
+    agent_restart(node(mode, cgroup, 1), false).await
+});
+in_both_modes!(netns_inode_reused_at_agent_start, |mode, cgroup| {
+    agent_restart(node(mode, cgroup, 1), true).await
+});
+in_both_modes!(cni_add_before_the_old_pods_delete, |mode, cgroup| {
+    cni_pod(node(mode, cgroup, 1), true).await
+});
+in_both_modes!(cni_add_after_the_old_pods_delete, |mode, cgroup| {
+    cni_pod(node(mode, cgroup, 1), false).await
+});
+in_both_modes!(kube_new_pod_before_old_pods_delete, |mode, cgroup| {
+    kube_pods(node(mode, cgroup, 1), true).await
+});
+in_both_modes!(kube_old_pods_delete_before_new_pod, |mode, cgroup| {
+    kube_pods(node(mode, cgroup, 1), false).await
+});
+in_both_modes!(pod_addresses_changed_while_enrolled, |mode, cgroup| {
+    address_change(node(mode, cgroup, 1), ()).await
+});
 in_both_modes!(
     a_pod_with_two_addresses_of_a_family_is_refused,
-    too_many_addresses,
-    (),
-    2
+    |mode, cgroup| { too_many_addresses(node(mode, cgroup, 2), ()).await }
 );

@@ -1,6 +1,6 @@
 //! Privileged: what happens past each map's capacity, with the programs
 //! loaded with small capacities and real traffic and enrolments between the
-//! test's own namespaces (README "Map capacities").
+//! test's own namespaces (docs/operations.md, "Map capacities").
 //!
 //! - Original-destination maps (LRU): connections opened one by one, more
 //!   than the capacity, all reach their destination and keep working; a
@@ -29,6 +29,9 @@ use ambpf_testbed::{
     ztunnel::{ConnectionOutcome, ZtunnelConfig, ZtunnelDouble},
 };
 
+mod common;
+use common::Server;
+
 /// Tests move this process between cgroups: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const PATIENCE: Duration = Duration::from_secs(10);
@@ -38,14 +41,6 @@ const ENROLL: EnrollOptions = EnrollOptions { dns_capture: true };
 /// maps at once.
 const ZTUNNEL_DELAY: Duration = Duration::from_millis(200);
 const GREETER_PORTS: [u16; 4] = [9001, 9002, 9003, 9004];
-
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// The programs loaded with `capacities`, attached to a cgroup this process
 /// is in; the cluster's node addresses are the host's.
@@ -70,18 +65,10 @@ fn load(
 async fn ztunnel_for(
     pods: &[(String, std::path::PathBuf)],
     config: ZtunnelConfig,
-) -> (ZtunnelDouble, tokio::task::JoinHandle<()>, TempDir) {
-    let dir =
-        std::env::temp_dir().join(format!("ambpf-capacity-{}", ambpf_testbed::unique_name("")));
-    let socket = dir.join("ztunnel.sock");
-    let zds = ZdsHandle::new(ZdsConfig {
-        socket: socket.clone(),
-        ..Default::default()
-    });
-    let listener = ambpf::zds::listener::bind(&socket).unwrap();
-    let server = tokio::spawn(zds.clone().serve_on(listener));
+) -> (ZtunnelDouble, Server) {
+    let server = Server::start(ZdsConfig::default());
     for (uid, path) in pods {
-        zds.upsert(Workload {
+        server.handle.upsert(Workload {
             uid: uid.clone(),
             name: uid.clone(),
             namespace: "shop".into(),
@@ -89,7 +76,7 @@ async fn ztunnel_for(
             netns: NetnsSource::Path(path.clone()),
         });
     }
-    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, config);
+    let ztunnel = ZtunnelDouble::connect_with_retry(server.socket(), config);
     let uids: Vec<String> = pods.iter().map(|(uid, _)| uid.clone()).collect();
     ztunnel
         .wait_until(
@@ -103,7 +90,7 @@ async fn ztunnel_for(
         )
         .await
         .unwrap();
-    (ztunnel, server, TempDir(dir))
+    (ztunnel, server)
 }
 
 fn misses(pins: &PinLayout, which: Miss) -> u64 {
@@ -153,7 +140,7 @@ async fn past_the_redirected_capacity_connections_reach_their_destination_or_are
     dataplane
         .enroll(&Netns::open(pod.ns.name()).unwrap(), ENROLL)
         .unwrap();
-    let (ztunnel, _zds, _dir) = ztunnel_for(
+    let (ztunnel, _zds) = ztunnel_for(
         &[("pod-1".into(), pod.ns.path())],
         ZtunnelConfig::default().original_dst_delay(ZTUNNEL_DELAY),
     )
@@ -314,7 +301,7 @@ async fn a_full_pods_map_refuses_the_next_pod_by_name_and_keeps_serving_the_rest
 
     // The enrolled pods are still served: pod 1's connections go through
     // ztunnel to where they were going.
-    let (ztunnel, _zds, _dir) = ztunnel_for(
+    let (ztunnel, _zds) = ztunnel_for(
         &[("pod-1".into(), cluster.pods[0].ns.path())],
         ZtunnelConfig::default(),
     )

@@ -653,7 +653,7 @@ fn check(values: &Values, rendered: &Rendered) {
     );
     assert_eq!(agent.resources.as_ref(), Some(&values.resources));
 
-    // Exactly the documented capabilities (README, "Deploying"), those the
+    // Exactly the documented capabilities (docs/security.md, "Privileges"), those the
     // agent runs with in `restart.rs` and `cni.rs`.
     let (added, dropped) = capabilities(agent);
     let mut minimum: BTreeSet<String> = CHART_AGENT_CAPABILITIES

@@ -20,7 +20,7 @@ use ambpf::{
     },
     controller::Controller,
     netns::Netns,
-    zds::{ZdsConfig, ZdsHandle},
+    zds::ZdsConfig,
 };
 use ambpf_testbed::{
     BpffsMount, CgroupGuard,
@@ -28,8 +28,14 @@ use ambpf_testbed::{
     cluster::Cluster,
     privileges::{CHART_AGENT_CAPABILITIES, exec_with_only},
     unique_name,
+    ztunnel::{ZtunnelConfig, ZtunnelDouble},
 };
 use serde_json::{Value, json};
+
+mod common;
+use common::Server;
+mod plugin_runner;
+use plugin_runner::*;
 
 struct TempDir(PathBuf);
 
@@ -47,24 +53,6 @@ impl Drop for TempDir {
     }
 }
 
-/// The previous plugin's result, as a bridge/ptp plugin would report it.
-fn prev_result(ip: &str) -> Value {
-    json!({
-        "cniVersion": "1.0.0",
-        "interfaces": [{ "name": "eth0", "sandbox": "/var/run/netns/x" }],
-        "ips": [{ "address": format!("{ip}/24"), "gateway": "10.244.1.1", "interface": 0 }],
-        "routes": [{ "dst": "0.0.0.0/0" }],
-        "dns": {}
-    })
-}
-
-/// The kubelet's `CNI_ARGS` for a pod.
-fn k8s_args(namespace: &str, name: &str, uid: &str) -> String {
-    format!(
-        "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_INFRA_CONTAINER_ID=c0ffee;K8S_POD_UID={uid}"
-    )
-}
-
 /// Runs the plugin binary as the runtime would for `command`, for pod
 /// shop/app-1.
 fn plugin(command: &str, netns: &Path, uid: &str, socket: &Path, prev: &Value) -> Output {
@@ -75,28 +63,6 @@ fn plugin(command: &str, netns: &Path, uid: &str, socket: &Path, prev: &Value) -
         socket,
         prev,
     )
-}
-
-fn plugin_for(command: &str, netns: &Path, cni_args: &str, socket: &Path, prev: &Value) -> Output {
-    let config = json!({
-        "cniVersion": "1.0.0",
-        "name": "k8s-pod-network",
-        "type": cni::PLUGIN_TYPE,
-        "agentSocket": socket,
-        "agentTimeoutSeconds": 10,
-        "prevResult": prev,
-    });
-    ambpf_testbed::output_with_stdin(
-        Command::new(env!("CARGO_BIN_EXE_ambpf-cni"))
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", "c0ffee")
-            .env("CNI_NETNS", netns)
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", "/opt/cni/bin")
-            .env("CNI_ARGS", cni_args),
-        config.to_string().as_bytes(),
-    )
-    .unwrap()
 }
 
 async fn plugin_async(
@@ -111,16 +77,6 @@ async fn plugin_async(
         .unwrap()
 }
 
-fn stdout_json(output: &Output) -> Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "stdout is not JSON ({e}): {:?}, stderr {:?}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     let cluster = Cluster::create(1).unwrap();
@@ -133,23 +89,31 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         .serve_node(cgroup.path(), true, &cluster.node_addresses())
         .unwrap();
 
-    let dir = TempDir::new("agent");
-    let zds = ZdsHandle::new(ZdsConfig {
-        socket: dir.0.join("ztunnel.sock"),
-        ..Default::default()
-    });
+    let zds_server = Server::start(ZdsConfig::default());
+    let zds = zds_server.handle.clone();
+    // A ztunnel whose proxies take a while to start, as under load.
+    let ztunnel = ZtunnelDouble::connect_with_retry(
+        zds_server.socket(),
+        ZtunnelConfig::default().proxy_start_delay(Duration::from_millis(300)),
+    );
     let controller = Controller::new(Box::new(dataplane), zds.clone(), true);
     // The regular source knows no pods yet: the race the plugin closes.
     let (pods_tx, pods_rx) = tokio::sync::watch::channel(Arc::default());
     let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(8);
     let controller = tokio::spawn(controller.run_with_requests(pods_rx, Some(requests_rx)));
-    let socket = dir.0.join("pluginevent.sock");
+    let socket = zds_server.dir().join("pluginevent.sock");
     let stats = Arc::new(cni::CniStats::default());
+    let (_running, shutdown) = tokio::sync::watch::channel(false);
+    let endpoint = cni::server::Endpoint {
+        controller: requests_tx,
+        zds: zds.clone(),
+        selection: cni::selection::PodSelection::Every,
+        stats: stats.clone(),
+        shutdown,
+    };
     let server = tokio::spawn(cni::server::serve(
         cni::server::bind(&socket).unwrap(),
-        requests_tx,
-        cni::selection::PodSelection::Every,
-        stats.clone(),
+        endpoint,
     ));
 
     let inode = Netns::open(pod.ns.name()).unwrap().inode();
@@ -170,7 +134,13 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         String::from_utf8_lossy(&output.stdout)
     );
     assert_eq!(stdout_json(&output), prev);
-    // Enrolled in the kernel and in ztunnel's set when the plugin returns.
+    // Enrolled in the kernel, and held by ztunnel, when the plugin returns.
+    let held = ztunnel.workloads();
+    assert!(
+        held.get("pod-1-uid")
+            .is_some_and(|w| w.proxies_running && w.netns_inode == inode),
+        "{held:?}"
+    );
     let enrolled: Vec<u64> = inspect::read_status(&pins)
         .unwrap()
         .pods
@@ -226,6 +196,7 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     assert!(zds.workloads().contains_key("pod-1-uid"));
 
     server.abort();
+    zds_server.stop();
     drop(pods_tx);
     controller.await.unwrap();
 }
@@ -410,7 +381,54 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
     let other_prev = prev_result(&other.addrs.v4.to_string());
     assert!(enrolled().is_empty());
 
-    // An ambient pod (by its namespace): enrolled before ADD returns.
+    // An ambient pod (by its namespace) while no ztunnel is connected: the
+    // ADD fails for the runtime to retry, nothing of the pod is left, and
+    // the pod is marked `pending`, as Istio's node agent does.
+    let output = add(
+        ambient.ns.path(),
+        k8s_args("mesh", "app-1", "uid-app-1"),
+        prev.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let error = stdout_json(&output);
+    assert_eq!(error["code"], 11, "try again later: {error}");
+    assert!(
+        error["details"]
+            .as_str()
+            .unwrap()
+            .contains("no ztunnel is connected"),
+        "{error}"
+    );
+    assert!(enrolled().is_empty(), "nothing left behind");
+    let pending = || {
+        api.object("pods", "mesh", "app-1").unwrap()["metadata"]["annotations"]
+            ["ambient.istio.io/redirection"]
+            .as_str()
+            .map(str::to_owned)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while pending().as_deref() != Some("pending") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not annotated pending: {:?}\n{}",
+            pending(),
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // With ztunnel, the runtime's retry is enrolled, and held by ztunnel,
+    // before ADD returns.
+    let ztunnel = ZtunnelDouble::connect_with_retry(
+        dir.0.join("ztunnel.sock"),
+        ZtunnelConfig::default().proxy_start_delay(Duration::from_millis(300)),
+    );
+    ztunnel
+        .wait_until(|s| s.ready, Duration::from_secs(10))
+        .await
+        .unwrap();
     let output = add(
         ambient.ns.path(),
         k8s_args("mesh", "app-1", "uid-app-1"),
@@ -427,6 +445,7 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
     assert_eq!(stdout_json(&output), prev);
     let ambient_inode = Netns::open(ambient.ns.name()).unwrap().inode();
     assert_eq!(enrolled(), [ambient_inode]);
+    assert!(ztunnel.workloads().contains_key("uid-app-1"));
 
     // Skipped, ADD succeeding with the previous result and the reason logged:
     // a pod whose namespace is not ambient, and a pod the API server does not
@@ -469,11 +488,11 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
         .unwrap();
     assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
     let error = stdout_json(&output);
-    assert_eq!(error["code"], 101, "{error}");
+    assert_eq!(error["code"], 11, "try again later: {error}");
     let details = error["details"].as_str().unwrap();
     assert!(
-        details.contains("HTTP 503")
-            && details.contains("cannot tell whether pod mesh/app-3 (uid-app-3) is ambient")
+        details.contains("pod mesh/app-3 (uid-app-3) not enrolled")
+            && details.contains("cannot tell whether the pod is ambient")
             && details.contains("RBAC denies the agent `get` on pods"),
         "{error}"
     );
@@ -486,7 +505,8 @@ async fn with_the_kube_source_only_ambient_pods_are_enrolled_and_no_answer_fails
     let error = stdout_json(&output);
     let details = error["details"].as_str().unwrap();
     assert!(
-        details.contains("cannot tell whether pod mesh/app-3 (uid-app-3) is ambient")
+        details.contains("pod mesh/app-3 (uid-app-3) not enrolled")
+            && details.contains("cannot tell whether the pod is ambient")
             && details.contains("cannot get pods from the API server"),
         "{error}"
     );

@@ -23,7 +23,7 @@ use std::{
 };
 
 use ambpf_testbed::{
-    BpffsMount, CGROUP2_ROOT, CgroupGuard, NetnsGuard,
+    BpffsMount, CgroupGuard, NetnsGuard, cgroup2_root,
     cluster::Cluster,
     unique_name,
     ztunnel::{ZtunnelConfig, ZtunnelDouble},
@@ -186,7 +186,7 @@ async fn the_image_runs_the_agent_and_its_status_names_the_pod() {
         "--volume",
         &same(bpffs.path()),
         "--volume",
-        &same(Path::new(CGROUP2_ROOT)),
+        &same(&cgroup2_root().unwrap()),
         "--volume",
         "/run/netns:/run/netns",
         "--volume",

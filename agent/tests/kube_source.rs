@@ -17,12 +17,9 @@ use std::{
 };
 
 use ambpf::{
-    controller::{Controller, EnrollRequest, SourcePods},
+    controller::{CniRequest, Controller, EnrollRequest, SourcePods},
     netns::Netns,
-    redirect::{
-        CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection, RedirectMode,
-        Violation,
-    },
+    redirect::recorder::Recorder,
     sources::kube::{
         KubeSource, KubeSourceConfig, KubeSourceError, KubeSourceHandle, PodQuery,
         rules::{DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION},
@@ -32,11 +29,13 @@ use ambpf::{
 use ambpf_testbed::{
     CgroupGuard, NetnsGuard,
     apiserver::ApiServer,
-    bench::TempDir,
     ztunnel::{ZdsEvent, ZtunnelConfig, ZtunnelDouble, ZtunnelState},
 };
 use serde_json::{Value, json};
 use tokio::sync::watch;
+
+mod common;
+use common::Server;
 
 /// Generous bound for anything that must happen; the tests never assert how
 /// fast, only that it happens.
@@ -685,7 +684,7 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
             json!({ DATAPLANE_MODE_LABEL: "none" }),
         ),
     );
-    let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
+    let (programmed_tx, programmed_rx) = watch::channel(Arc::default());
     let (ztunnel_tx, ztunnel_rx) = watch::channel(Arc::new(BTreeMap::new()));
     let (tx, mut pods) = watch::channel(Arc::default());
     let _source = KubeSource::new(client(&server), config())
@@ -697,7 +696,10 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
     assert_eq!(uids(&pods.borrow()), ["uid-a", "uid-b"]);
 
     let report = |uids: &[&str]| {
-        programmed_tx.send_replace(Arc::new(uids.iter().map(|u| (*u).to_owned()).collect()));
+        programmed_tx.send_replace(Arc::new(ambpf::controller::PodsReport {
+            programmed: uids.iter().map(|u| (*u).to_owned()).collect(),
+            held_back: BTreeSet::new(),
+        }));
     };
     let ztunnel = |uid: &str, status: ZtunnelStatus| {
         ztunnel_tx.send_modify(|pods| {
@@ -791,63 +793,6 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
     assert!(server.patches().iter().all(|p| p.resource == "pods/status"));
 }
 
-/// A redirection that only records, for the end-to-end test with the real
-/// controller (the redirection itself is tested in tests/redirect.rs). The
-/// netns inode stands in for the cookie.
-#[derive(Default)]
-struct Recorder {
-    enrolled: Arc<Mutex<BTreeSet<u64>>>,
-}
-
-impl PodRedirection for Recorder {
-    fn mode(&self) -> RedirectMode {
-        RedirectMode::Ebpf
-    }
-
-    fn enroll(
-        &mut self,
-        netns: &Netns,
-        options: EnrollOptions,
-    ) -> Result<EnrolledPod, EnrollError> {
-        self.enrolled.lock().unwrap().insert(netns.inode());
-        Ok(EnrolledPod {
-            netns: netns.path().to_owned(),
-            netns_inode: netns.inode(),
-            netns_cookie: netns.inode(),
-            addresses: vec![],
-            interfaces: vec![],
-            dns_capture: options.dns_capture,
-            conflicts: vec![],
-            steps: Default::default(),
-        })
-    }
-
-    fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
-        Ok(self.enrolled.lock().unwrap().remove(&pod.netns_cookie))
-    }
-
-    fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
-        Ok(self
-            .enrolled
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|inode| PodKey {
-                netns_cookie: *inode,
-                netns_inode: *inode,
-            })
-            .collect())
-    }
-
-    fn check(&mut self, _pods: &[(PodKey, &Netns)], _scope: CheckScope) -> Vec<Violation> {
-        Vec::new()
-    }
-
-    fn repair(&mut self, _violations: &[Violation]) -> Vec<PodKey> {
-        Vec::new()
-    }
-}
-
 #[tokio::test]
 async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_them() {
     init_logging();
@@ -870,20 +815,14 @@ async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_th
         None => Err(format!("no netns for {}", pod.uid)),
     };
 
-    let dir = TempDir::create("ambpf-kube-zds").unwrap();
-    let socket = dir.join("ztunnel.sock");
-    let zds = ZdsHandle::new(ZdsConfig {
-        socket: socket.clone(),
+    let zds_server = Server::start(ZdsConfig {
         retry_delay: Duration::from_millis(100),
         max_retry_delay: Duration::from_millis(400),
         ..Default::default()
     });
-    tokio::spawn(
-        zds.clone()
-            .serve_on(ambpf::zds::listener::bind(&socket).unwrap()),
-    );
+    let (zds, socket) = (zds_server.handle.clone(), zds_server.socket());
     let mut controller = Controller::new(Box::new(Recorder::default()), zds.clone(), true);
-    let (programmed_tx, programmed_rx) = watch::channel(Arc::new(BTreeSet::new()));
+    let (programmed_tx, programmed_rx) = watch::channel(Arc::default());
     controller.report_programmed(programmed_tx);
     let (tx, rx) = watch::channel(Arc::default());
     let _source = KubeSource::new(client(&server), config())
@@ -988,7 +927,7 @@ async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_th
 
 /// Asks the controller to enrol `uid` as the CNI endpoint does; its answer.
 async fn cni_add(
-    requests: &tokio::sync::mpsc::Sender<EnrollRequest>,
+    requests: &tokio::sync::mpsc::Sender<CniRequest>,
     uid: &str,
     netns: &NetnsGuard,
 ) -> Result<(), String> {
@@ -1003,11 +942,14 @@ async fn cni_add(
         },
         dns_capture: None,
     };
-    requests.send(EnrollRequest { pod, reply }).await.unwrap();
+    let request = EnrollRequest { pod, reply };
+    requests.send(request.into()).await.unwrap();
     tokio::time::timeout(PATIENCE, answer)
         .await
         .expect("answered in time")
         .unwrap()
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 #[tokio::test]

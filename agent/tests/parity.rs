@@ -5,8 +5,8 @@
 //! ...) and ephemeral ports as `ephemeral`, so that the two modes' values
 //! compare. Every observation must equal the case's expected value in both
 //! modes, except those listed in [`DIFFERENCES`], where each mode must show
-//! its own documented value; the README's "Where the modes differ" table
-//! lists the same differences with their reasons.
+//! its own documented value; the table of docs/parity.md ("Where the modes
+//! differ") lists the same differences with their reasons.
 
 use std::{
     collections::BTreeMap,
@@ -21,6 +21,9 @@ use ambpf_testbed::{
     ztunnel::{DEFAULT_DNS_ANSWER_V4, DEFAULT_DNS_ANSWER_V6, ProxiedConnection, dns},
 };
 
+mod common;
+#[macro_use]
+mod modes;
 #[macro_use]
 mod pod_fixture;
 use pod_fixture::*;
@@ -44,7 +47,7 @@ struct Difference {
     ebpf: &'static str,
 }
 
-/// Every intended difference (the README table gives the reasons).
+/// Every intended difference (docs/parity.md's table gives the reasons).
 const DIFFERENCES: &[Difference] = &[
     Difference {
         case: "outbound, app bound to a port only",

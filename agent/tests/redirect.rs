@@ -30,10 +30,15 @@ use ambpf_common::{IpKey, PodConfig, maps};
 use ambpf_testbed::{
     CgroupGuard, NetnsGuard,
     privileges::{CAP_NET_ADMIN, CAP_NET_RAW, Privileges, drop_thread_privileges},
-    ztunnel::{ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, dns},
+    ztunnel::{
+        ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, ZtunnelConfig, ZtunnelDouble, dns,
+    },
 };
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 
+mod common;
+#[macro_use]
+mod modes;
 #[macro_use]
 mod pod_fixture;
 use pod_fixture::*;
@@ -51,6 +56,48 @@ in_both_modes!(
             // ztunnel's passthrough connection left from the pod's address.
             let server = if v6 { &f.remote_v6 } else { &f.remote_v4 };
             assert_eq!(server.last_peer().unwrap().ip(), f.pod_ip(v6));
+        }
+    }
+);
+
+in_both_modes!(
+    an_app_that_closes_before_a_busy_ztunnel_asks_still_has_its_destination_answered,
+    |f| {
+        // A busy ztunnel: it asks a connection's original destination only
+        // a while after accepting it. Conntrack keeps the entry while
+        // ztunnel's side lives; the eBPF mode's record must live as long.
+        let config = ZtunnelConfig::default().original_dst_delay(Duration::from_millis(300));
+        let busy = ZtunnelDouble::connect_with_retry(f.zds.socket(), config);
+        drop(std::mem::replace(&mut f.ztunnel, busy));
+        f.ztunnel
+            .wait_until(
+                |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
+                PATIENCE,
+            )
+            .await
+            .unwrap();
+        for v6 in [false, true] {
+            let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
+            // The app sends its request and closes at once, long before
+            // ztunnel asks.
+            tokio::task::block_in_place(|| {
+                f.pod()
+                    .run(|| {
+                        let mut conn = TcpStream::connect_timeout(&dst, PATIENCE).unwrap();
+                        conn.write_all(b"ambpf").unwrap();
+                    })
+                    .unwrap()
+            });
+            f.ztunnel
+                .wait_until(
+                    |s| s.proxied.iter().any(|c| c.listener_port == 15001),
+                    PATIENCE,
+                )
+                .await
+                .unwrap();
+            let conn = f.ztunnel.take_proxied().remove(0);
+            assert_eq!(conn.original_dst, dst, "{conn:?}");
+            assert_eq!(conn.outcome, ConnectionOutcome::Proxied, "{conn:?}");
         }
     }
 );

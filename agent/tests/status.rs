@@ -22,6 +22,9 @@ use ambpf::{
 use ambpf_testbed::{BpffsMount, CgroupGuard, cluster::Cluster};
 use serde_json::{Value, json};
 
+mod common;
+#[macro_use]
+mod modes;
 #[macro_use]
 mod pod_fixture;
 use pod_fixture::*;

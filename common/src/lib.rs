@@ -422,17 +422,29 @@ impl IfaceStats {
 
 #[cfg(feature = "user")]
 mod user {
-    // SAFETY: plain #[repr(C)] structs of integers with no implicit padding.
-    unsafe impl aya::Pod for super::IfaceStatsKey {}
-    unsafe impl aya::Pod for super::IfaceStats {}
-    unsafe impl aya::Pod for super::IpKey {}
-    unsafe impl aya::Pod for super::PodConfig {}
-    unsafe impl aya::Pod for super::NodeConfig {}
-    unsafe impl aya::Pod for super::SockAddr {}
-    unsafe impl aya::Pod for super::TupleKey {}
-    unsafe impl aya::Pod for super::PodCounters {}
-    unsafe impl aya::Pod for super::TraceRecord {}
-    unsafe impl aya::Pod for super::TraceGate {}
+    /// `aya::Pod` for map keys and values, which aya copies to and from the
+    /// kernel as bytes.
+    macro_rules! pod {
+        ($($t:ident),* $(,)?) => {$(
+            // SAFETY: every type named here is a #[repr(C)] struct of integers
+            // (and arrays of them) with its padding spelt out as fields, so any
+            // byte pattern is a valid value and no byte is uninitialised;
+            // `layouts_have_no_implicit_padding` checks the sizes.
+            unsafe impl aya::Pod for super::$t {}
+        )*};
+    }
+    pod!(
+        IfaceStatsKey,
+        IfaceStats,
+        IpKey,
+        PodConfig,
+        NodeConfig,
+        SockAddr,
+        TupleKey,
+        PodCounters,
+        TraceRecord,
+        TraceGate,
+    );
 }
 
 #[cfg(test)]

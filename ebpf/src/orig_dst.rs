@@ -4,6 +4,9 @@
 //!   known by then), files its original destination under the tuple that
 //!   ztunnel's accepted socket will see; `getsockopt(SO_ORIGINAL_DST)` on
 //!   that socket then answers from it, as conntrack does under REDIRECT.
+//!   The record lives as long as ztunnel's side of the connection, as a
+//!   conntrack entry does: an app that closes before ztunnel has accepted
+//!   (a request sent, then close; a busy ztunnel) must not take it away.
 //! - sock_ops also marks ztunnel's connections to an app of its own pod with
 //!   0x111: with `tcp_fwmark_accept` the app's socket inherits the mark, and
 //!   the policy rule `fwmark 0x111/0xfff lookup 100` (`local default dev lo`)
@@ -16,8 +19,8 @@ use ambpf_common::{
 };
 use aya_ebpf::{
     bindings::{
-        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
-        BPF_TCP_CLOSE, SO_MARK, SOL_SOCKET, bpf_sock, bpf_sock_ops,
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, SO_MARK, SOL_SOCKET, bpf_sock, bpf_sock_ops,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_setsockopt},
     macros::{cgroup_sockopt, sock_ops},
@@ -43,14 +46,18 @@ const SO_ORIGINAL_DST: i32 = 80;
 pub fn ambpf_sockops(ctx: SockOpsContext) -> u32 {
     match ctx.op() {
         BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => on_accepted(&ctx),
         BPF_SOCK_OPS_STATE_CB => on_state_change(&ctx),
         _ => {}
     }
     1
 }
 
-/// A redirected connection closed: forget its original destination, so
-/// nothing is left behind for it (the LRU is only the backstop).
+/// A socket of a redirected connection closed: forget what is filed for
+/// it, so nothing is left behind (the LRU is only the backstop). The app's
+/// socket takes its record by cookie (its `getpeername()`); ztunnel's
+/// accepted socket on its outbound listener takes the tuple record, which
+/// ztunnel reads once it accepts, however long after the app's close.
 #[inline(always)]
 fn on_state_change(ctx: &SockOpsContext) {
     // args[1] is the new state.
@@ -61,10 +68,39 @@ fn on_state_change(ctx: &SockOpsContext) {
     }
     let ops = ctx.ops;
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
-    let (key, _) = accepted_tuple(ops, netns);
+    let key = own_tuple(ops, netns);
+    if u16::from_be(key.local.port_be) == ztunnel::OUTBOUND_PORT {
+        let _ = ORIG_BY_TUPLE.remove(&key);
+        return;
+    }
     let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
-    let _ = ORIG_BY_TUPLE.remove(&key);
     let _ = ORIG_BY_COOKIE.remove(&cookie);
+}
+
+/// ztunnel's outbound listener in an enrolled pod completed a handshake:
+/// a connection with a record is followed to its close, which forgets it.
+#[inline(always)]
+fn on_accepted(ctx: &SockOpsContext) {
+    let ops = ctx.ops;
+    let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
+    let key = own_tuple(ops, netns);
+    if u16::from_be(key.local.port_be) != ztunnel::OUTBOUND_PORT {
+        return;
+    }
+    if unsafe { ORIG_BY_TUPLE.get(&key) }.is_some() {
+        let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
+    }
+}
+
+/// The connection of the socket behind `ops` as that socket sees it.
+#[inline(always)]
+fn own_tuple(ops: *mut bpf_sock_ops, netns: u64) -> TupleKey {
+    let (swapped, _) = accepted_tuple(ops, netns);
+    TupleKey {
+        netns_cookie: netns,
+        local: swapped.peer,
+        peer: swapped.local,
+    }
 }
 
 /// The connection of the socket behind `ops` as the socket accepting it
@@ -108,7 +144,7 @@ fn on_connect(ctx: &SockOpsContext) {
     let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
     if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {
         let _ = ORIG_BY_TUPLE.insert(&key, orig, 0);
-        // Be told when it closes, to forget it then.
+        // Be told when it closes, to forget its cookie record then.
         let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
         return;
     }

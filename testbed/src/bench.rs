@@ -107,6 +107,33 @@ pub fn alternated<T: Copy>(modes: [T; 2], run: usize) -> [T; 2] {
     }
 }
 
+/// The order `n` lanes are measured in for round `round` (0-based), as a
+/// balanced Latin square (Williams' design): over `n` rounds (`2n` for an
+/// odd `n`) each lane goes first equally often and directly follows every
+/// other lane equally often, so no lane always meets what one other left.
+pub fn balanced_order(n: usize, round: usize) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    // 0, 1, n-1, 2, n-2, ...: each difference between neighbours once.
+    let mut base = Vec::with_capacity(n);
+    let (mut low, mut high) = (0, n);
+    for i in 0..n {
+        if i % 2 == 0 {
+            base.push(low);
+            low += 1;
+        } else {
+            high -= 1;
+            base.push(high);
+        }
+    }
+    // An odd n needs the mirrored square too.
+    if n % 2 == 1 && (round / n) % 2 == 1 {
+        base.reverse();
+    }
+    base.into_iter().map(|lane| (lane + round) % n).collect()
+}
+
 /// Which runs make the steady figures: every run after the first, which is
 /// reported apart (a first run meets cold caches and binaries), or the one
 /// run there was.
@@ -720,6 +747,32 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn balanced_orders_put_each_lane_first_and_after_each_other_equally_often() {
+        for n in 1..=5usize {
+            let rounds = if n % 2 == 0 { n } else { 2 * n };
+            let mut first = vec![0; n];
+            let mut follows = vec![vec![0; n]; n];
+            for round in 0..rounds {
+                let order = balanced_order(n, round);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "a permutation");
+                first[order[0]] += 1;
+                for pair in order.windows(2) {
+                    follows[pair[0]][pair[1]] += 1;
+                }
+            }
+            assert!(first.iter().all(|&f| f == rounds / n), "n {n}: {first:?}");
+            for (a, row) in follows.iter().enumerate() {
+                for (b, &count) in row.iter().enumerate() {
+                    let expected = if a == b { 0 } else { rounds / n };
+                    assert_eq!(count, expected, "n {n}: {b} after {a}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn stats_of_an_odd_number_of_runs() {

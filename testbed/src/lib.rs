@@ -28,6 +28,10 @@ use nix::{
 pub mod apiserver;
 pub mod bench;
 pub mod cluster;
+/// The host's cgroup v2 and bpffs, shared with the agent (which owns it).
+#[path = "../../agent/src/mounts.rs"]
+pub mod mounts;
+#[cfg(feature = "node")]
 pub mod node;
 pub mod privileges;
 pub mod soak;
@@ -36,8 +40,12 @@ pub mod ztunnel;
 
 /// Where iproute2 keeps named network namespaces.
 const NETNS_DIR: &str = "/run/netns";
-/// The cgroup v2 hierarchy on these machines.
-pub const CGROUP2_ROOT: &str = "/sys/fs/cgroup/unified";
+
+/// Where the cgroup v2 hierarchy is mounted (see [`mounts::cgroup2_mount`]);
+/// an error says what the machine lacks and how to get it.
+pub fn cgroup2_root() -> io::Result<PathBuf> {
+    Ok(mounts::cgroup2_mount()?)
+}
 
 /// Runs `command` with `input` on its stdin and collects its output, as a
 /// container runtime runs a CNI plugin or a test feeds `iptables-restore`.
@@ -66,7 +74,7 @@ pub fn unique_name(prefix: &str) -> String {
 
 /// Runs `ip` with `args`, failing with its stderr.
 pub fn ip(args: &[&str]) -> io::Result<()> {
-    let out = Command::new("ip").args(args).output()?;
+    let out = Command::new("ip").args(args).output().map_err(ip_missing)?;
     if out.status.success() {
         return Ok(());
     }
@@ -75,6 +83,17 @@ pub fn ip(args: &[&str]) -> io::Result<()> {
         args.join(" "),
         String::from_utf8_lossy(&out.stderr).trim()
     )))
+}
+
+/// Names a missing `ip` and its package rather than "No such file".
+fn ip_missing(e: io::Error) -> io::Error {
+    if e.kind() != io::ErrorKind::NotFound {
+        return e;
+    }
+    io::Error::new(
+        e.kind(),
+        "iproute2's `ip` is not installed: install the iproute2 package",
+    )
 }
 
 /// Runs `ip -batch -` (inside `netns` if given) with one command per line,
@@ -89,7 +108,7 @@ pub fn ip_batch(netns: Option<&str>, lines: &[String]) -> io::Result<()> {
         cmd.args(["-n", netns]);
     }
     cmd.args(["-batch", "-"]);
-    let out = output_with_stdin(&mut cmd, lines.join("\n").as_bytes())?;
+    let out = output_with_stdin(&mut cmd, lines.join("\n").as_bytes()).map_err(ip_missing)?;
     if out.status.success() {
         return Ok(());
     }
@@ -401,13 +420,15 @@ pub struct CgroupGuard {
 
 impl CgroupGuard {
     pub fn create() -> io::Result<Self> {
-        Self::create_in(Path::new(CGROUP2_ROOT), "ambpf-test")
+        Self::create_in(&cgroup2_root()?, "ambpf-test")
     }
 
     /// Creates `<parent>/<prefix>-<unique>`.
     pub fn create_in(parent: &Path, prefix: &str) -> io::Result<Self> {
         let path = parent.join(format!("{prefix}-{}", unique_name("")));
-        fs::create_dir(&path)?;
+        fs::create_dir(&path).map_err(|e| {
+            io::Error::new(e.kind(), format!("creating cgroup {}: {e}", path.display()))
+        })?;
         Ok(Self { path })
     }
 
@@ -439,7 +460,7 @@ impl CgroupGuard {
             .lines()
             .find_map(|l| l.strip_prefix("0::"))
             .ok_or_else(|| io::Error::other("process has no cgroup v2 membership"))?;
-        let original = Path::new(CGROUP2_ROOT).join(relative.trim_start_matches('/'));
+        let original = cgroup2_root()?.join(relative.trim_start_matches('/'));
         self.add_process(std::process::id())?;
         Ok(ProcessInCgroup {
             cgroup: self,
@@ -465,7 +486,8 @@ impl Drop for ProcessInCgroup<'_> {
 
 impl Drop for CgroupGuard {
     fn drop(&mut self) {
-        let parent = self.path.parent().unwrap_or(Path::new(CGROUP2_ROOT));
+        // A guard's path always has its parent: the cgroup it was made in.
+        let parent = self.path.parent().unwrap_or(&self.path);
         if let Ok(procs) = fs::read_to_string(self.path.join("cgroup.procs")) {
             for pid in procs.lines() {
                 let _ = fs::write(parent.join("cgroup.procs"), pid);

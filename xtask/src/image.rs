@@ -1,6 +1,6 @@
 //! The OCI image: `ambpf` and `ambpf-cni` on a Debian root filesystem that
 //! holds only what the iptables mode runs (iptables and ip6tables with their
-//! nft and legacy variants, ipset, and `nft`, with which it marks a host
+//! nft and legacy variants, and `nft`, with which it marks a host
 //! `nat` table it creates and later removes it) and the libraries these
 //! need: no shell, no package manager, the agent itself is the entrypoint.
 //!
@@ -27,7 +27,7 @@ pub const SUITE: &str = "bookworm";
 /// Debian packages in the image (their library dependencies come along).
 /// nftables brings `nft` and libnftables; its service unit, example rule
 /// sets and configuration are pruned.
-pub const PACKAGES: &[&str] = &["iptables", "ipset", "nftables", "libgcc-s1"];
+pub const PACKAGES: &[&str] = &["iptables", "nftables", "libgcc-s1"];
 
 /// Where the binaries go, and the entrypoint.
 pub const BIN_DIR: &str = "usr/local/bin";
@@ -210,7 +210,7 @@ fn debian_tree(work: &Path) -> Result<PathBuf> {
     for pruned in PRUNED {
         remove_if_present(&partial.join(pruned))?;
     }
-    for binary in ["usr/sbin/ipset", "usr/sbin/nft"] {
+    for binary in ["usr/sbin/nft"] {
         if !partial.join(binary).exists() {
             bail!("{}: mmdebstrap left no {binary}", partial.display());
         }
@@ -261,7 +261,8 @@ fn file_safe(reference: &str) -> String {
         .collect()
 }
 
-fn remove_if_present(path: &Path) -> Result<()> {
+/// Removes a file or a directory tree; one that is not there is fine.
+pub(crate) fn remove_if_present(path: &Path) -> Result<()> {
     let removed = if path.is_dir() && !path.is_symlink() {
         std::fs::remove_dir_all(path)
     } else {

@@ -13,10 +13,21 @@
 //!   root): random pod events and faults against the real agent; summary in
 //!   `target/bench/soak.json`, non-zero exit on any violation.
 //! - `image`: build the release binaries and the OCI image (`image.rs`).
+//! - `kernels`: the privileged suites and the demo under Debian's kernels,
+//!   each booted under QEMU (`kernels.rs`).
+//! - `plots`: draw the benchmark figures of `docs/figures/` from the results
+//!   in `docs/results/` (`plots.rs`); `--from target/bench` copies a new
+//!   run's results there first.
+//! - `fresh`: the README's `demo` and `test` in a privileged container on a
+//!   minimal Debian 12 root, from a clone of the committed HEAD (`fresh.rs`).
 
 mod ebpf_build;
+mod fresh;
 mod host_state;
 mod image;
+mod kernels;
+mod plots;
+mod prereqs;
 
 use std::{
     path::{Path, PathBuf},
@@ -98,6 +109,45 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Draw the benchmark figures (`docs/figures/*.svg`) from the suites'
+    /// results in `docs/results/`; each caption names the results file, the
+    /// run and this command.
+    Plots {
+        /// First copy the figures' suites' results from this directory (where
+        /// `cargo xtask bench` writes them: `target/bench`) into `docs/results/`.
+        #[arg(long)]
+        from: Option<PathBuf>,
+    },
+    /// Fetch Debian's kernels (5.10, 6.1, 6.12), boot each under QEMU and
+    /// run the privileged redirection suites and the demo in it, as root;
+    /// prints the matrix (also `target/kernels/matrix.md`). Needs root.
+    Kernels {
+        /// `5.10`, `6.1`, `6.12` or `all`.
+        #[arg(long, default_value = "all")]
+        kernel: String,
+        /// Only these suites (repeatable): redirect, parity, restart,
+        /// address_reuse, cni, demo. Default: all.
+        #[arg(long)]
+        suite: Vec<String>,
+        /// Minutes each guest may take, boot included.
+        #[arg(long, default_value_t = 45)]
+        timeout: u64,
+        /// Arguments for every test binary (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Run the README's `cargo xtask demo` and `cargo xtask test` in a
+    /// privileged podman container: a minimal Debian 12 root (mmdebstrap,
+    /// cached in `target/fresh/`), the host's rustup toolchains, a clone of
+    /// the committed HEAD, pure cgroup v2. Needs root, mmdebstrap and podman.
+    Fresh {
+        /// Minutes the container may take, both commands included.
+        #[arg(long, default_value_t = 40)]
+        timeout: u64,
+        /// Keep the container's root and the clone's build after a pass.
+        #[arg(long)]
+        keep: bool,
+    },
     /// Run clippy and every test (unit and privileged), then check that the
     /// host's iptables, ipsets, policy rules, routes and /sys/fs/bpf are as
     /// they were before. Needs root.
@@ -111,7 +161,15 @@ enum Cmd {
 fn main() -> Result<()> {
     let root = workspace_root();
     let command = Cli::parse().command;
-    ensure_bpf_toolchain()?;
+    // Before anything else, so that a user without root learns it first.
+    if let Some(why) = command.needs_root() {
+        require_root(why)?;
+    }
+    // Drawing figures needs no kernel-program toolchain, nor does a fresh
+    // container's run, which builds in the container.
+    if !matches!(command, Cmd::Plots { .. } | Cmd::Fresh { .. }) {
+        ensure_bpf_toolchain()?;
+    }
     match command {
         Cmd::BuildEbpf { out } => {
             let out = root.join(out);
@@ -126,7 +184,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Demo { args } => {
-            require_root("the demo creates network namespaces and loads BPF programs")?;
+            prereqs::check_kernel()?;
             cargo(
                 &root,
                 &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"],
@@ -139,13 +197,12 @@ fn main() -> Result<()> {
             run(&mut cmd)
         }
         Cmd::Bench { suite, args } => {
-            require_root(
-                "benchmarks create network namespaces and run the agent, which loads BPF programs",
-            )?;
-            cargo(
-                &root,
-                &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"],
-            )?;
+            let mut build = vec!["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"];
+            if suite == "podstart" {
+                // The containerd node, whose CRI client's build needs protoc.
+                build.extend(["--features", "ambpf-testbed/node"]);
+            }
+            cargo(&root, &build)?;
             let release = root.join("target/release");
             let out = root.join("target/bench").join(format!("{suite}.json"));
             let mut cmd = Command::new(release.join("ambpf-bench"));
@@ -158,16 +215,23 @@ fn main() -> Result<()> {
             run(&mut cmd)
         }
         Cmd::Node { args } => {
-            require_root("the node creates a network namespace and cgroups and runs containerd")?;
-            cargo(&root, &["build", "-p", "ambpf", "-p", "ambpf-testbed"])?;
+            cargo(
+                &root,
+                &[
+                    "build",
+                    "-p",
+                    "ambpf",
+                    "-p",
+                    "ambpf-testbed",
+                    "--features",
+                    "ambpf-testbed/node",
+                ],
+            )?;
             let mut cmd = Command::new(root.join("target/debug/ambpf-node"));
             cmd.args(&args);
             run(&mut cmd)
         }
         Cmd::Soak { args } => {
-            require_root(
-                "the soak creates network namespaces and runs the agent, which loads BPF programs",
-            )?;
             cargo(
                 &root,
                 &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"],
@@ -183,13 +247,12 @@ fn main() -> Result<()> {
                 .args(&args);
             run(&mut cmd)
         }
+        Cmd::Plots { from } => plots::run(&root, from.as_deref()).map(drop),
         Cmd::Image { reference } => {
-            require_root("mmdebstrap and umoci keep the image's file ownership only as root")?;
             cargo(&root, &["build", "--release", "-p", "ambpf", "--bins"])?;
             build_image(&root, reference)
         }
         Cmd::Fuzz { cases, args } => {
-            require_root("the ZDS property creates network namespaces")?;
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
             run(Command::new(cargo)
                 .current_dir(&root)
@@ -197,10 +260,28 @@ fn main() -> Result<()> {
                 .args(["test", "-p", "ambpf", "--test", "fuzz", "--"])
                 .args(&args))
         }
+        Cmd::Kernels {
+            kernel,
+            suite,
+            timeout,
+            args,
+        } => {
+            let mut plan = kernels::Plan::new(&kernel, &suite, args)?;
+            plan.timeout = std::time::Duration::from_secs(timeout * 60);
+            kernels::run(&root, &plan)
+        }
+        Cmd::Fresh { timeout, keep } => fresh::run(
+            &root,
+            &fresh::Options {
+                timeout: std::time::Duration::from_secs(timeout * 60),
+                keep,
+            },
+        ),
         Cmd::Test { args } => {
-            require_root(
-                "the privileged tests create namespaces, veths, cgroups and bpffs mounts",
-            )?;
+            prereqs::check_kernel()?;
+            prereqs::ensure_test_tools()?;
+            // Formatting first: it needs no build, and fails in seconds.
+            cargo(&root, &["fmt", "--all", "--check"])?;
             cargo(
                 &root,
                 &[
@@ -231,6 +312,34 @@ fn main() -> Result<()> {
                 (Err(e), Some(report)) => Err(e.context(report)),
             }
         }
+    }
+}
+
+impl Cmd {
+    /// Why the command needs root, if it does.
+    fn needs_root(&self) -> Option<&'static str> {
+        Some(match self {
+            Cmd::BuildEbpf { .. } | Cmd::Plots { .. } => return None,
+            Cmd::Demo { .. } => "the demo creates network namespaces and loads BPF programs",
+            Cmd::Bench { .. } => {
+                "benchmarks create network namespaces and run the agent, which loads BPF programs"
+            }
+            Cmd::Node { .. } => {
+                "the node creates a network namespace and cgroups and runs containerd"
+            }
+            Cmd::Soak { .. } => {
+                "the soak creates network namespaces and runs the agent, which loads BPF programs"
+            }
+            Cmd::Image { .. } => {
+                "mmdebstrap and umoci keep the image's file ownership only as root"
+            }
+            Cmd::Fuzz { .. } => "the ZDS property creates network namespaces",
+            Cmd::Kernels { .. } => "the guests run the privileged tests as root",
+            Cmd::Fresh { .. } => "mmdebstrap and the privileged container need root",
+            Cmd::Test { .. } => {
+                "the privileged tests create namespaces, veths, cgroups and bpffs mounts"
+            }
+        })
     }
 }
 
@@ -291,22 +400,10 @@ fn workspace_root() -> PathBuf {
 }
 
 fn require_root(why: &str) -> Result<()> {
-    if nix_euid() != 0 {
+    if prereqs::euid() != 0 {
         bail!("run as root: {why}");
     }
     Ok(())
-}
-
-fn nix_euid() -> u32 {
-    // /proc/self/status "Uid: real effective saved fs": avoids a libc dependency.
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|ids| ids.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(u32::MAX)
 }
 
 fn cargo(root: &Path, args: &[&str]) -> Result<()> {

@@ -9,7 +9,9 @@
 //! meanwhile; the reason goes to stderr, the runtime's log), it prints
 //! `prevResult` unchanged, as a chained plugin must, and exits 0; else it
 //! prints a CNI error and exits non-zero, so the runtime fails the pod's
-//! network setup. DEL, CHECK, GC and STATUS succeed without contacting the
+//! network setup: code 11 ("try again later") when the agent says a retry
+//! may succeed (no ztunnel connected, a NACK, an ack timeout), 101 when not,
+//! 100 when the agent cannot be reached. DEL, CHECK, GC and STATUS succeed without contacting the
 //! agent; VERSION lists the supported versions.
 
 use std::{
@@ -30,7 +32,13 @@ const DEFAULT_TIMEOUT: f64 = 30.0;
 const INVALID_ENV: u32 = 4;
 const DECODE: u32 = 6;
 const INVALID_CONFIG: u32 = 7;
+/// The spec's "try again later": the agent failed the pod for a reason a
+/// new attempt may not meet (no ztunnel connected, a NACK, an ack timeout,
+/// the API server unreachable); the runtime retries with a new sandbox.
+const TRY_AGAIN_LATER: u32 = 11;
 const AGENT_UNREACHABLE: u32 = 100;
+/// The agent failed the pod for good (its namespace unusable, its
+/// redirection impossible to set up).
 const AGENT_REFUSED: u32 = 101;
 
 struct CniError {
@@ -208,10 +216,15 @@ fn post(socket: &PathBuf, request: &CmdAdd, timeout: Duration) -> Result<CmdAddR
     match status {
         // An older agent answered 200 with plain text: it enrolled the pod.
         Some(200) => Ok(serde_json::from_str(answer).unwrap_or(CmdAddReply::Enrolled)),
+        Some(503) => Err(error(
+            TRY_AGAIN_LATER,
+            "the ambpf agent could not capture the pod yet",
+            answer,
+        )),
         Some(code) => Err(error(
             AGENT_REFUSED,
             "the ambpf agent did not capture the pod",
-            format!("pod {pod}: HTTP {code}: {answer}"),
+            format!("HTTP {code}: {answer}"),
         )),
         None => Err(error(
             AGENT_UNREACHABLE,

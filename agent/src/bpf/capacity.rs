@@ -2,7 +2,7 @@
 //! get, set at load (`--max-pods`, `--max-redirected-connections`,
 //! `--max-host-addresses`), and what a full map costs (the miss counters).
 //!
-//! Past each capacity (README "Map capacities"):
+//! Past each capacity (docs/operations.md "Map capacities"):
 //! - pods map full: enrolling one more pod fails with an error naming the
 //!   map and its capacity, nothing of it is left installed, and the pods
 //!   already enrolled keep being served;
@@ -50,7 +50,7 @@ impl Default for Capacities {
 /// The capacity flags of `ambpf run`.
 #[derive(Debug, clap::Args)]
 pub struct CapacityArgs {
-    /// eBPF mode: pods the maps hold (README "Map capacities"). Maps
+    /// eBPF mode: pods the maps hold (docs/operations.md "Map capacities"). Maps
     /// already pinned keep the capacity they were made with (a warning
     /// says so) until `ambpf uninstall`.
     #[arg(long, env = "AMBPF_MAX_PODS", default_value_t = maps::DEFAULT_MAX_PODS)]
@@ -146,7 +146,7 @@ pub fn read_misses(pins: &super::PinLayout) -> Result<Vec<(Miss, u64)>, InspectE
     }
     let map_err = |source| InspectError::Map {
         path: path.clone(),
-        source,
+        cause: source,
     };
     let data = MapData::from_pin(&path).map_err(map_err)?;
     let array: PerCpuArray<_, u64> =
@@ -230,7 +230,7 @@ pub fn miss_messages(
                 "{new} {what} ({total} since the maps were created; \
                  ambpf_origdst_misses_total{{reason=\"{}\"}}): the original-destination maps \
                  {} and {} hold {capacity} connections (--max-redirected-connections); more \
-                 were opened at once than that, raise it (README \"Map capacities\")",
+                 were opened at once than that, raise it (docs/operations.md, \"Map capacities\")",
                 miss.name(),
                 maps::ORIG_BY_COOKIE,
                 maps::ORIG_BY_TUPLE,

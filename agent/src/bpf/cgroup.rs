@@ -44,21 +44,21 @@ pub const RAW_GUARD_HOOKS: &[(&str, CgroupHook)] = &[
 
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
-    #[error("cgroup {path}: {source} (ambpf needs a cgroup v2 directory)")]
-    Open { path: PathBuf, source: io::Error },
+    #[error("cgroup {path}: {cause} (ambpf needs a cgroup v2 directory)")]
+    Open { path: PathBuf, cause: io::Error },
     #[error("{path} is not a cgroup v2 directory")]
     NotCgroup2 { path: PathBuf },
-    #[error("attaching {program} to cgroup {path}: {source}")]
+    #[error("attaching {program} to cgroup {path}: {cause}")]
     Attach {
         program: &'static str,
         path: PathBuf,
-        source: io::Error,
+        cause: io::Error,
     },
-    #[error("pinning the link of {program} at {pin}: {source}")]
+    #[error("pinning the link of {program} at {pin}: {cause}")]
     Pin {
         program: &'static str,
         pin: PathBuf,
-        source: io::Error,
+        cause: io::Error,
     },
 }
 
@@ -79,7 +79,7 @@ impl Dataplane {
     pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), CgroupError> {
         let open_err = |source| CgroupError::Open {
             path: cgroup.to_owned(),
-            source,
+            cause: source,
         };
         let dir = File::open(cgroup).map_err(open_err)?;
         let is_cgroup2 =
@@ -94,7 +94,7 @@ impl Dataplane {
         fs::create_dir_all(&links_dir).map_err(|source| CgroupError::Pin {
             program: "-",
             pin: links_dir.clone(),
-            source,
+            cause: source,
         })?;
 
         let guard: &[_] = if self.raw_guard() {
@@ -107,7 +107,7 @@ impl Dataplane {
             let attach_err = |source| CgroupError::Attach {
                 program,
                 path: cgroup.to_owned(),
-                source,
+                cause: source,
             };
             let prog_fd = program_fd(self.program_mut(program)).map_err(attach_err)?;
             match sys::obj_get(&pin) {
@@ -119,14 +119,14 @@ impl Dataplane {
                     sys::obj_pin(&link, &pin).map_err(|source| CgroupError::Pin {
                         program,
                         pin: pin.clone(),
-                        source,
+                        cause: source,
                     })?;
                 }
                 Err(source) => {
                     return Err(CgroupError::Pin {
                         program,
                         pin,
-                        source,
+                        cause: source,
                     });
                 }
             }

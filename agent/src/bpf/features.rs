@@ -73,6 +73,12 @@ pub const REQUIRED: &[Feature] = &[
         probe: || helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_sk_assign),
     },
     Feature {
+        name: "bpf_sk_assign of SO_REUSEPORT listeners in TC programs (inbound capture: \
+               ztunnel's listeners are SO_REUSEPORT; older kernels refuse them and drop the SYN)",
+        since: "6.5",
+        probe: super::assign_probe::probe,
+    },
+    Feature {
         name: "bpf_get_netns_cookie in cgroup socket-address programs (outbound capture)",
         since: "5.7",
         probe: || {
@@ -192,9 +198,24 @@ fn check(feature: &Feature) -> Result<(), FeatureError> {
     }
 }
 
-/// Probes the running kernel for every required feature.
-pub fn check_kernel() -> Result<(), FeatureError> {
-    REQUIRED.iter().try_for_each(check)
+/// Probes the running kernel for every required feature; names each one
+/// missing.
+pub fn check_kernel() -> Result<(), KernelError> {
+    let missing: Vec<_> = REQUIRED.iter().filter_map(|f| check(f).err()).collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(KernelError(missing))
+    }
+}
+
+/// What [`check_kernel`] found missing, one feature a line.
+#[derive(Debug, thiserror::Error)]
+#[error("the kernel cannot run ambpf's eBPF mode:{}", list(.0))]
+pub struct KernelError(pub Vec<FeatureError>);
+
+fn list(errors: &[FeatureError]) -> String {
+    errors.iter().map(|e| format!("\n  - {e}")).collect()
 }
 
 /// Whether the raw-socket guard can load, or why not.

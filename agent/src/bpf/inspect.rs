@@ -149,17 +149,17 @@ pub enum InspectError {
          agent has run with this pin root, or `ambpf uninstall` removed it"
     )]
     NoState { path: PathBuf },
-    #[error("reading {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
-    #[error("opening pinned map {path}: {source}")]
+    #[error("reading {path}: {cause}")]
+    Io { path: PathBuf, cause: io::Error },
+    #[error("opening pinned map {path}: {cause}")]
     Map {
         path: PathBuf,
-        source: aya::maps::MapError,
+        cause: aya::maps::MapError,
     },
-    #[error("opening pinned link {path}: {source}")]
+    #[error("opening pinned link {path}: {cause}")]
     Link {
         path: PathBuf,
-        source: aya::programs::links::LinkError,
+        cause: aya::programs::links::LinkError,
     },
 }
 
@@ -199,7 +199,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         let data = open_map(&path)?;
         let info = data.info().map_err(|source| InspectError::Map {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         maps_out.push(PinnedMap {
             name: info.name_as_str().unwrap_or(name).to_owned(),
@@ -211,7 +211,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
     }
     let recorded = crate::build_info::recorded(pins).map_err(|source| InspectError::Io {
         path: pins.root().join("object"),
-        source,
+        cause: source,
     })?;
     let mut pods = with_counters(with_steering(read_pods(pins)?), pins)?;
     let mut names = super::pod_names::read_all(pins)?;
@@ -284,7 +284,7 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
     }
     let map_err = |source| InspectError::Map {
         path: path.clone(),
-        source,
+        cause: source,
     };
     let map: HashMap<_, u64, PodConfig> =
         HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
@@ -378,7 +378,7 @@ pub fn read_counters(pins: &PinLayout) -> Result<Vec<(&'static str, u64)>, Inspe
     }
     let map_err = |source| InspectError::Map {
         path: path.clone(),
-        source,
+        cause: source,
     };
     let array: PerCpuArray<_, u64> =
         PerCpuArray::try_from(Map::PerCpuArray(open_map(&path)?)).map_err(map_err)?;
@@ -414,7 +414,7 @@ fn read_other_links(pins: &PinLayout) -> Result<Vec<PinnedLinkEntry>, InspectErr
 fn open_map(path: &std::path::Path) -> Result<MapData, InspectError> {
     MapData::from_pin(path).map_err(|source| InspectError::Map {
         path: path.to_owned(),
-        source,
+        cause: source,
     })
 }
 
@@ -457,13 +457,13 @@ pub fn read_iface_stats(pins: &PinLayout) -> Result<Vec<IfaceStatsEntry>, Inspec
     let map: PerCpuHashMap<_, IfaceStatsKey, IfaceStats> =
         PerCpuHashMap::try_from(map).map_err(|source| InspectError::Map {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
     let mut out = Vec::new();
     for entry in map.iter() {
         let (key, per_cpu) = entry.map_err(|source| InspectError::Map {
             path: path.clone(),
-            source,
+            cause: source,
         })?;
         let mut total = IfaceStats::default();
         per_cpu.iter().for_each(|cpu| total.accumulate(cpu));
@@ -489,7 +489,7 @@ fn read_dir_sorted(dir: &std::path::Path) -> Result<Vec<PathBuf>, InspectError> 
         Err(source) => {
             return Err(InspectError::Io {
                 path: dir.to_owned(),
-                source,
+                cause: source,
             });
         }
     };
@@ -498,7 +498,7 @@ fn read_dir_sorted(dir: &std::path::Path) -> Result<Vec<PathBuf>, InspectError> 
         .collect::<Result<Vec<_>, _>>()
         .map_err(|source| InspectError::Io {
             path: dir.to_owned(),
-            source,
+            cause: source,
         })?;
     paths.sort();
     Ok(paths)
@@ -511,7 +511,7 @@ fn pinned_link(
 ) -> Result<(u32, u32, String), InspectError> {
     let link_err = |source| InspectError::Link {
         path: pin.to_owned(),
-        source,
+        cause: source,
     };
     let info = FdLink::from(PinnedLink::from_pin(pin).map_err(link_err)?)
         .info()

@@ -1,6 +1,7 @@
 //! The kernel side as the agent sees it: loading the embedded object once,
 //! pinning its maps, attaching programs, and reading their state back.
 
+mod assign_probe;
 pub mod capacity;
 pub mod cgroup;
 pub mod compat;
@@ -29,7 +30,7 @@ pub enum LoadError {
     #[error("{0}")]
     ObjectMissing(&'static str),
     #[error(transparent)]
-    Kernel(#[from] features::FeatureError),
+    Kernel(#[from] features::KernelError),
     #[error(transparent)]
     Pins(#[from] pins::PinError),
     #[error(transparent)]
@@ -176,7 +177,7 @@ impl Dataplane {
         pin_steering_program(&mut ebpf, &pins)?;
         crate::build_info::record_loaded(&pins).map_err(|source| pins::PinError::Io {
             path: pins.root().join("object"),
-            source,
+            cause: source,
         })?;
         Ok(Self {
             ebpf,

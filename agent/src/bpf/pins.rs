@@ -6,6 +6,7 @@
 //!   links/tc/<netns inode>/<ifindex>-<ingress|egress>    interface counters
 //!   links/cgroup/<cgroup inode>/<program>                socket programs
 //!   progs/ambpf_pod_in                                   the steering program pods' tc filters run
+//!   iptables/pods/<netns cookie>-<netns inode>           iptables mode: its enrolled pods
 //! ```
 //! Links are pinned so attachments survive the agent (restarts, upgrades);
 //! removing a link's pin while no process holds it detaches the program.
@@ -32,8 +33,8 @@ pub enum PinError {
         found: String,
         mount: String,
     },
-    #[error("cannot use pin directory {path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    #[error("cannot use pin directory {path}: {cause}")]
+    Io { path: PathBuf, cause: io::Error },
     #[error(
         "{path} is the root of a mounted filesystem; pin into a directory of ambpf's own below \
          it (e.g. {path}/ambpf), which `ambpf uninstall` can remove whole"
@@ -94,6 +95,12 @@ impl PinLayout {
         self.pod_links_root().join(netns_cookie.to_string())
     }
 
+    /// Where the iptables mode records its enrolled pods, one empty
+    /// directory each (see `redirect::iptables::records`).
+    pub fn iptables_pods_dir(&self) -> PathBuf {
+        self.root.join("iptables/pods")
+    }
+
     /// Checks that the root lies on bpffs, below its mount point (the root
     /// is ambpf's alone), and creates the directory tree.
     pub fn prepare(&self) -> Result<(), PinError> {
@@ -108,7 +115,10 @@ impl PinLayout {
             self.tc_links_dir(),
             self.root.join("progs"),
         ] {
-            std::fs::create_dir_all(&dir).map_err(|source| PinError::Io { path: dir, source })?;
+            std::fs::create_dir_all(&dir).map_err(|source| PinError::Io {
+                path: dir,
+                cause: source,
+            })?;
         }
         Ok(())
     }
@@ -132,7 +142,7 @@ impl PinRootLock {
         use nix::fcntl::{Flock, FlockArg};
         let io_err = |source| PinError::Io {
             path: pins.root.clone(),
-            source,
+            cause: source,
         };
         let dir = std::fs::File::open(&pins.root).map_err(io_err)?;
         let dir = match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
@@ -191,7 +201,7 @@ pub fn check_bpffs(path: &Path) -> Result<(), PinError> {
         .unwrap_or_else(|| Path::new("/"));
     let fs = nix::sys::statfs::statfs(existing).map_err(|e| PinError::Io {
         path: existing.to_owned(),
-        source: e.into(),
+        cause: e.into(),
     })?;
     if fs.filesystem_type() == nix::sys::statfs::BPF_FS_MAGIC {
         return Ok(());

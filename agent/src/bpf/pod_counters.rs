@@ -87,7 +87,7 @@ pub fn read(pins: &PinLayout) -> Result<HashMap<u64, PodCounts>, InspectError> {
     }
     let map_err = |source| InspectError::Map {
         path: path.clone(),
-        source,
+        cause: source,
     };
     let data = MapData::from_pin(&path).map_err(map_err)?;
     let map: PerCpuHashMap<_, u64, PodCounters> =

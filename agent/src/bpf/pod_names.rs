@@ -72,7 +72,7 @@ impl Record {
 fn map_err(pins: &PinLayout) -> impl Fn(aya::maps::MapError) -> InspectError + '_ {
     move |source| InspectError::Map {
         path: pins.map(MAP_NAME),
-        source,
+        cause: source,
     }
 }
 
@@ -87,7 +87,7 @@ fn open_or_create(pins: &PinLayout) -> Result<HashMap<MapData, u64, Record>, Ins
     if !path.exists() {
         let io_err = |source| InspectError::Io {
             path: path.clone(),
-            source,
+            cause: source,
         };
         let fd = sys::map_create(
             sys::MAP_TYPE_HASH,

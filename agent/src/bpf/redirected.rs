@@ -47,7 +47,7 @@ pub fn read(pins: &PinLayout) -> Result<BTreeMap<u64, Vec<RedirectedConnection>>
     }
     let map_err = |source| InspectError::Map {
         path: path.clone(),
-        source,
+        cause: source,
     };
     let data = MapData::from_pin(&path).map_err(map_err)?;
     let map: HashMap<_, TupleKey, SockAddr> =

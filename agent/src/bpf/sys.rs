@@ -212,7 +212,23 @@ pub fn load_minimal_program_for(
     };
     const MOV64_IMM_R0: u8 = 0xb7; // BPF_ALU64 | BPF_MOV | BPF_K
     const EXIT: u8 = 0x95; // BPF_JMP | BPF_EXIT
-    let program = [insn(MOV64_IMM_R0, verdict), insn(EXIT, 0)];
+    load_program_for(
+        prog_type,
+        expected_attach_type,
+        &[insn(MOV64_IMM_R0, verdict), insn(EXIT, 0)],
+    )
+}
+
+/// Loads `program` (`struct bpf_insn`s) as a GPL program of `prog_type`.
+pub fn load_program(prog_type: u32, program: &[[u8; 8]]) -> io::Result<OwnedFd> {
+    load_program_for(prog_type, 0, program)
+}
+
+fn load_program_for(
+    prog_type: u32,
+    expected_attach_type: u32,
+    program: &[[u8; 8]],
+) -> io::Result<OwnedFd> {
     let license = c"GPL";
     let mut attr = Attr::default();
     attr.words[0] = prog_type;

@@ -21,19 +21,19 @@ pub enum AttachError {
     Kernel(#[from] super::features::FeatureError),
     #[error("interface {iface} not found in network namespace {netns}")]
     NoSuchInterface { iface: String, netns: PathBuf },
-    #[error("attaching {program} to {iface} ({direction}) in {netns}: {source}")]
+    #[error("attaching {program} to {iface} ({direction}) in {netns}: {cause}")]
     Attach {
         program: &'static str,
         iface: String,
         direction: &'static str,
         netns: PathBuf,
-        source: Box<ProgramError>,
+        cause: Box<ProgramError>,
     },
-    #[error("using the link of {program} pinned at {pin}: {source}")]
+    #[error("using the link of {program} pinned at {pin}: {cause}")]
     Link {
         program: &'static str,
         pin: PathBuf,
-        source: LinkError,
+        cause: LinkError,
     },
     #[error("pinning the link of {program} at {pin}: {reason}")]
     Pin {
@@ -116,12 +116,12 @@ impl Dataplane {
                 iface: iface.to_owned(),
                 direction: direction.as_str(),
                 netns: netns.path().to_owned(),
-                source: Box::new(source),
+                cause: Box::new(source),
             };
             let link_err = |source| AttachError::Link {
                 program,
                 pin: pin.clone(),
-                source,
+                cause: source,
             };
             forget_defunct_link(&pin, ifindex);
             let classifier = self.classifier(program);

@@ -62,6 +62,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let mut _pin_root_lock = None;
         let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
             RedirectMode::Ebpf => {
+                // Before anything is made, so that a refused kernel is left
+                // as it was.
+                bpf::features::check_kernel()?;
                 // One agent writes a pin root at a time (see PinRootLock).
                 pins.prepare()?;
                 _pin_root_lock = Some(bpf::pins::PinRootLock::acquire(&pins)?);
@@ -72,8 +75,18 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     dataplane.capacities(),
                     bpf::capacity::MISS_LOG_INTERVAL,
                 ));
-                for (netns, iface) in &targets {
-                    dataplane.attach_iface_counters(netns, iface)?;
+                // The counters are an observation aid: without TCX they are
+                // skipped, the redirection does not need them.
+                match bpf::features::tcx_supported() {
+                    Ok(()) => {
+                        for (netns, iface) in &targets {
+                            dataplane.attach_iface_counters(netns, iface)?;
+                        }
+                    }
+                    Err(e) if !targets.is_empty() => {
+                        log::warn!("--attach: running without the interface counters: {e}")
+                    }
+                    Err(_) => {}
                 }
                 dataplane.serve_node(&cgroup, args.dns_capture, &podnet::host_addresses()?)?;
                 info!(
@@ -86,7 +99,10 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             RedirectMode::Iptables => {
                 // The host side (probe SNAT) lives in the agent's own namespace.
                 let host = Netns::open("/proc/self/ns/net")?;
-                let redirection = IptablesRedirection::new(host, args.iptables_backend)?;
+                // Its pods are recorded under the pin root, so that a
+                // restart removes the pods that left while no agent ran.
+                let redirection = IptablesRedirection::new(host, args.iptables_backend)?
+                    .with_records(pins.iptables_pods_dir());
                 info!(
                     "iptables redirection ready ({:?} backend)",
                     redirection.backend()
@@ -145,16 +161,20 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let first = controller.apply(&pods_rx.borrow().ambient);
         controller.check_state(crate::redirect::CheckScope::Records);
         let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
+        let (cni_shutdown, cni_shutdown_rx) = tokio::sync::watch::channel(false);
+        let mut cni_server = None;
         let cni_requests = match &args.cni_socket {
             Some(path) => {
                 let listener = crate::cni::server::bind(path)?;
                 let (tx, rx) = tokio::sync::mpsc::channel(64);
-                tokio::spawn(crate::cni::server::serve(
-                    listener,
-                    tx,
-                    cni_selection,
-                    cni_stats.clone(),
-                ));
+                let endpoint = crate::cni::server::Endpoint {
+                    controller: tx,
+                    zds: zds.clone(),
+                    selection: cni_selection,
+                    stats: cni_stats.clone(),
+                    shutdown: cni_shutdown_rx,
+                };
+                cni_server = Some(tokio::spawn(crate::cni::server::serve(listener, endpoint)));
                 info!("CNI endpoint on {}", path.display());
                 Some(rx)
             }
@@ -181,12 +201,20 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             std::sync::Arc::new(registry),
         ));
         tokio::spawn(observe::serve_health(health, zds.clone()));
-        tokio::spawn(controller.run_with_requests(pods_rx, cni_requests));
+        // Its own thread: passes block (namespaces entered, iptables-restore
+        // run) while ZDS, the CNI endpoint and the probes must answer.
+        let _controller = controller.spawn(pods_rx, cni_requests)?;
         let server = tokio::spawn(zds.clone().serve());
         info!("ambpf agent ready");
         tokio::select! {
             served = server => served??,
             signal = wait_for_shutdown() => signal?,
+        }
+        // ADDs in flight are answered, their pods abandoned through the
+        // controller, before it stops.
+        cni_shutdown.send_replace(true);
+        if let Some(cni_server) = cni_server {
+            let _ = tokio::time::timeout(CNI_DRAIN, cni_server).await;
         }
         drop(pods_tx);
         info!("shutting down; pinned attachments stay in place");
@@ -220,7 +248,7 @@ fn release_free_memory() {
 
 /// [`release_free_memory`] every [`TRIM_INTERVAL`]: pod churn frees as much
 /// as it allocates (watch events decoded, passes over every pod), and glibc
-/// keeps the pages it freed (the README's soak figures show the difference).
+/// keeps the pages it freed (docs/soak.md's figures show the difference).
 async fn release_free_memory_periodically() {
     let mut tick = tokio::time::interval(TRIM_INTERVAL);
     tick.tick().await;
@@ -229,6 +257,9 @@ async fn release_free_memory_periodically() {
         let _ = tokio::task::spawn_blocking(release_free_memory).await;
     }
 }
+
+/// How long the CNI endpoint's ADDs in flight have to answer at shutdown.
+const CNI_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How often the agent hands freed heap memory back to the kernel.
 const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
@@ -262,19 +293,10 @@ fn pins_root(dataplane: &Dataplane) -> String {
     dataplane.pins().root().display().to_string()
 }
 
-/// The cgroup v2 mount: /sys/fs/cgroup on unified hosts, its `unified`
-/// subdirectory on hybrid ones.
+/// The cgroup v2 mount, from mountinfo: /sys/fs/cgroup on pure cgroup v2
+/// hosts, its `unified` subdirectory on hybrid ones.
 fn default_cgroup() -> Result<PathBuf> {
-    const CGROUP2_MAGIC: nix::sys::statfs::FsType = nix::sys::statfs::FsType(0x6367_7270);
-    for candidate in ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"] {
-        if nix::sys::statfs::statfs(candidate).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_MAGIC)
-        {
-            return Ok(PathBuf::from(candidate));
-        }
-    }
-    anyhow::bail!(
-        "no cgroup v2 hierarchy at /sys/fs/cgroup or /sys/fs/cgroup/unified; give --cgroup"
-    )
+    crate::mounts::cgroup2_mount().context("finding the cgroup v2 hierarchy (or give --cgroup)")
 }
 
 async fn wait_for_shutdown() -> Result<()> {

@@ -42,8 +42,8 @@ pub struct InstallConfig {
 pub enum InstallError {
     #[error("no *.conflist in {0}")]
     NoConflist(PathBuf),
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    #[error("{path}: {cause}")]
+    Io { path: PathBuf, cause: io::Error },
     #[error("{path}: not a CNI conflist: {why}")]
     Invalid { path: PathBuf, why: String },
 }
@@ -60,7 +60,7 @@ pub struct Installed {
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> InstallError + '_ {
     move |source| InstallError::Io {
         path: path.to_owned(),
-        source,
+        cause: source,
     }
 }
 

@@ -37,8 +37,9 @@ pub struct CniStats {
     pub enrolled: AtomicU64,
     /// Pods let start without enrolment (not ambient, or deleted meanwhile).
     pub skipped: AtomicU64,
-    /// ADDs failed by the agent: enrolment failed or timed out, the API
-    /// server could not say whether the pod is ambient, shutting down.
+    /// ADDs failed by the agent: enrolment failed or timed out, ztunnel did
+    /// not take the pod, the API server could not say whether the pod is
+    /// ambient, shutting down.
     pub refused: AtomicU64,
     /// Requests that were not a valid ADD.
     pub invalid: AtomicU64,
@@ -55,17 +56,27 @@ pub enum AddPhase {
     /// Waiting for the controller and its enrolment of the pod (redirection
     /// in place, ztunnel's desired set updated).
     Enrol,
-    /// From the request read to the answer ready: the two above and the rest.
+    /// Waiting for the newest ztunnel connection to ack the pod's Add
+    /// (ztunnel's time to start the pod's proxy, mostly).
+    Ztunnel,
+    /// From the request read to the answer ready: the three above and the
+    /// rest.
     Answer,
 }
 
 impl AddPhase {
-    pub const ALL: [AddPhase; 3] = [AddPhase::Decide, AddPhase::Enrol, AddPhase::Answer];
+    pub const ALL: [AddPhase; 4] = [
+        AddPhase::Decide,
+        AddPhase::Enrol,
+        AddPhase::Ztunnel,
+        AddPhase::Answer,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             AddPhase::Decide => "decide",
             AddPhase::Enrol => "enrol",
+            AddPhase::Ztunnel => "ztunnel",
             AddPhase::Answer => "answer",
         }
     }
@@ -92,6 +103,47 @@ impl CniStats {
     /// `phase`'s total, in seconds.
     pub fn seconds(&self, phase: AddPhase) -> f64 {
         self.phase_nanos[phase as usize].load(Ordering::Relaxed) as f64 / 1e9
+    }
+}
+
+/// Why the agent failed a pod's ADD, and whether the runtime should retry
+/// it (Istio's node agent types its errors the same way: its
+/// `ErrNonRetryableAdd`). A retryable failure is answered `503`, the rest
+/// `500`; the plugin reports them with distinct CNI codes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddError {
+    /// The pod's network namespace cannot be opened: the sandbox is gone.
+    #[error("its network namespace cannot be opened: {0}")]
+    NetnsUnusable(String),
+    /// Its redirection could not be set up (no address, a netlink error).
+    #[error("its redirection could not be set up: {0}")]
+    Enrol(String),
+    /// The pod source says the pod is not ambient; a retried ADD reads the
+    /// pod afresh.
+    #[error("the pod source knows it as not ambient ({0})")]
+    NotAmbient(String),
+    /// The API server could not say whether the pod is ambient.
+    #[error("cannot tell whether the pod is ambient: {0}")]
+    Undecided(String),
+    /// Its redirection was in place, but ztunnel did not take the pod; the
+    /// redirection was removed again.
+    #[error("ztunnel did not take the pod: {0}")]
+    Ztunnel(#[from] crate::zds::NotHeld),
+    #[error("the agent did not finish within {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("the agent is shutting down")]
+    ShuttingDown,
+}
+
+impl AddError {
+    /// Whether a new attempt (the runtime's next sandbox) may succeed.
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, AddError::NetnsUnusable(_) | AddError::Enrol(_))
+    }
+
+    /// The HTTP status the endpoint answers it with.
+    pub fn status(&self) -> u16 {
+        if self.is_retryable() { 503 } else { 500 }
     }
 }
 

@@ -3,20 +3,21 @@
 //! The programs are loaded and attached once per node; a pod is enrolled by:
 //! 1. the reply routing in its netns (`routing`: fwmark 0x111 -> local table,
 //!    tcp_fwmark_accept), which ztunnel's inbound connections need;
-//! 2. the inbound-steering TC program attached to each of its interfaces;
+//! 2. the inbound-steering TC program attached to each of its interfaces, as
+//!    a direct-action `cls_bpf` filter ([`super::steering`]);
 //! 3. two map writes, by netns cookie (socket programs) and by address
 //!    (packet programs), after which new connections are redirected.
 //!
 //! Removing a pod deletes its map entries first (new connections stop being
-//! redirected at once) and then its TC links. The reply routing stays while
-//! the pod lives: it matches only connections ztunnel made to the app, so
-//! connections open at removal keep working.
+//! redirected at once) and then its steering filters. The reply routing
+//! stays while the pod lives: it matches only connections ztunnel made to
+//! the app, so connections open at removal keep working.
 //!
 //! Everything is owned by the pod's netns cookie, which is never reused: the
-//! pods map is keyed by it, every address entry holds it, and the pod's link
-//! directory is named by it. An address two enrolled pods claim belongs to
-//! the newer ([`super::claims`]); removing a pod deletes only the entries
-//! that still hold its cookie.
+//! pods map is keyed by it and every address entry holds it; the pod's
+//! steering filters live in its own namespace. An address two enrolled pods
+//! claim belongs to the newer ([`super::claims`]); removing a pod deletes
+//! only the entries that still hold its cookie.
 
 use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf, time::Instant};
 
@@ -71,21 +72,18 @@ pub enum EnrollError {
         family: &'static str,
         addresses: Vec<std::net::IpAddr>,
     },
-    #[error("updating map {map}: {source}")]
+    #[error("updating map {map}: {cause}")]
     Map {
         map: &'static str,
-        source: aya::maps::MapError,
+        cause: aya::maps::MapError,
     },
-    #[error("removing links under {dir}: {source}")]
-    Unlink {
-        dir: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("inbound steering on {iface} in {netns}: {source}")]
+    #[error("removing links under {dir}: {cause}")]
+    Unlink { dir: PathBuf, cause: std::io::Error },
+    #[error("inbound steering on {iface} in {netns}: {cause}")]
     Steering {
         iface: String,
         netns: PathBuf,
-        source: NetlinkError,
+        cause: NetlinkError,
     },
     #[error("the steering program: {0}")]
     SteeringProgram(String),
@@ -144,14 +142,14 @@ impl Dataplane {
     fn pods_by_netns(&mut self) -> Result<HashMap<&mut MapData, u64, PodConfig>, EnrollError> {
         HashMap::try_from(self.map_mut(maps::PODS_BY_NETNS)).map_err(|source| EnrollError::Map {
             map: maps::PODS_BY_NETNS,
-            source,
+            cause: source,
         })
     }
 
     fn pods_by_ip(&mut self) -> Result<HashMap<&mut MapData, IpKey, PodConfig>, EnrollError> {
         HashMap::try_from(self.map_mut(maps::PODS_BY_IP)).map_err(|source| EnrollError::Map {
             map: maps::PODS_BY_IP,
-            source,
+            cause: source,
         })
     }
 
@@ -503,7 +501,7 @@ fn attach_steering_with(
         move |source| EnrollError::Steering {
             iface,
             netns: netns.to_owned(),
-            source,
+            cause: source,
         }
     };
     let mut done: Vec<(u32, steering::Attached)> = Vec::new();
@@ -529,7 +527,7 @@ pub fn detach_steering(netns: &Netns, qdisc_created: bool) -> Result<(), EnrollE
             move |source| EnrollError::Steering {
                 iface,
                 netns: path.to_owned(),
-                source,
+                cause: source,
             }
         };
         let mut rtnl = Rtnl::open().map_err(steering_err("-".into()))?;
@@ -557,7 +555,7 @@ pub fn ip_addr(key: IpKey) -> IpAddr {
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> EnrollError {
-    move |source| EnrollError::Map { map, source }
+    move |source| EnrollError::Map { map, cause: source }
 }
 
 impl super::PodRedirection for Dataplane {

@@ -41,7 +41,7 @@ impl Dataplane {
     pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), EnrollError> {
         let map_err = |source| EnrollError::Map {
             map: maps::NODE_CONFIG,
-            source,
+            cause: source,
         };
         let mut array: Array<_, NodeConfig> =
             Array::try_from(self.map_mut(maps::NODE_CONFIG)).map_err(map_err)?;
@@ -53,7 +53,7 @@ impl Dataplane {
     pub fn set_host_addresses(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
         let map_err = |source| EnrollError::Map {
             map: maps::HOST_ADDRS,
-            source,
+            cause: source,
         };
         let capacity = self.capacities().host_addresses as usize;
         let mut map: HashMap<_, IpKey, u8> =

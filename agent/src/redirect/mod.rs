@@ -15,6 +15,8 @@ mod ebpf_node;
 pub use ebpf_node::NodeSetupError;
 pub mod iptables;
 pub mod podnet;
+#[cfg(any(test, feature = "test-support"))]
+pub mod recorder;
 pub mod routing;
 pub mod rtnl;
 pub mod steering;
@@ -101,6 +103,14 @@ pub trait PodRedirection: Send {
     /// only what the pod still owns: an address a newer pod has taken over
     /// keeps that pod's records. Returns whether the pod was enrolled.
     fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError>;
+
+    /// Forgets the pod `pod`, which was deleted. Istio's node agent removes
+    /// nothing inside a deleted pod's namespace, which dies with it, only
+    /// the pod's node-wide state; a mode may do the same. By default, as
+    /// [`PodRedirection::unenroll`].
+    fn forget_deleted(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        self.unenroll(pod)
+    }
 
     /// Records who the enrolled pod `pod` is where `ambpf status` reads it
     /// without the agent (the eBPF mode's pinned map; iptables mode pins

@@ -69,13 +69,13 @@ pub enum PodNetError {
         netns.display()
     )]
     CookieUnsupported { netns: PathBuf },
-    #[error("reading the network namespace cookie in {}: {source}", netns.display())]
-    Cookie { netns: PathBuf, source: io::Error },
-    #[error("{what} in {}: {source}", netns.display())]
+    #[error("reading the network namespace cookie in {}: {cause}", netns.display())]
+    Cookie { netns: PathBuf, cause: io::Error },
+    #[error("{what} in {}: {cause}", netns.display())]
     Netlink {
         what: &'static str,
         netns: PathBuf,
-        source: NetlinkError,
+        cause: NetlinkError,
     },
 }
 
@@ -135,12 +135,12 @@ pub fn host_addresses() -> Result<Vec<IpAddr>, PodNetError> {
     let mut rtnl = Rtnl::open().map_err(|source| PodNetError::Netlink {
         what: "opening a netlink route socket",
         netns: netns.to_owned(),
-        source,
+        cause: source,
     })?;
     let addresses = dump_addresses(&mut rtnl).map_err(|source| PodNetError::Netlink {
         what: "listing addresses",
         netns: netns.to_owned(),
-        source,
+        cause: source,
     })?;
     let mut out = Vec::new();
     for addr in &addresses {
@@ -170,7 +170,7 @@ pub fn open_rtnl(netns: &Path) -> Result<Rtnl, PodNetError> {
     Rtnl::open().map_err(|source| PodNetError::Netlink {
         what: "opening a netlink route socket",
         netns: netns.to_owned(),
-        source,
+        cause: source,
     })
 }
 
@@ -182,7 +182,7 @@ pub fn inspect_with(rtnl: &mut Rtnl, netns: &Path) -> Result<PodNetwork, PodNetE
         move |source| PodNetError::Netlink {
             what,
             netns,
-            source,
+            cause: source,
         }
     };
     // The netlink socket was created in the namespace, so its cookie is the
@@ -250,7 +250,7 @@ fn cookie_here(netns: &Path) -> Result<u64, PodNetError> {
     )
     .map_err(|errno| PodNetError::Cookie {
         netns: netns.to_owned(),
-        source: errno.into(),
+        cause: errno.into(),
     })?;
     cookie_of(socket.as_fd(), netns)
 }
@@ -264,7 +264,7 @@ fn cookie_of(socket: BorrowedFd<'_>, netns: &Path) -> Result<u64, PodNetError> {
         } else {
             PodNetError::Cookie {
                 netns: netns.to_owned(),
-                source,
+                cause: source,
             }
         }
     })
@@ -432,7 +432,7 @@ mod tests {
         let err = PodNetError::Netlink {
             what: "listing interfaces",
             netns: "/run/netns/x".into(),
-            source: NetlinkError::Kernel {
+            cause: NetlinkError::Kernel {
                 errno: Errno::EPERM,
                 detail: None,
             },

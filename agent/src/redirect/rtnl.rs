@@ -144,6 +144,36 @@ impl Rtnl {
         }
     }
 
+    /// Sends `request` with `NLM_F_REQUEST | NLM_F_ACK` and returns the
+    /// messages the kernel answers with before its acknowledgement (a `GET`
+    /// that is not a dump, such as `RTM_GETNSID`).
+    pub fn query(
+        &mut self,
+        request: RouteNetlinkMessage,
+    ) -> Result<Vec<RouteNetlinkMessage>, NetlinkError> {
+        let seq = self.send(request, NLM_F_REQUEST | NLM_F_ACK)?;
+        let mut out = Vec::new();
+        loop {
+            let mut outcome = None;
+            self.receive(seq, |msg| match msg.payload {
+                NetlinkPayload::InnerMessage(inner) => out.push(inner),
+                NetlinkPayload::Error(err) => {
+                    outcome = Some(match err.code {
+                        None => Ok(()),
+                        Some(code) => Err(NetlinkError::Kernel {
+                            errno: Errno::from_raw(-code.get()),
+                            detail: extack_message(msg.header.flags, &err.header),
+                        }),
+                    });
+                }
+                _ => {}
+            })?;
+            if let Some(outcome) = outcome {
+                return outcome.map(|()| out);
+            }
+        }
+    }
+
     /// [`Self::execute`] for a creation (`flags` usually `NLM_F_CREATE |
     /// NLM_F_EXCL`): `EEXIST` means the object is already there.
     pub fn create(

@@ -5,7 +5,7 @@
 //! Why not a TCX link: creating one waits out an RCU grace period under the
 //! RTNL lock (about 13 ms a pod on this kind of machine, and threads do not
 //! help), while adding a filter costs next to nothing (`cargo xtask bench
-//! attach`; numbers in the README). The filter keeps what the link gave:
+//! attach`; numbers in docs/benchmarks.md). The filter keeps what the link gave:
 //!
 //! - it lives in the kernel without the agent (no pin needed): traffic is
 //!   steered while the agent is down;

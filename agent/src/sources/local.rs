@@ -61,15 +61,15 @@ fn default_service_account() -> String {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LocalSourceError {
-    #[error("reading {path}: {source}")]
+    #[error("reading {path}: {cause}")]
     Read {
         path: PathBuf,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
-    #[error("{path} is not a pods file: {source}")]
+    #[error("{path} is not a pods file: {cause}")]
     Parse {
         path: PathBuf,
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
 }
 
@@ -82,7 +82,7 @@ pub struct Parsed {
 pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
     let parse_error = |source| LocalSourceError::Parse {
         path: path.to_owned(),
-        source,
+        cause: source,
     };
     // Objects only: serde also reads a struct from an array of its fields,
     // so `[[]]` would otherwise be a file with no pods.
@@ -179,7 +179,7 @@ fn load(
     let stamp = modified(path);
     let text = std::fs::read_to_string(path).map_err(|source| LocalSourceError::Read {
         path: path.to_owned(),
-        source,
+        cause: source,
     })?;
     let parsed = parse(&text, path)?;
     for why in &parsed.skipped {

@@ -25,8 +25,8 @@ pub enum GateError {
          one reader at a time"
     )]
     Busy { pid: u32 },
-    #[error("the trace gate {path}: {source}")]
-    Map { path: PathBuf, source: MapError },
+    #[error("the trace gate {path}: {cause}")]
+    Map { path: PathBuf, cause: MapError },
 }
 
 /// Who holds the gate, as `reader` sees it at `now_ns`.
@@ -88,7 +88,7 @@ impl Lease {
         }
         let map_err = |source| GateError::Map {
             path: path.clone(),
-            source,
+            cause: source,
         };
         let data = MapData::from_pin(&path).map_err(map_err)?;
         let gate = Array::try_from(Map::Array(data)).map_err(map_err)?;
@@ -110,7 +110,7 @@ impl Lease {
     fn read(&self) -> Result<TraceGate, GateError> {
         self.gate.get(&0, 0).map_err(|source| GateError::Map {
             path: self.path.clone(),
-            source,
+            cause: source,
         })
     }
 
@@ -122,7 +122,7 @@ impl Lease {
         };
         self.gate.set(0, gate, 0).map_err(|source| GateError::Map {
             path: self.path.clone(),
-            source,
+            cause: source,
         })
     }
 

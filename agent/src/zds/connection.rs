@@ -39,10 +39,10 @@ pub enum ConnError {
     UnsupportedVersion(i32),
     #[error("no ack for {request} within {after:?}")]
     AckTimeout { request: String, after: Duration },
-    #[error("undecodable {what} from ztunnel: {source}")]
+    #[error("undecodable {what} from ztunnel: {cause}")]
     Garbage {
         what: &'static str,
-        source: ambpf_proto::prost::DecodeError,
+        cause: ambpf_proto::prost::DecodeError,
     },
     #[error("ztunnel sent a {0}-byte message while no request was pending")]
     Unsolicited(usize),
@@ -161,7 +161,7 @@ impl Connection<'_> {
             .map_err(|_| ConnError::HelloTimeout(after))??;
         let hello = zds::ZdsHello::decode(&buf[..len]).map_err(|source| ConnError::Garbage {
             what: "hello",
-            source,
+            cause: source,
         })?;
         if hello.version != zds::Version::V1 as i32 {
             return Err(ConnError::UnsupportedVersion(hello.version));
@@ -191,7 +191,7 @@ impl Connection<'_> {
                         }
                         Outcome::Nacked(why) => {
                             self.nacked(workload, &why);
-                            self.shared.ztunnel_answered(&workload.uid, false);
+                            self.shared.ztunnel_answered(&workload.uid, None, Err(why));
                         }
                     }
                     // Not "sent" with a netns: once it can be opened, Add it.
@@ -259,7 +259,7 @@ impl Connection<'_> {
                         "ZDS: cannot open the netns of pod {}/{}: {e}",
                         workload.namespace, workload.name
                     );
-                    self.shared.not_sent(&workload.uid);
+                    self.shared.not_sent(&workload.uid, e.to_string());
                     self.schedule_retry(&workload.uid);
                 }
             }
@@ -281,7 +281,10 @@ impl Connection<'_> {
                 "ZDS: pod {}/{} does not fit a {MAX_MESSAGE_LEN}-byte ZDS message; not sent",
                 workload.namespace, workload.name
             );
-            self.shared.not_sent(&workload.uid);
+            self.shared.not_sent(
+                &workload.uid,
+                format!("it does not fit a {MAX_MESSAGE_LEN}-byte ZDS message"),
+            );
             return Ok(());
         }
         let outcome = self.request(&request, Some(&netns)).await?;
@@ -299,11 +302,13 @@ impl Connection<'_> {
                         inode,
                     },
                 );
-                self.shared.ztunnel_answered(&workload.uid, true);
+                self.shared
+                    .ztunnel_answered(&workload.uid, Some(inode), Ok(()));
             }
             Outcome::Nacked(why) => {
                 self.nacked(workload, &why);
-                self.shared.ztunnel_answered(&workload.uid, false);
+                self.shared
+                    .ztunnel_answered(&workload.uid, Some(inode), Err(why));
                 self.schedule_retry(&workload.uid);
             }
         }
@@ -371,7 +376,7 @@ impl Connection<'_> {
         let response =
             zds::WorkloadResponse::decode(&buf[..len]).map_err(|source| ConnError::Garbage {
                 what: "response",
-                source,
+                cause: source,
             })?;
         Ok(match response.into_result() {
             Ok(()) => Outcome::Acked,

@@ -15,11 +15,12 @@
 //! pod can be marked `enabled` or `pending` as Istio's node agent does.
 
 mod connection;
+mod hold;
 pub mod listener;
 mod workload;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, VecDeque},
     path::PathBuf,
     sync::{
         Arc, Mutex,
@@ -32,6 +33,7 @@ use log::{info, warn};
 use tokio::sync::watch;
 use tokio_seqpacket::UnixSeqpacketListener;
 
+pub use hold::{HoldWait, NotHeld};
 pub use listener::{DEFAULT_SOCKET, ListenError};
 pub use workload::{NetnsSource, Workload, WorkloadSet};
 
@@ -115,11 +117,17 @@ struct Shared {
     /// What ztunnel made of the desired pods. Lock order: this, then
     /// `desired` or `live`.
     ztunnel: watch::Sender<ZtunnelPodSet>,
+    /// ztunnel's latest answer to each desired pod's Add (see [`hold`]).
+    /// Lock order: this, then `desired`.
+    answers: watch::Sender<hold::AddAnswers>,
     /// Id of the newest live connection (0: none). Only it receives Adds, as
     /// with Istio's node agent during a ztunnel rolling update; when it goes,
     /// the previous one takes over.
     newest: watch::Sender<u64>,
-    live: Mutex<Vec<u64>>,
+    /// The live connections' ids, oldest first.
+    live: watch::Sender<Vec<u64>>,
+    /// Why the most recent connections closed, newest last (for errors).
+    closed: Mutex<VecDeque<(u64, String)>>,
     /// Snapshots acked so far, for readiness.
     snapshots: watch::Sender<u64>,
     stats: ZdsStats,
@@ -147,8 +155,10 @@ impl ZdsHandle {
                 config,
                 desired: watch::Sender::new(Arc::new(BTreeMap::new())),
                 ztunnel: watch::Sender::new(Arc::new(BTreeMap::new())),
+                answers: watch::Sender::new(hold::AddAnswers::default()),
                 newest: watch::Sender::new(0),
-                live: Mutex::new(Vec::new()),
+                live: watch::Sender::new(Vec::new()),
+                closed: Mutex::new(VecDeque::new()),
                 snapshots: watch::Sender::new(0),
                 stats: ZdsStats::default(),
             }),
@@ -202,6 +212,7 @@ impl ZdsHandle {
     fn change_desired(&self, change: impl FnOnce(&mut WorkloadSet) -> bool) {
         if self.shared.desired.send_if_modified(change) {
             self.shared.settle_ztunnel_pods();
+            self.shared.forget_answers();
         }
     }
 
@@ -250,14 +261,18 @@ impl ZdsHandle {
             let shared = self.shared.clone();
             shared.register(id);
             tokio::spawn(async move {
-                match connection::serve(id, &socket, &shared).await {
-                    Ok(()) => info!("ZDS connection {id}: ztunnel disconnected"),
+                let why = match connection::serve(id, &socket, &shared).await {
+                    Ok(()) => {
+                        info!("ZDS connection {id}: ztunnel disconnected");
+                        "ztunnel disconnected".to_owned()
+                    }
                     Err(e) => {
                         ZdsStats::bump(&shared.stats.peer_errors);
                         warn!("ZDS connection {id} closed: {e}");
+                        e.to_string()
                     }
-                }
-                shared.unregister(id);
+                };
+                shared.unregister(id, why);
             });
         }
     }
@@ -265,14 +280,17 @@ impl ZdsHandle {
 
 impl Shared {
     fn register(&self, id: u64) {
-        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        live.push(id);
+        let mut count = 0;
+        self.live.send_modify(|live| {
+            live.push(id);
+            count = live.len();
+        });
         self.newest.send_replace(id);
         ZdsStats::bump(&self.stats.connections_accepted);
         self.stats
             .connections_active
-            .store(live.len() as u64, Ordering::Relaxed);
-        info!("ZDS connection {id} accepted ({} live)", live.len());
+            .store(count as u64, Ordering::Relaxed);
+        info!("ZDS connection {id} accepted ({count} live)");
     }
 
     fn snapshot_acked(&self) {
@@ -280,18 +298,36 @@ impl Shared {
         self.snapshots.send_modify(|n| *n += 1);
     }
 
-    fn unregister(&self, id: u64) {
+    fn unregister(&self, id: u64, why: String) {
         {
-            let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-            live.retain(|&other| other != id);
-            let newest = live.last().copied().unwrap_or(0);
-            self.newest
-                .send_if_modified(|current| std::mem::replace(current, newest) != newest);
-            self.stats
-                .connections_active
-                .store(live.len() as u64, Ordering::Relaxed);
+            let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+            if closed.len() == 16 {
+                closed.pop_front();
+            }
+            closed.push_back((id, why));
         }
+        let (mut newest, mut count) = (0, 0);
+        self.live.send_modify(|live| {
+            live.retain(|&other| other != id);
+            newest = live.last().copied().unwrap_or(0);
+            count = live.len();
+        });
+        self.newest
+            .send_if_modified(|current| std::mem::replace(current, newest) != newest);
+        self.stats
+            .connections_active
+            .store(count as u64, Ordering::Relaxed);
         self.settle_ztunnel_pods();
+    }
+
+    /// Why connection `id` closed, if it is among the recent ones.
+    fn why_closed(&self, id: u64) -> String {
+        let closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
+        closed
+            .iter()
+            .rev()
+            .find(|(closed, _)| *closed == id)
+            .map_or_else(|| "closed".to_owned(), |(_, why)| why.clone())
     }
 
     /// Brings the ztunnel statuses in line with the desired set: pods that
@@ -300,11 +336,7 @@ impl Shared {
     fn settle_ztunnel_pods(&self) {
         self.ztunnel.send_if_modified(|pods| {
             let desired = self.desired.borrow();
-            let unserved = self
-                .live
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty();
+            let unserved = self.live.borrow().is_empty();
             let stale = pods.keys().any(|uid| !desired.contains_key(uid));
             let waiting = unserved && desired.keys().any(|uid| !pods.contains_key(uid));
             if !stale && !waiting {
@@ -321,24 +353,25 @@ impl Shared {
         });
     }
 
-    /// Records ztunnel's answer to a pod's Add (an Ack or a NACK), if the
-    /// pod is still desired.
-    fn ztunnel_answered(&self, uid: &str, acked: bool) {
-        let status = if acked {
-            ZtunnelStatus::Acked
-        } else {
-            ZtunnelStatus::Refused
+    /// Records ztunnel's answer to a pod's Add of `netns_inode` (an Ack, or
+    /// a NACK with its text), if the pod is still desired.
+    fn ztunnel_answered(&self, uid: &str, netns_inode: Option<u64>, answer: Result<(), String>) {
+        let status = match answer {
+            Ok(()) => ZtunnelStatus::Acked,
+            Err(_) => ZtunnelStatus::Refused,
         };
         self.set_ztunnel_status(uid, |_| status);
+        self.record_answer(uid, netns_inode, answer);
     }
 
-    /// Records that a pod's Add could not be sent. ztunnel still runs a
-    /// proxy it acked earlier, so an acked pod stays acked.
-    fn not_sent(&self, uid: &str) {
+    /// Records that a pod's Add could not be sent, and why. ztunnel still
+    /// runs a proxy it acked earlier, so an acked pod stays acked.
+    fn not_sent(&self, uid: &str, why: String) {
         self.set_ztunnel_status(uid, |previous| match previous {
             Some(ZtunnelStatus::Acked) => ZtunnelStatus::Acked,
             _ => ZtunnelStatus::Refused,
         });
+        self.record_answer(uid, None, Err(why));
     }
 
     fn set_ztunnel_status(
@@ -419,8 +452,8 @@ mod tests {
         zds.replace_all([workload("a"), workload("b"), workload("c")]);
         // With a ztunnel connected, new pods are on their way.
         assert!(statuses(&zds).is_empty());
-        shared.ztunnel_answered("a", true);
-        shared.ztunnel_answered("b", false);
+        shared.ztunnel_answered("a", Some(1), Ok(()));
+        shared.ztunnel_answered("b", Some(2), Err("no".into()));
         assert_eq!(
             statuses(&zds),
             [
@@ -431,7 +464,7 @@ mod tests {
 
         // ztunnel goes away: the acked pod stays acked, the one on its way
         // is unserved, the refused one stays refused.
-        shared.unregister(1);
+        shared.unregister(1, "gone".into());
         assert_eq!(
             statuses(&zds),
             [
@@ -444,9 +477,9 @@ mod tests {
         // The next connection's answers decide; an Add that cannot be sent
         // does not undo an earlier Ack.
         shared.register(2);
-        shared.not_sent("a");
-        shared.ztunnel_answered("b", true);
-        shared.not_sent("c");
+        shared.not_sent("a", "gone".into());
+        shared.ztunnel_answered("b", Some(2), Ok(()));
+        shared.not_sent("c", "gone".into());
         assert_eq!(
             statuses(&zds),
             [
@@ -455,13 +488,13 @@ mod tests {
                 status("c", ZtunnelStatus::Refused)
             ]
         );
-        shared.ztunnel_answered("a", false);
+        shared.ztunnel_answered("a", Some(1), Err("no".into()));
         assert_eq!(statuses(&zds)[0], status("a", ZtunnelStatus::Refused));
 
         // A pod that left is forgotten, and a late answer does not bring it
         // back.
         zds.remove("b");
-        shared.ztunnel_answered("b", true);
+        shared.ztunnel_answered("b", Some(2), Ok(()));
         assert_eq!(
             statuses(&zds),
             [

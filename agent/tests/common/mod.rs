@@ -26,28 +26,42 @@ use tokio_seqpacket::{UnixSeqpacket, ancillary::OwnedAncillaryMessage};
 /// assert how fast, only that it happens.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
+/// The agent's ZDS server on a socket in a temp dir of its own; the dir also
+/// holds any other socket a test puts next to it (`dir`).
 pub struct Server {
     pub handle: ZdsHandle,
-    dir: PathBuf,
     task: tokio::task::JoinHandle<()>,
+    dir: agent::TempDir,
 }
 
 impl Server {
+    /// Serves `config` with its socket replaced by this server's.
     pub fn start(config: ZdsConfig) -> Self {
-        let dir =
-            std::env::temp_dir().join(format!("ambpf-zds-test-{}", ambpf_testbed::unique_name("")));
-        let socket = dir.join("ztunnel.sock");
+        let dir = agent::TempDir(
+            std::env::temp_dir().join(format!("ambpf-zds-test-{}", ambpf_testbed::unique_name(""))),
+        );
+        let socket = dir.0.join("ztunnel.sock");
         let handle = ZdsHandle::new(ZdsConfig {
             socket: socket.clone(),
             ..config
         });
         let listener = ambpf::zds::listener::bind(&socket).unwrap();
         let task = tokio::spawn(handle.clone().serve_on(listener));
-        Self { handle, dir, task }
+        Self { handle, task, dir }
     }
 
     pub fn socket(&self) -> PathBuf {
-        self.dir.join("ztunnel.sock")
+        self.handle.config().socket.clone()
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir.0
+    }
+
+    /// Stops accepting connections, keeping the dir, for a test that must
+    /// stop the server before something else it drops.
+    pub fn stop(&self) {
+        self.task.abort();
     }
 
     pub fn stat(&self, counter: impl Fn(&ZdsStats) -> &std::sync::atomic::AtomicU64) -> u64 {
@@ -57,8 +71,8 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        // The dir goes after this, with the socket no task serves any more.
         self.task.abort();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

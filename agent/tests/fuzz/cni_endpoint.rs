@@ -12,7 +12,11 @@ use std::{
     time::Duration,
 };
 
-use ambpf::cni::{CniStats, selection::PodSelection, server};
+use ambpf::{
+    cni::{AddError, CniStats, selection::PodSelection, server},
+    controller::{CniEnrolled, CniRequest},
+    zds::{ZdsConfig, ZdsHandle},
+};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -20,7 +24,8 @@ use tokio::sync::mpsc;
 use crate::{agent_panics, agent_runtime};
 
 /// The agent's endpoint with a controller double that enrols every pod but
-/// those with uid `refuse`; its socket directory goes with it.
+/// those with uid `refuse`, and no ztunnel: an enrolled pod's ADD is
+/// answered 503 (retry later); its socket directory goes with it.
 struct Endpoint {
     socket: PathBuf,
     dir: PathBuf,
@@ -35,18 +40,38 @@ impl Endpoint {
         let socket = dir.join("pluginevent.sock");
         runtime.block_on(async {
             let listener = server::bind(&socket).unwrap();
-            let (tx, mut rx) = mpsc::channel::<ambpf::controller::EnrollRequest>(16);
+            let (tx, mut rx) = mpsc::channel::<CniRequest>(16);
             tokio::spawn(async move {
                 while let Some(request) = rx.recv().await {
-                    let result = match request.pod.workload.uid.as_str() {
-                        "refuse" => Err("refused by the controller double".to_owned()),
-                        _ => Ok(()),
-                    };
-                    let _ = request.reply.send(result);
+                    match request {
+                        CniRequest::Enroll(request) => {
+                            let result = match request.pod.workload.uid.as_str() {
+                                "refuse" => Err(AddError::Enrol(
+                                    "refused by the controller double".to_owned(),
+                                )),
+                                _ => Ok(CniEnrolled { netns_inode: 1 }),
+                            };
+                            let _ = request.reply.send(result);
+                        }
+                        CniRequest::Abandon(request) => {
+                            let _ = request.reply.send(());
+                        }
+                    }
                 }
             });
-            let stats = Arc::new(CniStats::default());
-            tokio::spawn(server::serve(listener, tx, PodSelection::Every, stats));
+            // No ztunnel connects: an enrolled pod's ADD fails, retryably.
+            let (running, shutdown) = tokio::sync::watch::channel(false);
+            let endpoint = server::Endpoint {
+                controller: tx,
+                zds: ZdsHandle::new(ZdsConfig::default()),
+                selection: PodSelection::Every,
+                stats: Arc::new(CniStats::default()),
+                shutdown,
+            };
+            tokio::spawn(async move {
+                server::serve(listener, endpoint).await;
+                drop(running);
+            });
         });
         Self {
             socket,
@@ -139,14 +164,16 @@ fn cmd_add_body(uid: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-/// After any input, a well-formed ADD is still enrolled, and no task of the
-/// endpoint has panicked.
+/// After any input, a well-formed ADD is still enrolled (and, with no
+/// ztunnel to hold it, answered 503), and no task of the endpoint has
+/// panicked.
 fn still_serving(endpoint: &Endpoint, panics_before: usize) -> Result<(), TestCaseError> {
     let body = cmd_add_body("after");
     let headers = [("content-length".to_owned(), body.len().to_string())];
     let answer = exchange(endpoint, &[request("POST", "/cmdadd", &headers, &body)])?;
     let answer = answer.ok_or_else(|| TestCaseError::fail("no answer to a good request"))?;
-    prop_assert_eq!(answer.status, 200, "{:?}", answer);
+    prop_assert_eq!(answer.status, 503, "{:?}", answer);
+    prop_assert!(answer.body.contains("no ztunnel"), "{:?}", answer);
     prop_assert_eq!(
         agent_panics(),
         panics_before,
@@ -335,7 +362,7 @@ fn almost_right_requests_are_answered_as_what_they_are() {
                     Some(400)
                 }
                 (true, true, true, Some(add)) if add.pod_uid == "refuse" => Some(500),
-                (true, true, true, Some(_)) => Some(200),
+                (true, true, true, Some(_)) => Some(503),
             };
             if let Some(status) = expected {
                 prop_assert_eq!(answer.status, status, "{:?}", answer);

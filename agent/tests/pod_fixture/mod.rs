@@ -2,6 +2,8 @@
 //! `parity.rs`): a testbed cluster whose pod 1 is enrolled in one
 //! redirection mode, served by the ztunnel double over the agent's ZDS
 //! server, with echo servers in the pod, its neighbour and the remote.
+//! A test binary that includes it also declares `mod common;` (the ZDS
+//! server fixture).
 
 #![allow(dead_code, unused_macros)] // each test binary uses a different subset
 
@@ -19,7 +21,7 @@ use ambpf::{
         EnrollOptions, PodRedirection, RedirectMode,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
     },
-    zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
+    zds::{NetnsSource, Workload, ZdsConfig},
 };
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
@@ -27,9 +29,6 @@ use ambpf_testbed::{
     ztunnel::{ProxiedConnection, ZtunnelConfig, ZtunnelDouble},
 };
 
-/// Tests move this process between cgroups (eBPF mode) and share the
-/// namespaces' names: one at a time.
-pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 pub const PATIENCE: Duration = Duration::from_secs(10);
 pub const APP_PORT: u16 = 8080;
 pub const PEER_PORT: u16 = 9000;
@@ -135,21 +134,11 @@ pub struct Fixture {
     pub remote_v6: EchoServer,
     pub app: EchoServer,
     pub neighbour_app: EchoServer,
-    pub _zds: tokio::task::JoinHandle<()>,
-    pub _zds_dir: TempDir,
-    /// The agent's ZDS socket, for another ztunnel.
-    pub zds_socket: std::path::PathBuf,
+    /// The agent's ZDS server; its socket is for another ztunnel.
+    pub zds: crate::common::Server,
     pub cluster: Cluster,
     /// eBPF mode: where the programs are pinned.
     pub bpffs: Option<BpffsMount>,
-}
-
-pub struct TempDir(pub std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 impl Fixture {
@@ -186,7 +175,7 @@ impl Fixture {
     /// from inside the pod to its own address is never captured).
     pub async fn stop_ztunnel_proxies(&mut self) {
         let zds_only =
-            ZtunnelDouble::connect_with_retry(&self.zds_socket, ZtunnelConfig::zds_only());
+            ZtunnelDouble::connect_with_retry(self.zds.socket(), ZtunnelConfig::zds_only());
         drop(std::mem::replace(&mut self.ztunnel, zds_only));
         let deadline = std::time::Instant::now() + PATIENCE;
         for v6 in [false, true] {
@@ -229,10 +218,19 @@ impl Fixture {
     }
 }
 
-/// `cgroup`: the cgroup this process is in, for the eBPF mode's programs.
-pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
-    let cluster = Cluster::create(2).unwrap();
-    let (mut redirection, bpffs, iptables_backend): (Box<dyn PodRedirection>, _, _) = match mode {
+/// A node's redirection in `mode`: the eBPF `Dataplane` serving `cgroup`
+/// (pinned in a bpffs of its own), or Istio's rules with the cluster's node
+/// namespace as the host.
+pub fn node_redirection(
+    mode: RedirectMode,
+    cluster: &Cluster,
+    cgroup: Option<&CgroupGuard>,
+) -> (
+    Box<dyn PodRedirection>,
+    Option<BpffsMount>,
+    Option<IptablesBackend>,
+) {
+    match mode {
         RedirectMode::Ebpf => {
             let bpffs = BpffsMount::create().unwrap();
             let mut dataplane =
@@ -250,7 +248,13 @@ pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixtur
             let backend = redirection.backend();
             (Box::new(redirection), None, Some(backend))
         }
-    };
+    }
+}
+
+/// `cgroup`: the cgroup this process is in, for the eBPF mode's programs.
+pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
+    let cluster = Cluster::create(2).unwrap();
+    let (mut redirection, bpffs, iptables_backend) = node_redirection(mode, &cluster, cgroup);
     assert_eq!(redirection.mode(), mode);
 
     let pod = &cluster.pods[0];
@@ -258,16 +262,9 @@ pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixtur
         .enroll(&Netns::open(pod.ns.name()).unwrap(), ENROLL)
         .unwrap();
 
-    let dir =
-        std::env::temp_dir().join(format!("ambpf-redirect-{}", ambpf_testbed::unique_name("")));
-    let socket = dir.join("ztunnel.sock");
-    let zds = ZdsHandle::new(ZdsConfig {
-        socket: socket.clone(),
-        ..Default::default()
-    });
-    let listener = ambpf::zds::listener::bind(&socket).unwrap();
-    let server = tokio::spawn(zds.clone().serve_on(listener));
-    zds.upsert(Workload {
+    let zds = crate::common::Server::start(ZdsConfig::default());
+    let socket = zds.socket();
+    zds.handle.upsert(Workload {
         uid: POD_UID.into(),
         name: "app-1".into(),
         namespace: "shop".into(),
@@ -299,9 +296,7 @@ pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixtur
         remote_v6,
         app,
         neighbour_app,
-        _zds: server,
-        _zds_dir: TempDir(dir),
-        zds_socket: socket,
+        zds,
         cluster,
         bpffs,
     }
@@ -312,33 +307,13 @@ pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixtur
 macro_rules! with_fixture {
     ($mode:expr, |$f:ident| $body:block) => {{
         let mode: RedirectMode = $mode;
-        let _serial = SERIAL.lock().await;
+        let _serial = crate::modes::SERIAL.lock().await;
         let cgroup = (mode == RedirectMode::Ebpf).then(|| CgroupGuard::create().unwrap());
         let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
         #[allow(unused_mut)]
         let mut $f = fixture(mode, cgroup.as_ref()).await;
         $body
     }};
-}
-
-/// One behaviour, tested in both modes: `<name>::ebpf` and
-/// `<name>::iptables`.
-macro_rules! in_both_modes {
-    ($name:ident, |$f:ident| $body:block) => {
-        mod $name {
-            use super::*;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn ebpf() {
-                with_fixture!(RedirectMode::Ebpf, |$f| $body)
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-            async fn iptables() {
-                with_fixture!(RedirectMode::Iptables, |$f| $body)
-            }
-        }
-    };
 }
 
 /// How the app prepares its socket before `connect()`.

@@ -12,21 +12,26 @@
 //!    the remote client to the app (captured to 15006, source kept), printing
 //!    for each what the app's and ztunnel's sockets say (getsockname,
 //!    getpeername, the address ztunnel accepted on and from, SO_ORIGINAL_DST);
-//!    the node to the app (a kubelet probe: not captured), and a DNS query
-//!    over UDP to a resolver address nothing serves (captured to ztunnel's
-//!    DNS proxy on 15053, which answers);
+//!    the node to the app (a kubelet probe: not captured; the app's socket
+//!    shows the node's address), and a DNS query over UDP to a resolver
+//!    address nothing serves (captured to ztunnel's DNS proxy on 15053,
+//!    which answers). Every line says whose view it is;
 //! 4. prints what ztunnel proxied, `ambpf status` (with the outbound
 //!    connection still open, so it shows under the pod) and `bpftool`'s view (the
 //!    programs, and the pods map with its BTF field names), holds
 //!    so you can look around, then stops and removes everything (also on
 //!    Ctrl-C).
+//!
+//! A machine without what it needs (root, a bpf filesystem, cgroup v2,
+//! iproute2, the agent binary) is told in one sentence, before anything is
+//! made.
 
 use std::{
     io::{Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
-    process::{Child, Command},
+    process::{Child, Command, ExitCode},
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -35,8 +40,9 @@ use std::{
 };
 
 use ambpf_testbed::{
-    BpffsMount, CgroupGuard, NetnsGuard,
+    BpffsMount, CgroupGuard, NetnsGuard, cgroup2_root,
     cluster::Cluster,
+    mounts,
     ztunnel::{ProxiedConnection, ZtunnelConfig, ZtunnelDouble, dns},
 };
 use clap::Parser;
@@ -70,8 +76,49 @@ extern "C" fn request_stop(_: i32) {
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> Result<(), Error> {
+async fn main() -> ExitCode {
     let args = Args::parse();
+    let outcome = match preflight(&args) {
+        Ok(()) => run(&args).await,
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ambpf-demo: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What the demo needs from the machine, each missing piece named with how
+/// to get it.
+fn preflight(args: &Args) -> Result<(), Error> {
+    if !nix::unistd::geteuid().is_root() {
+        let why = "it creates network namespaces, mounts a bpf filesystem and loads BPF programs";
+        return Err(format!("run the demo as root (sudo): {why}").into());
+    }
+    mounts::check_bpffs_support()?;
+    cgroup2_root()?;
+    if let Err(e) = Command::new("ip").arg("-V").output() {
+        return Err(if e.kind() == std::io::ErrorKind::NotFound {
+            "the demo needs iproute2's `ip`: install the iproute2 package".into()
+        } else {
+            format!("cannot run `ip`: {e}").into()
+        });
+    }
+    if !args.agent.is_file() {
+        return Err(format!(
+            "no agent binary at {}: build it with `cargo build --release -p ambpf` or run the \
+             demo with `cargo xtask demo`",
+            args.agent.display()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+async fn run(args: &Args) -> Result<(), Error> {
     let handler = SigAction::new(
         SigHandler::Handler(request_stop),
         SaFlags::empty(),
@@ -135,7 +182,7 @@ async fn main() -> Result<(), Error> {
         pod,
         log,
     )?;
-    let result = demo(&args, &cluster, &pin_root, &socket, &mut agent).await;
+    let result = demo(args, &cluster, &pin_root, &socket, &mut agent).await;
     stop(&mut agent);
     // The demo's pins only (its namespaces, cgroup and bpffs go with it); its
     // output joins the agent's log.
@@ -189,7 +236,7 @@ async fn demo(
 
     // One connection each way, with what each end's sockets say: the same
     // values Istio's iptables rules give (agent/tests/parity.rs checks every
-    // one in both modes; the README's "Where the modes differ" lists the
+    // one in both modes; docs/parity.md, "Where the modes differ", lists the
     // exceptions).
     println!("== outbound: the pod's app connects to the remote server {remote}");
     let outbound = connect(&pod.ns, remote)?;
@@ -219,26 +266,40 @@ async fn demo(
     }
     drop(inbound);
 
-    println!("== node (kubelet probe) -> pod app {app}");
-    exchange(&cluster.node, app)?;
+    println!("== kubelet probe: the node connects to the pod's app {app}");
+    let earlier = app_server.count();
+    let probe = connect(&cluster.node, app)?;
+    println!("   node     {}", sockets(&probe));
+    // The app's own socket: its accept is recorded before it echoes.
+    let (local, peer) = app_server
+        .nth(earlier)
+        .ok_or("the app recorded no connection from the probe")?;
+    let note = if peer == probe.local {
+        "the node's own address: not captured, no NAT"
+    } else {
+        "not the node's socket: captured?"
+    };
+    println!("   app      getsockname {local}  getpeername {peer} ({note})");
+    drop(probe);
     // Nothing serves DNS at the remote's address: only the capture answers.
     let resolver = SocketAddr::new(remote.ip(), 53);
-    println!("== pod app -> DNS resolver {resolver} (UDP, A demo.ambpf.test)");
+    println!("== DNS: the pod's app asks the resolver {resolver} (UDP, A demo.ambpf.test)");
     resolve(&pod.ns, resolver, "demo.ambpf.test")?;
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    println!("== what ztunnel proxied");
+    println!(
+        "== what ztunnel proxied (the probe is absent: host traffic reaches the app directly)"
+    );
     for conn in ztunnel.proxied() {
         println!(
-            "   listener {:<5} client {:<22} original destination {:<22} {:?}",
+            "   ztunnel  listener {:<5} client {:<22} original destination {:<22} {:?}",
             conn.listener_port, conn.client, conn.original_dst, conn.outcome
         );
     }
-    println!("   (the probe is absent: host traffic reaches the app directly)");
     println!("== what ztunnel's DNS proxy answered");
     for query in ztunnel.dns_queries() {
         println!(
-            "   {:?} {} from {} on {}",
+            "   ztunnel  {:?} query for {} from {}, received on {}",
             query.transport, query.name, query.client, query.server
         );
     }
@@ -248,34 +309,13 @@ async fn demo(
     println!("== ambpf status (the outbound connection above is still open)");
     run_agent_cli(&args.agent, pin_root, &["status"]);
     drop(outbound);
-    if Command::new("bpftool").arg("version").output().is_ok() {
-        // This demo's programs only: the ids its pins and its pod's filter
-        // run (other ambpf agents on the machine have their own).
-        let ids = own_program_ids(&args.agent, pin_root);
-        println!(
-            "== bpftool prog show id <id> (the {} programs of this demo's agent)",
-            ids.len()
-        );
-        for id in ids {
-            let out = Command::new("bpftool")
-                .args(["prog", "show", "id", &id.to_string()])
-                .output()?;
-            for line in String::from_utf8_lossy(&out.stdout).lines().take(1) {
-                println!("   {line}");
-            }
-        }
-        // The maps carry BTF: entries print with their field names.
-        let pods_map = pin_root
-            .join("maps")
-            .join(ambpf_common::maps::PODS_BY_NETNS);
-        println!("== bpftool map dump pinned {}", pods_map.display());
-        let out = Command::new("bpftool")
-            .args(["map", "dump", "pinned"])
-            .arg(&pods_map)
-            .output()?;
-        for line in String::from_utf8_lossy(&out.stdout).lines() {
-            println!("   {line}");
-        }
+    match Command::new("bpftool").arg("version").output() {
+        Ok(_) => show_bpftool(&args.agent, pin_root)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => println!(
+            "== bpftool is not installed, so its view of the programs and maps is left out: \
+             install Debian's bpftool package (apt-get install bpftool)"
+        ),
+        Err(e) => println!("== bpftool's view is left out: cannot run bpftool: {e}"),
     }
     println!("== holding for {} s (Ctrl-C to end)", args.hold);
     let until = Instant::now() + Duration::from_secs(args.hold);
@@ -283,6 +323,39 @@ async fn demo(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     ztunnel.shutdown().await;
+    Ok(())
+}
+
+/// bpftool's view: this demo's programs, and the pods map with its BTF
+/// field names.
+fn show_bpftool(agent: &Path, pin_root: &Path) -> Result<(), Error> {
+    // This demo's programs only: the ids its pins and its pod's filter
+    // run (other ambpf agents on the machine have their own).
+    let ids = own_program_ids(agent, pin_root);
+    println!(
+        "== bpftool prog show id <id> (the {} programs of this demo's agent)",
+        ids.len()
+    );
+    for id in ids {
+        let out = Command::new("bpftool")
+            .args(["prog", "show", "id", &id.to_string()])
+            .output()?;
+        for line in String::from_utf8_lossy(&out.stdout).lines().take(1) {
+            println!("   {line}");
+        }
+    }
+    // The maps carry BTF: entries print with their field names.
+    let pods_map = pin_root
+        .join("maps")
+        .join(ambpf_common::maps::PODS_BY_NETNS);
+    println!("== bpftool map dump pinned {}", pods_map.display());
+    let out = Command::new("bpftool")
+        .args(["map", "dump", "pinned"])
+        .arg(&pods_map)
+        .output()?;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        println!("   {line}");
+    }
     Ok(())
 }
 
@@ -336,6 +409,14 @@ struct Accepted(Arc<Mutex<Vec<(SocketAddr, SocketAddr)>>>);
 impl Accepted {
     fn last(&self) -> Option<(SocketAddr, SocketAddr)> {
         self.0.lock().ok()?.last().copied()
+    }
+
+    fn count(&self) -> usize {
+        self.0.lock().map_or(0, |seen| seen.len())
+    }
+
+    fn nth(&self, n: usize) -> Option<(SocketAddr, SocketAddr)> {
+        self.0.lock().ok()?.get(n).copied()
     }
 }
 
@@ -428,24 +509,6 @@ fn ztunnel_view(c: &ProxiedConnection) -> String {
     )
 }
 
-/// One request/response from inside `ns`.
-fn exchange(ns: &NetnsGuard, to: SocketAddr) -> Result<(), Error> {
-    ns.run(|| -> std::io::Result<()> {
-        let mut conn = TcpStream::connect_timeout(&to, Duration::from_secs(5))?;
-        conn.set_read_timeout(Some(Duration::from_secs(5)))?;
-        conn.write_all(b"hello through ambpf")?;
-        let mut buf = [0u8; 64];
-        let n = conn.read(&mut buf)?;
-        println!(
-            "   reply {:?}, the app saw its peer as {}",
-            String::from_utf8_lossy(&buf[..n]),
-            conn.peer_addr()?
-        );
-        Ok(())
-    })??;
-    Ok(())
-}
-
 /// One A query over unconnected UDP from inside `ns`, as a stub resolver
 /// sends it; prints the answer and where the app saw it come from.
 fn resolve(ns: &NetnsGuard, resolver: SocketAddr, name: &str) -> Result<(), Error> {
@@ -462,7 +525,7 @@ fn resolve(ns: &NetnsGuard, resolver: SocketAddr, name: &str) -> Result<(), Erro
         let answer = dns::Response::parse(&buffer[..len])?;
         Ok((from, answer.addresses()))
     })??;
-    println!("   answer {addresses:?}, the app saw it come from {from}");
+    println!("   app      answer {addresses:?} from {from} (recvfrom)");
     Ok(())
 }
 

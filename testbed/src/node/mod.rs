@@ -44,7 +44,7 @@ use std::{
 use nix::mount::{MntFlags, umount2};
 use serde_json::json;
 
-use crate::{CGROUP2_ROOT, NetnsGuard, unique_name};
+use crate::{NetnsGuard, cgroup2_root, unique_name};
 pub use cri::{Cri, PodSpec, RunningPod, namespace_object};
 
 /// Where Debian's `containernetworking-plugins` installs the plugins.
@@ -60,7 +60,7 @@ const SHIM_SOCKET_DIR: &str = "/run/containerd/s";
 const CNI_CACHE_DIR: &str = "/var/lib/cni";
 /// The network containerd's CRI plugin adds for every sandbox's loopback.
 const CRI_LOOPBACK_NETWORK: &str = "cni-loopback";
-/// The cgroup v1 hierarchies of these machines (runc creates the pods'
+/// Where a hybrid host has its cgroup v1 hierarchies (runc creates the pods'
 /// cgroups in each).
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
@@ -86,6 +86,8 @@ pub struct Node {
     dir: PathBuf,
     /// The node's cgroup, relative to each hierarchy's root.
     cgroup: String,
+    /// Where the cgroup v2 hierarchy is mounted.
+    cgroup2_root: PathBuf,
     /// Whether `/run/containerd/s` (and which parents) existed before.
     shim_dirs_existed: Vec<(PathBuf, bool)>,
     /// Whether `/var/lib/cni/results` (and which parents) existed before.
@@ -112,16 +114,18 @@ impl Node {
         let shim_dirs_existed = existed(["/run/containerd".into(), SHIM_SOCKET_DIR.into()]);
         let cache = Path::new(CNI_CACHE_DIR);
         let cache_dirs_existed = existed([cache.to_owned(), cache.join("results")]);
+        let cgroup2_root = cgroup2_root()?;
         let netns = NetnsGuard::create("node")?;
         let mut node = Self {
             containerd: None,
             dir: std::env::temp_dir().join(format!("ambpf-node-{unique}")),
             cgroup,
+            cgroup2_root,
             shim_dirs_existed,
             cache_dirs_existed,
             netns,
         };
-        fs::create_dir(Path::new(CGROUP2_ROOT).join(&node.cgroup))?;
+        fs::create_dir(node.cgroup_v2())?;
         node.write_config(&config)?;
         node.spawn_containerd()?;
         node.wait_for_cri()?;
@@ -153,7 +157,7 @@ impl Node {
 
     /// The node's cgroup v2 directory: every pod's cgroup is below it.
     pub fn cgroup_v2(&self) -> PathBuf {
-        Path::new(CGROUP2_ROOT).join(&self.cgroup)
+        self.cgroup2_root.join(&self.cgroup)
     }
 
     /// Where the pods' network namespaces are bind-mounted.
@@ -492,10 +496,12 @@ impl Drop for Node {
             eprintln!("testbed: cannot remove {}: {e}", self.dir.display());
         }
         remove_cgroup_tree(&self.cgroup_v2());
-        if let Ok(hierarchies) = fs::read_dir(CGROUP_ROOT) {
+        // On a pure cgroup v2 host CGROUP_ROOT is the v2 hierarchy: no v1 ones.
+        let v1 = (self.cgroup2_root != Path::new(CGROUP_ROOT)).then(|| fs::read_dir(CGROUP_ROOT));
+        if let Some(Ok(hierarchies)) = v1 {
             for hierarchy in hierarchies.flatten() {
                 let dir = hierarchy.path().join(&self.cgroup);
-                if hierarchy.path() != Path::new(CGROUP2_ROOT) && dir.exists() {
+                if hierarchy.path() != self.cgroup2_root && dir.exists() {
                     remove_cgroup_tree(&dir);
                 }
             }

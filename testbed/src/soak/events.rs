@@ -1,6 +1,10 @@
 //! Pod events: what a cluster does to pods on a node, chosen at random.
 
-use std::{path::Path, process::Command, time::Instant};
+use std::{
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use anyhow::Result;
 use serde_json::json;
@@ -129,16 +133,27 @@ impl Soak<'_> {
             self.world.apply_pod(slot, &pod);
             let netns = self.world.netns_path(slot);
             let [v4, v6] = self.world.cluster.pods[slot].ips();
-            let output = cni_add(
-                &self.cfg.cni_plugin,
-                &self.agent.cni_socket,
-                &netns,
-                &namespace_name(namespace),
-                &pod.name,
-                &pod.uid,
-                &[v4.to_string(), v6.to_string()],
-            )
-            .await?;
+            // As a runtime does, a retryable failure (CNI code 11: no
+            // ztunnel connected yet after an agent restart, a NACK) is
+            // retried; the agent left nothing of the failed attempt.
+            let deadline = Instant::now() + CNI_RETRY_BOUND;
+            let output = loop {
+                let output = cni_add(
+                    &self.cfg.cni_plugin,
+                    &self.agent.cni_socket,
+                    &netns,
+                    &namespace_name(namespace),
+                    &pod.name,
+                    &pod.uid,
+                    &[v4.to_string(), v6.to_string()],
+                )
+                .await?;
+                if output.status.success() || !is_retryable(&output) || Instant::now() > deadline {
+                    break output;
+                }
+                *self.events.entry("CNI ADD retried (code 11)").or_default() += 1;
+                tokio::time::sleep(CNI_RETRY_DELAY).await;
+            };
             *self.events.entry("create (CNI ADD)").or_default() += 1;
             if !output.status.success() {
                 self.violation(
@@ -278,6 +293,18 @@ pub(super) fn label(namespace: usize, name: &str) -> String {
 
 fn label_of(pod: &super::world::Pod) -> String {
     label(pod.namespace, &pod.name)
+}
+
+/// How long a pod's retryable CNI ADD failures are retried, as kubelet
+/// retries RunPodSandbox, before one counts as a violation.
+const CNI_RETRY_BOUND: Duration = Duration::from_secs(15);
+const CNI_RETRY_DELAY: Duration = Duration::from_millis(200);
+
+/// Whether the plugin's CNI error says a new attempt may succeed (code 11,
+/// "try again later").
+fn is_retryable(output: &std::process::Output) -> bool {
+    serde_json::from_slice::<serde_json::Value>(&output.stdout)
+        .is_ok_and(|error| error["code"] == 11)
 }
 
 /// Runs `ambpf-cni` ADD for a pod as a container runtime does.

@@ -96,6 +96,7 @@ pub(super) struct Client {
     shared: Arc<Shared>,
     start_proxies: bool,
     ack_delay: Duration,
+    proxy_start_delay: Duration,
     pending_retry_interval: Duration,
     dns_answers: DnsAnswers,
     /// [`ZtunnelConfig::proxy_process`].
@@ -117,6 +118,7 @@ impl Client {
             shared,
             start_proxies: config.start_proxies,
             ack_delay: config.ack_delay,
+            proxy_start_delay: config.proxy_start_delay,
             pending_retry_interval: config.pending_retry_interval,
             dns_answers: DnsAnswers::of(config),
             proxy_process: config.proxy_process.clone(),
@@ -474,6 +476,9 @@ impl Client {
         uid: &str,
         netns: &Netns,
     ) -> Result<Option<RunningProxies>, String> {
+        if !self.proxy_start_delay.is_zero() {
+            tokio::time::sleep(self.proxy_start_delay).await;
+        }
         if self.shared.should_fail(uid) {
             return Err(format!("the test configured uid {uid} to fail"));
         }

@@ -121,6 +121,11 @@ pub struct ZtunnelConfig {
     pub nack_uids: HashSet<String>,
     /// Wait this long before handling each request (a slow ztunnel).
     pub ack_delay: Duration,
+    /// How long a new pod's proxy takes to start: its listeners are bound,
+    /// and its Add acked, only this long after the Add arrives (ztunnel acks
+    /// once the proxy is built, which takes longer under load). Adds are
+    /// handled one at a time, as ztunnel's are, so a burst queues.
+    pub proxy_start_delay: Duration,
     /// Wait this long after accepting a connection on 15001/15006 before
     /// asking its original destination (a busy ztunnel: connections opened
     /// meanwhile wait in the accept queue, their records in the maps).
@@ -143,6 +148,7 @@ impl Default for ZtunnelConfig {
             start_proxies: true,
             nack_uids: HashSet::new(),
             ack_delay: Duration::ZERO,
+            proxy_start_delay: Duration::ZERO,
             original_dst_delay: Duration::ZERO,
             pending_retry_interval: Duration::from_secs(5),
             dns_answer_v4: DEFAULT_DNS_ANSWER_V4,
@@ -169,6 +175,11 @@ impl ZtunnelConfig {
 
     pub fn ack_delay(mut self, delay: Duration) -> Self {
         self.ack_delay = delay;
+        self
+    }
+
+    pub fn proxy_start_delay(mut self, delay: Duration) -> Self {
+        self.proxy_start_delay = delay;
         self
     }
 

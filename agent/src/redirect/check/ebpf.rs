@@ -276,42 +276,10 @@ pub fn check_pod_netns(
 /// (`steering_program`): filters left behind. Another agent's filters (its
 /// own program) are not this one's to judge.
 pub fn scan_orphan_steering(steering_program: u32, enrolled: &HashSet<u64>) -> Vec<Violation> {
-    let mut out = Vec::new();
-    for netns in crate::netns::all() {
-        let found = netns.run(|| -> Option<Vec<String>> {
-            let cookie = podnet::netns_cookie_of_current_thread().ok()?;
-            if enrolled.contains(&cookie) {
-                return None;
-            }
-            let mut rtnl = Rtnl::open().ok()?;
-            let interfaces = podnet::interfaces(&mut rtnl).ok()?;
-            let ours: Vec<String> = interfaces
-                .into_iter()
-                .filter(|iface| {
-                    steering::find(&mut rtnl, iface.index)
-                        .ok()
-                        .flatten()
-                        .is_some_and(|f| f.prog_id == Some(steering_program))
-                })
-                .map(|iface| iface.name)
-                .collect();
-            (!ours.is_empty()).then_some(ours)
-        });
-        if let Ok(Some(interfaces)) = found {
-            out.push(
-                Violation::new(
-                    ViolationKind::SteeringOrphan,
-                    format!(
-                        "{} is no enrolled pod's and steers inbound traffic on {}",
-                        netns.path().display(),
-                        interfaces.join(", ")
-                    ),
-                )
-                .in_netns(netns.path()),
-            );
-        }
-    }
-    out
+    super::scan_stray_capture(None, enrolled, Some(steering_program))
+        .into_iter()
+        .filter(|v| v.kind == ViolationKind::SteeringOrphan)
+        .collect()
 }
 
 /// The eBPF mode's whole check.
@@ -344,10 +312,20 @@ pub fn ebpf_state(
             Some(netns) => out.extend(check_pod_netns(pod, state.steering_program, netns)),
         }
     }
-    if let Some(program) = state.steering_program {
-        let enrolled: HashSet<u64> = state.pods.iter().map(|p| p.netns_cookie).collect();
-        out.extend(scan_orphan_steering(program, &enrolled));
+    // The node is the agent's own namespace's (the host's, in production).
+    let enrolled: HashSet<u64> = state.pods.iter().map(|p| p.netns_cookie).collect();
+    let host = Netns::open("/proc/self/ns/net");
+    if let Err(e) = &host {
+        out.push(Violation::new(
+            ViolationKind::Unreadable,
+            format!("opening the host namespace to find its pods: {e}"),
+        ));
     }
+    out.extend(super::scan_stray_capture(
+        host.as_ref().ok(),
+        &enrolled,
+        state.steering_program,
+    ));
     out
 }
 
@@ -362,6 +340,7 @@ pub fn repair_ebpf_state(dataplane: &mut Dataplane, violations: &[Violation]) ->
             | ViolationKind::AddressWrongOwner
             | ViolationKind::AddressMissing => addresses.extend(violation.address),
             ViolationKind::SteeringOrphan => repair_orphan_steering(violation),
+            ViolationKind::CaptureOrphan => super::repair_stray_capture(violation),
             ViolationKind::PodNetnsGone => {
                 let Some(pod) = violation.pod else { continue };
                 match dataplane.unenroll_pod(pod) {

@@ -12,10 +12,12 @@
 //! (cheap, after every pass); [`CheckScope::Full`] also looks inside each
 //! enrolled pod's namespace (that it still exists, its addresses, steering
 //! filters and reply routing) and through the node's other namespaces for
-//! steering filters that belong to no pod. The eBPF mode's checks are in
-//! [`ebpf`]; the iptables mode's in `iptables/probes.rs`.
+//! capture that belongs to no enrolled pod, in both modes ([`stray`]). The
+//! eBPF mode's checks are in [`ebpf`]; the iptables mode's in
+//! `iptables/probes.rs`.
 
 mod ebpf;
+mod stray;
 
 use std::{
     fmt,
@@ -30,6 +32,7 @@ pub use self::ebpf::{
     PinnedPods, check_pod_netns, check_records, ebpf_state, locate_pods, read_pinned_pods,
     repair_ebpf_state, scan_orphan_steering,
 };
+pub use self::stray::{repair_stray_capture, scan_stray_capture};
 use super::PodKey;
 
 /// How far a check looks.
@@ -66,6 +69,11 @@ pub enum ViolationKind {
     SteeringOrphan,
     /// An enrolled pod without its reply routing (rule, route or sysctl).
     RoutingMissing,
+    /// ambpf's in-pod capture rules (Istio's `ISTIO_*` nat and raw chains)
+    /// with its policy routing in a namespace of the node that is no
+    /// enrolled pod's: its connections go to a ztunnel that does not serve
+    /// it.
+    CaptureOrphan,
     /// An enrolled pod without its in-pod rules (iptables mode).
     RulesMissing,
     /// A probe ipset member that no enrolled pod owns, or that names
@@ -79,7 +87,7 @@ pub enum ViolationKind {
 }
 
 impl ViolationKind {
-    pub const ALL: [ViolationKind; 12] = [
+    pub const ALL: [ViolationKind; 13] = [
         ViolationKind::AddressOrphan,
         ViolationKind::AddressWrongOwner,
         ViolationKind::AddressMissing,
@@ -88,6 +96,7 @@ impl ViolationKind {
         ViolationKind::SteeringMissing,
         ViolationKind::SteeringOrphan,
         ViolationKind::RoutingMissing,
+        ViolationKind::CaptureOrphan,
         ViolationKind::RulesMissing,
         ViolationKind::ProbeSetOrphan,
         ViolationKind::ProbeSetMissing,
@@ -104,6 +113,7 @@ impl ViolationKind {
             ViolationKind::SteeringMissing => "steering_missing",
             ViolationKind::SteeringOrphan => "steering_orphan",
             ViolationKind::RoutingMissing => "routing_missing",
+            ViolationKind::CaptureOrphan => "capture_orphan",
             ViolationKind::RulesMissing => "rules_missing",
             ViolationKind::ProbeSetOrphan => "probe_set_orphan",
             ViolationKind::ProbeSetMissing => "probe_set_missing",

@@ -80,8 +80,17 @@
 //! [`uninstall_node`] does that for a set of pods and then removes the host
 //! rules and ipsets: [`IptablesRedirection::uninstall`] for the pods it
 //! enrolled, `ambpf uninstall` for every namespace [`find_pod_rules`]
-//! recognises as ambpf's (the agent keeps no record of its pods outside its
-//! memory, so this works after it crashed too).
+//! recognises as ambpf's (from the rules alone, so this works after the
+//! agent crashed too).
+//!
+//! # Across restarts
+//!
+//! Each enrolled pod is recorded under the pin root ([`records`]); a new
+//! agent lists the recorded pods as enrolled until it enrols them again, and
+//! removes those no source wants any more (their rules, policy routing and
+//! probe members). The full state check also finds ambpf's capture rules in
+//! any namespace of the node that no pod is enrolled in
+//! ([`check::scan_stray_capture`]), and removes them.
 //!
 //! # Backends
 //!
@@ -89,15 +98,18 @@
 //! chosen explicitly or, with [`IptablesBackend::Auto`], the one the host
 //! namespace already has rules in (nft when neither or both equally).
 
+pub mod ipset;
 mod nat_table;
 mod node;
 mod probes;
+mod records;
 mod rules;
 #[cfg(test)]
 mod tests;
 mod tools;
 
 use std::{
+    cell::RefCell,
     collections::BTreeMap,
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -109,19 +121,19 @@ use log::{info, warn};
 
 pub use self::{
     node::{
-        NodeUninstall, PodRulesFound, find_pod_rules, probe_set_members, remove_host_rules,
-        remove_pod_rules, saved_rules, uninstall_node,
+        NodeUninstall, PodRulesFound, find_pod_capture, find_pod_rules, probe_set_members,
+        remove_host_rules, remove_pod_rules, saved_rules, uninstall_node,
     },
     probes::{ProbeMember, probe_set_entries},
     rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
 };
 use self::{
     rules::pod_reply_rules,
-    tools::{FALLBACK_DIRS, Tools, detect_backend, ipset_binary, run_in},
+    tools::{FALLBACK_DIRS, Tools, detect_backend},
 };
 use super::{
     AddressConflict, CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection,
-    RedirectMode, Violation, ViolationKind, claims::AddressClaims, podnet, routing,
+    RedirectMode, Violation, ViolationKind, check, claims::AddressClaims, podnet, routing,
 };
 use crate::netns::{Netns, NetnsError};
 
@@ -214,13 +226,6 @@ impl Family {
         }
     }
 
-    fn ipset_family(self) -> &'static str {
-        match self {
-            Self::V4 => "inet",
-            Self::V6 => "inet6",
-        }
-    }
-
     pub fn of(ip: &IpAddr) -> Self {
         if ip.is_ipv4() { Self::V4 } else { Self::V6 }
     }
@@ -262,14 +267,18 @@ pub enum IptablesError {
         netns: PathBuf,
         stderr: String,
     },
-    #[error("cannot run `{command}` in {}: {source}", netns.display())]
+    #[error("cannot run `{command}` in {}: {cause}", netns.display())]
     Spawn {
         command: String,
         netns: PathBuf,
-        source: io::Error,
+        cause: io::Error,
     },
-    #[error("keeping a handle on {}: {source}", netns.display())]
-    Keep { netns: PathBuf, source: NetnsError },
+    #[error("keeping a handle on {}: {cause}", netns.display())]
+    Keep { netns: PathBuf, cause: NetnsError },
+    #[error("removing the pod records: {0}")]
+    Records(io::Error),
+    #[error("{0}")]
+    Ipset(#[from] ipset::IpsetError),
 }
 
 /// An enrolled pod.
@@ -287,11 +296,17 @@ struct PodEntry {
 pub struct IptablesRedirection {
     host: Netns,
     tools: Tools,
-    ipset: PathBuf,
+    /// The probe ipsets, written over netlink in the host's namespace.
+    ipset: RefCell<ipset::IpsetSocket>,
     /// By netns cookie.
     pods: BTreeMap<u64, PodEntry>,
     /// Which enrolled pod owns each address's probe ipset member.
     claims: AddressClaims<IpAddr>,
+    /// Where each enrolled pod is recorded for the next agent ([`records`]).
+    records: Option<records::PodRecords>,
+    /// Pods an earlier agent enrolled, by netns cookie, until enrolled
+    /// again or removed.
+    adopted: BTreeMap<u64, records::AdoptedPod>,
 }
 
 impl IptablesRedirection {
@@ -305,24 +320,20 @@ impl IptablesRedirection {
             chosen => chosen,
         };
         let tools = Tools::find(backend)?;
-        let ipset = ipset_binary()?;
+        let ipset = RefCell::new(ipset::IpsetSocket::open(&host)?);
         let this = Self {
             host,
             tools,
             ipset,
             pods: BTreeMap::new(),
             claims: AddressClaims::default(),
+            records: None,
+            adopted: BTreeMap::new(),
         };
         for family in this.tools.families.keys().copied() {
-            this.ipset_run(&[
-                "create",
-                "-exist",
-                family.probe_ipset(),
-                "hash:ip",
-                "family",
-                family.ipset_family(),
-                "comment",
-            ])?;
+            this.ipset
+                .borrow_mut()
+                .create_hash_ip(family.probe_ipset(), family == Family::V6)?;
             if backend == IptablesBackend::Nft {
                 // So that uninstalling can leave no empty table behind.
                 nat_table::create_if_missing(&this.host, family)?;
@@ -352,15 +363,14 @@ impl IptablesRedirection {
         self.tools.save(netns, family)
     }
 
-    /// Removes everything from every enrolled pod, then the host rules and
-    /// ipsets ([`uninstall_node`], as `ambpf uninstall` does for the pods it
-    /// finds).
+    /// Removes everything from every enrolled pod (adopted ones too), then
+    /// the host rules and ipsets ([`uninstall_node`], as `ambpf uninstall`
+    /// does for the pods it finds), then the pod records.
     pub fn uninstall(self) -> Result<(), EnrollError> {
-        uninstall_node(&self.host, self.pods.values().map(|e| &e.netns)).into_result()
-    }
-
-    fn ipset_run(&self, args: &[&str]) -> Result<(), IptablesError> {
-        run_in(&self.host, &self.ipset, args, None).map(drop)
+        let pods = self.pods.values().map(|e| &e.netns);
+        uninstall_node(&self.host, pods.chain(self.adopted_netns())).into_result()?;
+        self.remove_records()
+            .map_err(|e| EnrollError::from(IptablesError::Records(e)))
     }
 
     /// Probe ipsets, policy routing, then the in-pod rules of each family.
@@ -412,7 +422,7 @@ fn keep_netns(netns: &Netns) -> Result<Netns, IptablesError> {
     Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd())).map_err(|source| {
         IptablesError::Keep {
             netns: netns.path().to_owned(),
-            source,
+            cause: source,
         }
     })
 }
@@ -482,6 +492,7 @@ impl PodRedirection for IptablesRedirection {
                 }
             }
         }
+        self.record(key);
         info!(
             "enrolled pod in {} with iptables ({} backend, {addresses:?}, dns capture {})",
             netns.path().display(),
@@ -503,7 +514,7 @@ impl PodRedirection for IptablesRedirection {
     fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
         let cookie = pod.netns_cookie;
         let Some(entry) = self.pods.get(&cookie) else {
-            return Ok(false);
+            return self.unenroll_adopted(pod);
         };
         let netns_path = entry.netns.path().to_owned();
         if let Err(e) = self.release_pod(cookie) {
@@ -519,7 +530,9 @@ impl PodRedirection for IptablesRedirection {
                 netns_path.display()
             );
         }
-        self.pods.remove(&cookie);
+        if let Some(entry) = self.pods.remove(&cookie) {
+            self.forget(entry.key);
+        }
         info!(
             "unenrolled pod in {} ({pod}) from iptables",
             netns_path.display()
@@ -527,8 +540,13 @@ impl PodRedirection for IptablesRedirection {
         Ok(true)
     }
 
+    fn forget_deleted(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        self.forget_deleted_pod(pod)
+    }
+
     fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
-        Ok(self.pods.values().map(|e| e.key).collect())
+        let enrolled = self.pods.values().map(|e| e.key);
+        Ok(enrolled.chain(self.adopted_keys()).collect())
     }
 
     fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
@@ -537,12 +555,20 @@ impl PodRedirection for IptablesRedirection {
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }
+            let enrolled = self.pods.keys().copied();
+            let enrolled = enrolled.chain(self.adopted.keys().copied()).collect();
+            out.extend(check::scan_stray_capture(Some(&self.host), &enrolled, None));
         }
         out
     }
 
     fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
         self.repair_probe_sets(violations);
+        for violation in violations {
+            if violation.kind == ViolationKind::CaptureOrphan {
+                check::repair_stray_capture(violation);
+            }
+        }
         let mut again: Vec<PodKey> = violations
             .iter()
             .filter(|v| {

@@ -4,9 +4,11 @@
 use std::{net::IpAddr, path::PathBuf};
 
 use super::{
-    CHAIN_POSTROUTING, Family, IptablesBackend, IptablesError, nat_table,
+    CHAIN_OUTPUT, CHAIN_POSTROUTING, CHAIN_PREROUTING, Family, IptablesBackend, IptablesError,
+    ipset::IpsetSocket,
+    nat_table,
     rules::{RuleSet, SavedRules, host_rules, pod_rules},
-    tools::{Tools, families_in_use, find_binary, ipset_binary, run_in},
+    tools::{Tools, families_in_use},
 };
 use crate::{
     netns::Netns,
@@ -15,14 +17,8 @@ use crate::{
 
 /// The members of a host probe ipset.
 pub fn probe_set_members(host: &Netns, family: Family) -> Result<Vec<IpAddr>, IptablesError> {
-    let ipset = ipset_binary()?;
-    let listing = run_in(host, &ipset, &["list", family.probe_ipset()], None)?;
-    Ok(listing
-        .lines()
-        .skip_while(|l| !l.starts_with("Members:"))
-        .skip(1)
-        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .collect())
+    let members = IpsetSocket::open(host)?.list(family.probe_ipset())?;
+    Ok(members.into_iter().map(|m| m.address).collect())
 }
 
 /// The rules of `netns` for `family` with `backend` (not `Auto`), as
@@ -67,16 +63,11 @@ pub fn remove_host_rules(host: &Netns) -> Result<bool, IptablesError> {
             }
         }
     }
-    if let Some(ipset) = find_binary("ipset") {
-        for family in families_in_use() {
-            // `destroy` of a missing set fails; ask first.
-            let exists = run_in(host, &ipset, &["list", "-name"], None)?
-                .lines()
-                .any(|l| l.trim() == family.probe_ipset());
-            if exists {
-                run_in(host, &ipset, &["destroy", family.probe_ipset()], None)?;
-                found = true;
-            }
+    let mut ipset = IpsetSocket::open(host)?;
+    for family in families_in_use() {
+        if ipset.exists(family.probe_ipset())? {
+            ipset.destroy(family.probe_ipset())?;
+            found = true;
         }
     }
     Ok(found)
@@ -109,8 +100,32 @@ pub enum PodRulesFound {
 /// two do not share a node (they would share the host's ipsets and
 /// `ISTIO_POSTRT`).
 pub fn find_pod_rules(netns: &Netns) -> Result<PodRulesFound, IptablesError> {
+    Ok(scan_pod_rules(netns)?.found)
+}
+
+/// The capture part of ambpf's in-pod rules in `netns` (its nat and raw
+/// chains, which send traffic to ztunnel), each as `<backend> <family>:
+/// <table> <chain>`: empty when there is none, or when the namespace's
+/// Istio chains are not all ambpf's ([`find_pod_rules`]), which are not
+/// ambpf's to judge. What a pod keeps after unenrolment (the mangle chains
+/// of the reply path) captures nothing.
+pub fn find_pod_capture(netns: &Netns) -> Result<Vec<String>, IptablesError> {
+    let scan = scan_pod_rules(netns)?;
+    Ok(match scan.found {
+        PodRulesFound::Ambpf => scan.capture,
+        PodRulesFound::None | PodRulesFound::Foreign(_) => Vec::new(),
+    })
+}
+
+struct PodRulesScan {
+    found: PodRulesFound,
+    capture: Vec<String>,
+}
+
+fn scan_pod_rules(netns: &Netns) -> Result<PodRulesScan, IptablesError> {
     let mut found = false;
     let mut foreign = Vec::new();
+    let mut capture = Vec::new();
     for tools in Tools::available() {
         for family in tools.families.keys().copied() {
             let saved = tools.save(netns, family)?;
@@ -126,13 +141,21 @@ pub fn find_pod_rules(netns: &Netns) -> Result<PodRulesFound, IptablesError> {
                     .into_iter()
                     .map(|what| format!("{backend} {family}: {what}")),
             );
+            for table in ["nat", "raw"] {
+                for chain in [CHAIN_PREROUTING, CHAIN_OUTPUT] {
+                    if saved.has_chain(table, chain) {
+                        capture.push(format!("{backend} {family}: {table} {chain}"));
+                    }
+                }
+            }
         }
     }
-    Ok(match (found, foreign.is_empty()) {
+    let found = match (found, foreign.is_empty()) {
         (false, _) => PodRulesFound::None,
         (true, true) => PodRulesFound::Ambpf,
         (true, false) => PodRulesFound::Foreign(foreign),
-    })
+    };
+    Ok(PodRulesScan { found, capture })
 }
 
 /// What [`uninstall_node`] did.

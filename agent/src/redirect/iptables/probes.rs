@@ -13,7 +13,10 @@ use std::net::IpAddr;
 
 use log::{info, warn};
 
-use super::{Family, IptablesError, IptablesRedirection, PodKey, tools::run_in};
+use super::{
+    Family, IptablesError, IptablesRedirection, PodKey,
+    ipset::{IpsetSocket, Member},
+};
 use crate::{
     netns::Netns,
     redirect::{
@@ -35,60 +38,53 @@ pub struct ProbeMember {
 
 /// The members of `family`'s probe ipset in `host`, with their owners.
 pub fn probe_set_entries(host: &Netns, family: Family) -> Result<Vec<ProbeMember>, IptablesError> {
-    let ipset = super::tools::ipset_binary()?;
-    let saved = run_in(host, &ipset, &["save", family.probe_ipset()], None)?;
-    Ok(parse_save(&saved))
+    let mut socket = IpsetSocket::open(host)?;
+    members_of(&mut socket, family)
 }
 
-/// Reads `ipset save` output: `add <set> <address> [comment "<text>"]`.
-fn parse_save(saved: &str) -> Vec<ProbeMember> {
-    saved
-        .lines()
-        .filter_map(|line| {
-            let mut words = line.splitn(4, ' ');
-            if words.next()? != "add" {
-                return None;
-            }
-            let _set = words.next()?;
-            let address = words.next()?.parse().ok()?;
-            let netns_cookie = words
-                .next()
-                .and_then(|rest| rest.strip_prefix("comment \""))
-                .and_then(|c| c.strip_suffix('"'))
+fn members_of(socket: &mut IpsetSocket, family: Family) -> Result<Vec<ProbeMember>, IptablesError> {
+    let members = socket.list(family.probe_ipset())?;
+    Ok(members.into_iter().map(ProbeMember::from).collect())
+}
+
+impl From<Member> for ProbeMember {
+    /// The owner is the pod ambpf's comment names; another comment (Istio's
+    /// pod UID) or none names no pod of ambpf's.
+    fn from(member: Member) -> Self {
+        Self {
+            address: member.address,
+            netns_cookie: member
+                .comment
+                .as_deref()
                 .and_then(|c| c.strip_prefix(COMMENT_PREFIX))
-                .and_then(|c| c.parse().ok());
-            Some(ProbeMember {
-                address,
-                netns_cookie,
-            })
-        })
-        .collect()
+                .and_then(|c| c.parse().ok()),
+        }
+    }
 }
 
 impl IptablesRedirection {
+    /// The members of `family`'s probe ipset, through the agent's socket.
+    pub(super) fn probe_members(&self, family: Family) -> Result<Vec<ProbeMember>, IptablesError> {
+        members_of(&mut self.ipset.borrow_mut(), family)
+    }
+
     fn probe_set_add(&self, ip: IpAddr, cookie: u64) -> Result<(), IptablesError> {
         let family = Family::of(&ip);
         if self.tools.family(family).is_none() {
             return Ok(());
         }
-        // `-exist` also rewrites the comment of a member that is there.
-        let (ip, comment) = (ip.to_string(), format!("{COMMENT_PREFIX}{cookie}"));
-        self.ipset_run(&[
-            "add",
-            "-exist",
-            family.probe_ipset(),
-            &ip,
-            "comment",
-            &comment,
-        ])
+        // Adding a member that is there rewrites its comment (its owner).
+        let comment = format!("{COMMENT_PREFIX}{cookie}");
+        let mut ipset = self.ipset.borrow_mut();
+        Ok(ipset.add(family.probe_ipset(), ip, &comment)?)
     }
 
-    fn probe_set_del(&self, ip: IpAddr) -> Result<(), IptablesError> {
+    pub(super) fn probe_set_del(&self, ip: IpAddr) -> Result<(), IptablesError> {
         let family = Family::of(&ip);
         if self.tools.family(family).is_none() {
             return Ok(());
         }
-        self.ipset_run(&["del", "-exist", family.probe_ipset(), &ip.to_string()])
+        Ok(self.ipset.borrow_mut().del(family.probe_ipset(), ip)?)
     }
 
     /// Claims `addresses` for the pod `cookie` and writes the members it
@@ -154,7 +150,7 @@ impl IptablesRedirection {
         let mut out = Vec::new();
         let mut present = Vec::new();
         for family in self.tools.families.keys().copied() {
-            let members = match probe_set_entries(&self.host, family) {
+            let members = match self.probe_members(family) {
                 Ok(members) => members,
                 Err(e) => {
                     out.push(Violation::new(
@@ -168,6 +164,11 @@ impl IptablesRedirection {
                 present.push(member.address);
                 let owner = self.claims.owner(&member.address);
                 if owner.is_some() && owner == member.netns_cookie {
+                    continue;
+                }
+                // A pod an earlier agent enrolled keeps its members until
+                // it is enrolled again or removed.
+                if owner.is_none() && member.netns_cookie.is_some_and(|c| self.is_adopted(c)) {
                     continue;
                 }
                 let named = member
@@ -298,32 +299,22 @@ mod tests {
 
     #[test]
     fn members_are_read_with_the_pod_their_comment_names() {
-        let saved = "create istio-inpod-probes-v4 hash:ip family inet hashsize 1024 maxelem \
-                     65536 comment bucketsize 12 initval 0xb56d82b1\n\
-                     add istio-inpod-probes-v4 10.244.1.2 comment \"netns cookie 4144\"\n\
-                     add istio-inpod-probes-v4 10.244.1.3 comment \"6f1c-uid\"\n\
-                     add istio-inpod-probes-v4 10.244.1.4\n";
+        let member = |address: &str, comment: Option<&str>| {
+            ProbeMember::from(Member {
+                address: address.parse().unwrap(),
+                comment: comment.map(str::to_owned),
+            })
+        };
+        let owner = |m: ProbeMember| m.netns_cookie;
         assert_eq!(
-            parse_save(saved),
-            [
-                ProbeMember {
-                    address: "10.244.1.2".parse().unwrap(),
-                    netns_cookie: Some(4144)
-                },
-                ProbeMember {
-                    address: "10.244.1.3".parse().unwrap(),
-                    netns_cookie: None
-                },
-                ProbeMember {
-                    address: "10.244.1.4".parse().unwrap(),
-                    netns_cookie: None
-                },
-            ]
+            owner(member("10.244.1.2", Some("netns cookie 4144"))),
+            Some(4144)
         );
-        let v6 = "add istio-inpod-probes-v6 fd00:a:1::2 comment \"netns cookie 7\"";
+        assert_eq!(owner(member("10.244.1.3", Some("6f1c-uid"))), None);
+        assert_eq!(owner(member("10.244.1.4", None)), None);
         assert_eq!(
-            parse_save(v6)[0].address,
-            "fd00:a:1::2".parse::<IpAddr>().unwrap()
+            owner(member("fd00:a:1::2", Some("netns cookie 7"))),
+            Some(7)
         );
     }
 }

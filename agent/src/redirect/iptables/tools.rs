@@ -93,6 +93,13 @@ fn is_missing_kernel_support(stderr: &str) -> bool {
     SIGNS.iter().any(|sign| stderr.contains(sign))
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Processes [`run_in`] started on this thread, for tests that count
+    /// them against Istio's per-pod operations.
+    pub(super) static PROCESSES_STARTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Runs `program args...` inside `netns` (the child process enters it before
 /// exec), feeding it `input`; returns its stdout.
 pub(super) fn run_in(
@@ -112,7 +119,7 @@ pub(super) fn run_in(
     let spawn_err = |source| IptablesError::Spawn {
         command: command.clone(),
         netns: netns.path().to_owned(),
-        source,
+        cause: source,
     };
     let mut cmd = Command::new(program);
     cmd.args(args)
@@ -139,6 +146,8 @@ pub(super) fn run_in(
         });
     }
     let mut child = cmd.spawn().map_err(spawn_err)?;
+    #[cfg(test)]
+    PROCESSES_STARTED.with(|n| n.set(n.get() + 1));
     if let Some(input) = input {
         // Small inputs (a few KiB): the pipe takes them whole, no deadlock
         // with the child's output.
@@ -297,14 +306,6 @@ pub(super) fn detect_backend(host: &Netns) -> Result<IptablesBackend, IptablesEr
             })
         }
     }
-}
-
-pub(super) fn ipset_binary() -> Result<PathBuf, IptablesError> {
-    require_binary(
-        "ipset",
-        "the iptables redirection's host probe rules (ipsets istio-inpod-probes-v4/-v6)",
-        "ipset",
-    )
 }
 
 #[cfg(test)]

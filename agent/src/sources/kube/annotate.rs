@@ -9,7 +9,8 @@
 //!
 //! The controller's report ([`crate::controller::ProgrammedPods`]) and the
 //! ZDS server's ([`crate::zds::ZtunnelPods`]) decide a programmed pod's
-//! value ([`target`]). A pod annotated `enabled` stays so while no ztunnel is
+//! value ([`target`]); a pod whose CNI ADD failed because ztunnel did not
+//! take it is `pending` until the runtime's retry programs it. A pod annotated `enabled` stays so while no ztunnel is
 //! connected: ztunnel keeps its proxies across a reconnect, and Istio does
 //! not flip the annotation back either. For removing, a pod must be neither
 //! programmed nor in the set the source last published (so a pod the source
@@ -39,7 +40,7 @@ use super::{
     rules::{self, REDIRECTION_ANNOTATION, Redirection},
 };
 use crate::{
-    controller::ProgrammedPods,
+    controller::{PodsReport, ProgrammedPods},
     zds::{ZtunnelPodSet, ZtunnelPods, ZtunnelStatus},
 };
 
@@ -52,16 +53,21 @@ pub(super) enum Target {
     Remove,
 }
 
-/// The annotation a pod should carry: `programmed` by the controller,
-/// `published` by the source, what ztunnel made of it, and the agent's
-/// value it carries now.
+/// The annotation a pod should carry: `programmed` by the controller, or
+/// `held_back` (its CNI ADD failed on ztunnel, the runtime retries),
+/// `published` by the source, what ztunnel made of it, and the agent's value
+/// it carries now.
 pub(super) fn target(
     programmed: bool,
+    held_back: bool,
     published: bool,
     ztunnel: Option<ZtunnelStatus>,
     current: Option<Redirection>,
 ) -> Target {
     if !programmed {
+        if held_back {
+            return Target::Set(Redirection::Pending);
+        }
         return if current.is_some() && !published {
             Target::Remove
         } else {
@@ -169,7 +175,7 @@ impl Annotator {
 
     async fn reconcile(
         &mut self,
-        programmed: &BTreeSet<String>,
+        report: &PodsReport,
         ztunnel: &ZtunnelPodSet,
         published: &BTreeSet<String>,
     ) {
@@ -185,7 +191,8 @@ impl Annotator {
             present.insert(uid.clone());
             let current = rules::redirection_annotation(meta);
             let wanted = match target(
-                programmed.contains(uid),
+                report.programmed.contains(uid),
+                report.held_back.contains(uid),
                 published.contains(uid),
                 ztunnel.get(uid).copied(),
                 current,
@@ -344,11 +351,17 @@ mod tests {
         for current in [None, PENDING, ENABLED] {
             for published in [false, true] {
                 assert_eq!(
-                    target(true, published, Some(ZtunnelStatus::Acked), current),
+                    target(true, false, published, Some(ZtunnelStatus::Acked), current),
                     Target::Set(Redirection::Enabled)
                 );
                 assert_eq!(
-                    target(true, published, Some(ZtunnelStatus::Refused), current),
+                    target(
+                        true,
+                        false,
+                        published,
+                        Some(ZtunnelStatus::Refused),
+                        current
+                    ),
                     Target::Set(Redirection::Pending),
                     "a NACK undoes enabled too"
                 );
@@ -360,20 +373,20 @@ mod tests {
     fn with_no_ztunnel_a_new_pod_is_pending_and_an_enabled_one_stays_enabled() {
         let unserved = Some(ZtunnelStatus::Unserved);
         assert_eq!(
-            target(true, true, unserved, None),
+            target(true, false, true, unserved, None),
             Target::Set(Redirection::Pending)
         );
         assert_eq!(
-            target(true, true, unserved, PENDING),
+            target(true, false, true, unserved, PENDING),
             Target::Set(Redirection::Pending)
         );
-        assert_eq!(target(true, true, unserved, ENABLED), Target::Leave);
+        assert_eq!(target(true, false, true, unserved, ENABLED), Target::Leave);
     }
 
     #[test]
     fn a_pod_whose_add_is_on_its_way_waits_for_the_answer() {
         for current in [None, PENDING, ENABLED] {
-            assert_eq!(target(true, true, None, current), Target::Leave);
+            assert_eq!(target(true, false, true, None, current), Target::Leave);
         }
     }
 
@@ -402,6 +415,23 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_whose_cni_add_ztunnel_failed_is_pending_until_programmed() {
+        for current in [None, PENDING, ENABLED] {
+            for published in [false, true] {
+                assert_eq!(
+                    target(false, true, published, None, current),
+                    Target::Set(Redirection::Pending)
+                );
+            }
+            // The runtime's retry enrols it: the programmed pod decides.
+            assert_eq!(
+                target(true, false, true, Some(ZtunnelStatus::Acked), current),
+                Target::Set(Redirection::Enabled)
+            );
+        }
+    }
+
+    #[test]
     fn a_pod_not_programmed_loses_the_annotation_only_once_the_source_dropped_it() {
         for ztunnel in [
             None,
@@ -409,12 +439,18 @@ mod tests {
             Some(ZtunnelStatus::Refused),
             Some(ZtunnelStatus::Unserved),
         ] {
-            assert_eq!(target(false, false, ztunnel, ENABLED), Target::Remove);
-            assert_eq!(target(false, false, ztunnel, PENDING), Target::Remove);
-            assert_eq!(target(false, false, ztunnel, None), Target::Leave);
+            assert_eq!(
+                target(false, false, false, ztunnel, ENABLED),
+                Target::Remove
+            );
+            assert_eq!(
+                target(false, false, false, ztunnel, PENDING),
+                Target::Remove
+            );
+            assert_eq!(target(false, false, false, ztunnel, None), Target::Leave);
             // Published but not programmed yet (or not enrolled): kept.
-            assert_eq!(target(false, true, ztunnel, ENABLED), Target::Leave);
-            assert_eq!(target(false, true, ztunnel, None), Target::Leave);
+            assert_eq!(target(false, false, true, ztunnel, ENABLED), Target::Leave);
+            assert_eq!(target(false, false, true, ztunnel, None), Target::Leave);
         }
     }
 }

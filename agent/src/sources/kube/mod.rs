@@ -27,12 +27,14 @@
 //! while it has not), removed when they leave the mesh ([`annotate`]).
 
 pub mod annotate;
+mod engine;
+mod evaluate;
 pub mod lenient;
 pub mod netns;
 pub mod rules;
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::BTreeSet,
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
@@ -57,13 +59,14 @@ use tokio::{
     task::JoinHandle,
 };
 
+use self::{engine::Engine, evaluate::Notes};
 pub use self::{
     lenient::Lenient,
     netns::{NetnsResolver, PodQuery, ProcNetnsFinder},
 };
 use crate::{
-    controller::{PodSpec, ProgrammedPods, SourcePods},
-    zds::{Workload, ZtunnelPods},
+    controller::{ProgrammedPods, SourcePods},
+    zds::ZtunnelPods,
 };
 
 /// What the source needs to know beyond the API server.
@@ -321,8 +324,7 @@ impl KubeSource {
             out: pods,
             published: published_tx,
             pods_changed: pods_changed.clone(),
-            notes: HashMap::new(),
-            malformed: HashMap::new(),
+            notes: Notes::default(),
             first: true,
         };
         let caches = KubeCaches {
@@ -428,355 +430,5 @@ impl Iterator for RetryBackoff {
 impl Backoff for RetryBackoff {
     fn reset(&mut self) {
         self.next = Self::INITIAL.min(self.max);
-    }
-}
-
-type WatchResult<K> = Result<watcher::Event<Lenient<K>>, watcher::Error>;
-
-/// The source's state between events.
-struct Engine {
-    config: KubeSourceConfig,
-    pods: Store<Lenient<Pod>>,
-    namespaces: Store<Lenient<Namespace>>,
-    /// Taken while discovery runs on a blocking thread.
-    resolver: Option<Box<dyn NetnsResolver>>,
-    out: watch::Sender<Arc<SourcePods>>,
-    /// The UIDs last published, for the annotator.
-    published: watch::Sender<Arc<BTreeSet<String>>>,
-    pods_changed: Arc<Notify>,
-    /// uid -> the last thing logged about the pod, to log changes only.
-    notes: HashMap<String, String>,
-    /// kind/namespace/name -> resourceVersion of malformed objects logged.
-    malformed: HashMap<String, Option<String>>,
-    first: bool,
-}
-
-/// Logs a watch's failures once per run of failures.
-#[derive(Default)]
-struct StreamHealth {
-    failing: Option<String>,
-}
-
-impl StreamHealth {
-    fn failed(&mut self, what: &str, error: &watcher::Error) {
-        let text = describe_watch_error(what, error);
-        if matches!(error, watcher::Error::WatchError(status) if status.code == 410) {
-            info!("{text}");
-        } else if self.failing.as_ref() != Some(&text) {
-            warn!("{text}; keeping the last known {what} and retrying");
-        } else {
-            debug!("{text}");
-        }
-        self.failing = Some(text);
-    }
-
-    fn ok(&mut self, what: &str) {
-        if self.failing.take().is_some() {
-            info!("watching {what} again");
-        }
-    }
-}
-
-fn describe_watch_error(what: &str, error: &watcher::Error) -> String {
-    let api = |verb: &str, e: &kube::Error| match e {
-        kube::Error::Api(status) if status.code == 403 => {
-            format!(
-                "RBAC denies the agent `{verb}` on {what}: {}",
-                status.message
-            )
-        }
-        other => format!("cannot {verb} {what}: {}", crate::error_chain(other)),
-    };
-    match error {
-        watcher::Error::InitialListFailed(e) => api("list", e),
-        watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => api("watch", e),
-        watcher::Error::WatchError(status) if status.code == 410 => {
-            format!("watching {what}: resource version expired (410 Gone); listing them again")
-        }
-        watcher::Error::WatchError(status) => {
-            format!(
-                "watching {what}: the API server sent an error ({}): {}",
-                status.code, status.message
-            )
-        }
-        watcher::Error::NoResourceVersion => {
-            format!("watching {what}: the API server gave no resourceVersion")
-        }
-    }
-}
-
-impl Engine {
-    async fn run(
-        mut self,
-        pod_events: impl Stream<Item = WatchResult<Pod>> + Send,
-        namespace_events: impl Stream<Item = WatchResult<Namespace>> + Send,
-        synced: oneshot::Sender<()>,
-    ) {
-        let mut pod_events = std::pin::pin!(pod_events);
-        let mut namespace_events = std::pin::pin!(namespace_events);
-        let (mut pods_synced, mut namespaces_synced) = (false, false);
-        let (mut pod_health, mut namespace_health) =
-            (StreamHealth::default(), StreamHealth::default());
-        let mut synced = Some(synced);
-        let mut tick = tokio::time::interval(self.config.resync);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Pods the resolver left for its next scan of /proc.
-        let mut retry: Option<tokio::time::Instant> = None;
-        loop {
-            let mut dirty = tokio::select! {
-                Some(event) = pod_events.next() => on_event("pods", event, &mut pods_synced, &mut pod_health),
-                Some(event) = namespace_events.next() => {
-                    on_event("namespaces", event, &mut namespaces_synced, &mut namespace_health)
-                }
-                _ = tick.tick() => true,
-                () = tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)), if retry.is_some() => {
-                    retry = None;
-                    true
-                }
-            };
-            // Take whatever else is ready, so a burst makes one pass.
-            loop {
-                let mut progressed = false;
-                if let Some(Some(event)) = pod_events.next().now_or_never() {
-                    dirty |= on_event("pods", event, &mut pods_synced, &mut pod_health);
-                    progressed = true;
-                }
-                if let Some(Some(event)) = namespace_events.next().now_or_never() {
-                    dirty |= on_event(
-                        "namespaces",
-                        event,
-                        &mut namespaces_synced,
-                        &mut namespace_health,
-                    );
-                    progressed = true;
-                }
-                if !progressed {
-                    break;
-                }
-            }
-            if !(pods_synced && namespaces_synced && dirty) {
-                continue;
-            }
-            self.publish().await;
-            retry = self
-                .resolver
-                .as_ref()
-                .and_then(|resolver| resolver.retry_in())
-                .map(|after| tokio::time::Instant::now() + after);
-            if let Some(synced) = synced.take() {
-                let _ = synced.send(());
-            }
-        }
-    }
-
-    /// Works out the desired pods from the caches and publishes them if they
-    /// changed (the first time, always).
-    async fn publish(&mut self) {
-        let namespace_labels: HashMap<String, BTreeMap<String, String>> = self
-            .namespaces
-            .state()
-            .iter()
-            .filter_map(|ns| {
-                self.note_malformed("namespace", ns);
-                let meta = k8s_openapi::Metadata::metadata(ns.as_ref());
-                Some((meta.name.clone()?, meta.labels.clone().unwrap_or_default()))
-            })
-            .collect();
-        let mut queries = Vec::new();
-        let mut details = HashMap::new();
-        let mut present = BTreeSet::new();
-        let mut not_ambient = BTreeMap::new();
-        for entry in self.pods.state() {
-            self.note_malformed("pod", &entry);
-            let Ok(pod) = &entry.object else { continue };
-            let meta = &pod.metadata;
-            let (Some(uid), Some(namespace), Some(name)) = (&meta.uid, &meta.namespace, &meta.name)
-            else {
-                continue;
-            };
-            present.insert(uid.clone());
-            let label = format!("pod {namespace}/{name} ({uid})");
-            match rules::ambient(
-                pod,
-                namespace_labels.get(namespace),
-                &self.config.excluded_namespaces,
-            ) {
-                Ok(()) => {
-                    let service_account = rules::service_account(pod);
-                    details.insert(
-                        uid.clone(),
-                        (label, service_account, rules::dns_capture(pod)),
-                    );
-                    queries.push(PodQuery {
-                        uid: uid.clone(),
-                        namespace: namespace.clone(),
-                        name: name.clone(),
-                        ips: rules::pod_ips(pod),
-                    });
-                }
-                Err(why) => {
-                    self.note(uid, debug_note(format!("{label} is not ambient: {why}")));
-                    not_ambient.insert(uid.clone(), why.to_string());
-                }
-            }
-        }
-
-        let mut resolver = self
-            .resolver
-            .take()
-            .expect("the resolver is back after each pass");
-        let (resolver, queries, found) = tokio::task::spawn_blocking(move || {
-            let found = resolver.resolve(&queries);
-            (resolver, queries, found)
-        })
-        .await
-        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
-        self.resolver = Some(resolver);
-
-        let mut specs = Vec::new();
-        let mut waiting = BTreeSet::new();
-        for query in queries {
-            let (label, service_account, dns_capture) =
-                details.remove(&query.uid).expect("details of every query");
-            match found.get(&query.uid) {
-                Some(Ok(netns)) => {
-                    self.note(
-                        &query.uid,
-                        format!(
-                            "{label} is ambient; its network namespace is {}",
-                            netns.path().display()
-                        ),
-                    );
-                    specs.push(PodSpec {
-                        workload: Workload {
-                            uid: query.uid,
-                            name: query.name,
-                            namespace: query.namespace,
-                            service_account,
-                            netns: netns.clone(),
-                        },
-                        dns_capture,
-                    });
-                }
-                Some(Err(why)) => {
-                    self.note(
-                        &query.uid,
-                        format!("{label} is ambient but not enrolled yet: {why}"),
-                    );
-                    waiting.insert(query.uid);
-                }
-                None => {
-                    self.note(
-                        &query.uid,
-                        format!("{label} is ambient but its network namespace is unknown"),
-                    );
-                    waiting.insert(query.uid);
-                }
-            }
-        }
-        specs.sort_by(|a, b| a.workload.uid.cmp(&b.workload.uid));
-        self.notes.retain(|uid, _| present.contains(uid));
-
-        let uids: BTreeSet<String> = specs.iter().map(|s| s.workload.uid.clone()).collect();
-        let snapshot = SourcePods {
-            ambient: specs,
-            not_ambient,
-            waiting,
-        };
-        if std::mem::take(&mut self.first) {
-            info!(
-                "pods of node {}: {} ambient, {} not (initial snapshot)",
-                self.config.node_name,
-                snapshot.ambient.len(),
-                snapshot.not_ambient.len()
-            );
-            self.out.send_replace(Arc::new(snapshot));
-        } else {
-            self.out.send_if_modified(|current| {
-                let changed = **current != snapshot;
-                if changed {
-                    *current = Arc::new(snapshot);
-                }
-                changed
-            });
-        }
-        self.published.send_if_modified(|current| {
-            let changed = **current != uids;
-            if changed {
-                *current = Arc::new(uids);
-            }
-            changed
-        });
-        self.pods_changed.notify_one();
-    }
-
-    /// Logs `text` about a pod when it differs from what was last logged
-    /// (at debug level when it starts with [`DEBUG_NOTE`]).
-    fn note(&mut self, uid: &str, text: String) {
-        if self.notes.get(uid) == Some(&text) {
-            return;
-        }
-        match text.strip_prefix(DEBUG_NOTE) {
-            Some(quiet) => debug!("{quiet}"),
-            None => info!("{text}"),
-        }
-        self.notes.insert(uid.to_owned(), text);
-    }
-
-    fn note_malformed<K>(&mut self, kind: &str, object: &Lenient<K>)
-    where
-        Lenient<K>:
-            k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
-    {
-        let Err(why) = &object.object else { return };
-        let meta = k8s_openapi::Metadata::metadata(object);
-        let key = format!(
-            "{kind} {}/{}",
-            meta.namespace.as_deref().unwrap_or(""),
-            meta.name.as_deref().unwrap_or("<unnamed>")
-        );
-        let version = meta.resource_version.clone();
-        if self.malformed.get(&key) != Some(&version) {
-            warn!(
-                "skipping malformed {key} (resourceVersion {}): {why}",
-                version.as_deref().unwrap_or("?")
-            );
-            self.malformed.insert(key, version);
-        }
-    }
-}
-
-const DEBUG_NOTE: &str = "debug: ";
-
-fn debug_note(text: String) -> String {
-    format!("{DEBUG_NOTE}{text}")
-}
-
-/// Whether an event changes the caches (the store swaps in a relist only at
-/// `InitDone`); marks the stream synced at `InitDone`.
-fn on_event<K>(
-    what: &str,
-    event: WatchResult<K>,
-    synced: &mut bool,
-    health: &mut StreamHealth,
-) -> bool {
-    match event {
-        Ok(watcher::Event::InitDone) => {
-            health.ok(what);
-            if !*synced {
-                debug!("{what} synced");
-            }
-            *synced = true;
-            true
-        }
-        Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
-            health.ok(what);
-            true
-        }
-        Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => false,
-        Err(error) => {
-            health.failed(what, &error);
-            false
-        }
     }
 }

@@ -1,5 +1,5 @@
-//! The `enroll` suite of `ambpf-bench` (a module of that binary, included
-//! with `#[path]`; not part of the library).
+//! The `enroll` suite of `ambpf-bench` (a module of that binary; not part of the
+//! library).
 //!
 //! Time for the agent to enrol N pods and to remove them, in the iptables
 //! and the eBPF mode; the iptables mode measured in the same run is the

@@ -1,5 +1,5 @@
-//! The `storm` suite of `ambpf-bench` (a module of that binary, included
-//! with `#[path]`; not part of the library).
+//! The `storm` suite of `ambpf-bench` (a module of that binary; not part of the
+//! library).
 //!
 //! A connection storm past the original-destination capacity: the agent
 //! runs with `--max-redirected-connections C`, and its enrolled pods open
@@ -37,7 +37,6 @@ use ambpf_testbed::storm::StormSummary;
 use super::redirect::{Agent, Mode, write_pods_file};
 use super::*;
 
-#[path = "suite_storm/parts.rs"]
 mod parts;
 use parts::*;
 

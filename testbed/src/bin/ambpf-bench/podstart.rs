@@ -7,11 +7,14 @@
 //! server on the node's loopback); in the two ambpf modes `ambpf cni-install`
 //! chained `ambpf-cni` into its conflist and `ambpf run --pod-source kube`
 //! serves it, with a ZDS-only ztunnel double connected, so a sandbox's CNI
-//! ADD returns only once the pod is redirected and ztunnel's set has it.
+//! ADD returns only once the pod is redirected and ztunnel has acked it
+//! (the agent's time is reported by phase: decide, enrol, and the wait for
+//! ztunnel's ack).
 //! A fourth node without ambpf (`no ambpf, 2nd`) is the control: what two
 //! identical nodes differ by in the same run is the floor under which an
 //! "added" figure is noise. Rounds start one fresh ambient pod per node,
-//! nodes in rotated order, so all share the machine's noise; each pod is
+//! nodes in a balanced order (each first, and right after each other node,
+//! equally often), so all share the machine's noise; each pod is
 //! removed (StopPodSandbox, RemovePodSandbox, deleted from the API server,
 //! gone from the double) before the next, untimed.
 
@@ -249,9 +252,8 @@ pub(super) async fn run(args: PodstartArgs) -> Result<()> {
     }
     let containerd = lanes[0].cri.version().await?.runtime_version;
     for round in 0..args.warmup + args.pods {
-        for k in 0..lanes.len() {
-            let lane_count = lanes.len();
-            let lane = &mut lanes[(round + k) % lane_count];
+        for k in bench::balanced_order(lanes.len(), round) {
+            let lane = &mut lanes[k];
             let elapsed = lane
                 .measure_one(round)
                 .await

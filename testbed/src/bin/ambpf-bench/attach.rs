@@ -1,17 +1,20 @@
-//! The `attach` suite of `ambpf-bench` (a module of that binary, included
-//! with `#[path]`; not part of the library).
+//! The `attach` suite of `ambpf-bench` (a module of that binary; not part of the
+//! library).
 //!
 //! What the kernel charges to hook the inbound steering program onto one pod,
 //! for each way of attaching it, measured side by side in the same run:
 //!
 //! - `tcx-link`: a TCX link, `BPF_LINK_CREATE` with the pod interface's index
-//!   and `BPF_TCX_INGRESS` (what the agent does today); replaced with
+//!   and `BPF_TCX_INGRESS` (what the agent did before this suite's results
+//!   moved it to `clsact`; the ratios' baseline); replaced with
 //!   `BPF_LINK_UPDATE`, detached by closing the link;
 //! - `clsact`: a `clsact` qdisc and a direct-action `cls_bpf` filter over
 //!   rtnetlink (`RTM_NEWQDISC`, then `RTM_NEWTFILTER` kind `bpf` with
 //!   `TCA_BPF_FD`, `TCA_BPF_NAME`, `TCA_BPF_FLAGS` = direct action, priority
-//!   1, handle 1), the way Cilium attached before TCX; replaced with
-//!   `RTM_NEWTFILTER` on the same priority and handle without `NLM_F_EXCL`;
+//!   1, handle 1), the way Cilium attached before TCX and the way the agent
+//!   steers pods now (`agent/src/redirect/steering.rs`, handle `0xa3bf`);
+//!   replaced with `RTM_NEWTFILTER` on the same priority and handle without
+//!   `NLM_F_EXCL`;
 //!   detached with `RTM_DELTFILTER` then `RTM_DELQDISC`;
 //! - `sk-lookup`: an `sk_lookup` program on the pod's network namespace,
 //!   `BPF_LINK_CREATE` with the netns fd and `BPF_SK_LOOKUP`; replaced with
@@ -351,13 +354,11 @@ fn process_cpu() -> CpuTime {
 // ---------------------------------------------------------------------------
 // bpf(2)
 
-#[path = "suite_attach/bpf.rs"]
 mod bpf;
 
 // ---------------------------------------------------------------------------
 // tc over rtnetlink
 
-#[path = "suite_attach/tc.rs"]
 mod tc;
 
 // ---------------------------------------------------------------------------
@@ -657,7 +658,6 @@ struct Config {
     hold_static_keys: bool,
 }
 
-#[path = "suite_attach/report.rs"]
 mod report;
 use report::{print_tables, summarize};
 

@@ -1,5 +1,5 @@
-//! The `control` suite of `ambpf-bench` (a module of that binary, included
-//! with `#[path]`; not part of the library).
+//! The `control` suite of `ambpf-bench` (a module of that binary; not part of the
+//! library).
 //!
 //! The control path with the Kubernetes pod source: the real agent
 //! (`ambpf run --pod-source kube`) against the testbed's list/watch API
@@ -231,14 +231,11 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
     Ok(())
 }
 
-#[path = "suite_control/world.rs"]
 mod world;
 use world::*;
 
-#[path = "suite_control/measure.rs"]
 mod measure;
 use measure::*;
 
-#[path = "suite_control/report.rs"]
 mod report;
 use report::*;

@@ -1,0 +1,260 @@
+//! Pods the CNI plugin posts, before the pod source knows them.
+//!
+//! Such a pod is enrolled at once and kept until the source decides: it
+//! reports the pod as ambient (the source's entry takes over), or as a pod
+//! it knows and does not enrol (the pod is removed), or the pod's netns is
+//! gone. If ztunnel then does not take the pod, the CNI endpoint abandons it
+//! ([`AbandonRequest`]) and its redirection goes again, so a failed ADD
+//! leaves nothing behind; the runtime retries with a new sandbox.
+
+use std::{
+    collections::HashSet,
+    time::{Duration, Instant},
+};
+
+use log::{info, warn};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{Controller, PodSpec, SourcePods};
+use crate::{cni::AddError, netns::Netns};
+
+/// A pod the CNI plugin posted, kept until the source decides.
+#[derive(Debug)]
+pub(super) struct CniPod {
+    pub pod: PodSpec,
+    /// The namespace it was posted with (a new sandbox is a new one).
+    pub netns_inode: u64,
+    /// The source has listed it as waiting for its netns: once it lists it
+    /// nowhere, the pod object is gone.
+    pub source_knew: bool,
+}
+
+/// A pod whose CNI ADD failed because ztunnel did not take it.
+#[derive(Debug)]
+pub(super) struct HeldBack {
+    since: Instant,
+    /// As [`CniPod::source_knew`].
+    source_knew: bool,
+}
+
+/// How long a held-back pod is reported without the source knowing it
+/// (without a Kubernetes source nobody reads the report).
+const HELD_BACK_UNKNOWN: Duration = Duration::from_secs(600);
+
+/// The pod's redirection is in place and ztunnel's desired set has it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CniEnrolled {
+    /// The namespace enrolled, whose Add ztunnel must ack.
+    pub netns_inode: u64,
+}
+
+/// A pod the CNI plugin asks to enrol now, and where to say whether its
+/// redirection is in place and ztunnel's desired set has it.
+#[derive(Debug)]
+pub struct EnrollRequest {
+    pub pod: PodSpec,
+    pub reply: oneshot::Sender<Result<CniEnrolled, AddError>>,
+}
+
+/// A CNI-enrolled pod whose ADD failed afterwards (ztunnel did not take
+/// it): its redirection is removed, unless the source wants the pod, and
+/// `reply` is answered once that is done.
+#[derive(Debug)]
+pub struct AbandonRequest {
+    pub uid: String,
+    /// The namespace enrolled; `None` abandons whichever it was (the ADD
+    /// timed out before the answer said).
+    pub netns_inode: Option<u64>,
+    pub reply: oneshot::Sender<()>,
+}
+
+/// What the CNI endpoint asks of the controller.
+#[derive(Debug)]
+pub enum CniRequest {
+    Enroll(EnrollRequest),
+    Abandon(AbandonRequest),
+}
+
+impl From<EnrollRequest> for CniRequest {
+    fn from(request: EnrollRequest) -> Self {
+        CniRequest::Enroll(request)
+    }
+}
+
+/// How the CNI endpoint reaches the controller.
+pub type CniRequests = mpsc::Receiver<CniRequest>;
+
+impl Controller {
+    /// The desired pods: the source's ambient pods, plus the CNI-posted pods
+    /// it does not report yet (forgotten once it does, once it knows them as
+    /// not ambient, or once their netns is gone: the sandbox was deleted).
+    pub(super) fn desired(&mut self, source: &SourcePods) -> Vec<PodSpec> {
+        let reported: HashSet<&str> = source
+            .ambient
+            .iter()
+            .map(|p| p.workload.uid.as_str())
+            .collect();
+        self.explicit.retain(|uid, cni| {
+            let pod = &cni.pod;
+            if reported.contains(uid.as_str()) {
+                return false;
+            }
+            // As Istio's node agent: a pod opted out after its CNI add (or
+            // found terminal) leaves the mesh as soon as the source sees it.
+            if let Some(why) = source.not_ambient.get(uid) {
+                info!(
+                    "pod {}/{} ({uid}): the pod source knows it as not ambient ({why}); \
+                     removing the pod the CNI plugin enrolled",
+                    pod.workload.namespace, pod.workload.name
+                );
+                return false;
+            }
+            // As Istio's node agent: a deleted pod leaves the mesh when the
+            // source sees the delete, whether its sandbox is gone yet or not.
+            if source.waiting.contains(uid) {
+                cni.source_knew = true;
+            } else if cni.source_knew {
+                info!(
+                    "pod {}/{} ({uid}): deleted from the pod source; removing the pod \
+                     the CNI plugin enrolled",
+                    pod.workload.namespace, pod.workload.name
+                );
+                return false;
+            }
+            let alive = Netns::open(&pod.workload.netns.path().to_string_lossy()).is_ok();
+            if !alive {
+                info!("pod {uid}: its netns is gone; forgetting the CNI add");
+            }
+            alive
+        });
+        self.forget_held_back(source, &reported);
+        let explicit = &self.explicit;
+        self.deleted = self
+            .enrolled
+            .keys()
+            .filter(|uid| {
+                source.absent_means_deleted
+                    && !reported.contains(uid.as_str())
+                    && !explicit.contains_key(*uid)
+                    && !source.not_ambient.contains_key(*uid)
+                    && !source.waiting.contains(*uid)
+                    && !source.unreadable.contains(*uid)
+            })
+            .cloned()
+            .collect();
+        let mut pods = source.ambient.clone();
+        pods.extend(self.explicit.values().map(|cni| cni.pod.clone()));
+        pods
+    }
+
+    /// Stops reporting held-back pods once they are wanted again (the
+    /// source reports them, or a CNI add), the source knows them as not
+    /// ambient or has dropped them, or nobody has known them for long.
+    fn forget_held_back(&mut self, source: &SourcePods, reported: &HashSet<&str>) {
+        let explicit = &self.explicit;
+        self.held_back.retain(|uid, held| {
+            if reported.contains(uid.as_str())
+                || explicit.contains_key(uid)
+                || source.not_ambient.contains_key(uid)
+            {
+                return false;
+            }
+            if source.waiting.contains(uid) {
+                held.source_knew = true;
+                return true;
+            }
+            !held.source_knew && held.since.elapsed() < HELD_BACK_UNKNOWN
+        });
+    }
+
+    /// Serves a batch of CNI requests on top of `source`. Abandoned pods go
+    /// first. The pods to enrol are enrolled now, and each is answered `Ok`
+    /// once its redirection is in place and ztunnel's desired set has it. A
+    /// pod that fails is not kept (the runtime tears the sandbox down and
+    /// retries with a new one), nor is one the source knows as not ambient
+    /// (refused, with why).
+    pub fn apply_requests(&mut self, source: &SourcePods, requests: Vec<CniRequest>) {
+        let mut enrols = Vec::new();
+        let mut abandoned = Vec::new();
+        for request in requests {
+            match request {
+                CniRequest::Enroll(request) => enrols.push(request),
+                CniRequest::Abandon(request) => {
+                    let ours = self.explicit.get(&request.uid).is_some_and(|cni| {
+                        request
+                            .netns_inode
+                            .is_none_or(|inode| inode == cni.netns_inode)
+                    });
+                    if ours {
+                        info!(
+                            "pod {}: its CNI add failed; removing its redirection",
+                            request.uid
+                        );
+                        self.explicit.remove(&request.uid);
+                        let held = HeldBack {
+                            since: Instant::now(),
+                            source_knew: false,
+                        };
+                        self.held_back.insert(request.uid.clone(), held);
+                    }
+                    abandoned.push(request);
+                }
+            }
+        }
+        enrols.retain_mut(|request| {
+            let netns = request.pod.workload.netns.path();
+            match Netns::open(&netns.to_string_lossy()) {
+                Ok(opened) => {
+                    let cni = CniPod {
+                        pod: request.pod.clone(),
+                        netns_inode: opened.inode(),
+                        source_knew: false,
+                    };
+                    self.explicit.insert(request.pod.workload.uid.clone(), cni);
+                    true
+                }
+                Err(e) => {
+                    let reply = std::mem::replace(&mut request.reply, oneshot::channel().0);
+                    let _ = reply.send(Err(AddError::NetnsUnusable(e.to_string())));
+                    false
+                }
+            }
+        });
+        let desired = self.desired(source);
+        let report = self.apply(&desired);
+        let mut refused = false;
+        for request in enrols {
+            let uid = &request.pod.workload.uid;
+            let result = match report.failed.get(uid) {
+                Some(why) => Err(AddError::Enrol(why.clone())),
+                None => match self.enrolled.get(uid) {
+                    Some(enrolled) => Ok(CniEnrolled {
+                        netns_inode: enrolled.netns.inode(),
+                    }),
+                    // The runtime retries the ADD, which reads the pod afresh.
+                    None => Err(AddError::NotAmbient(
+                        source
+                            .not_ambient
+                            .get(uid)
+                            .cloned()
+                            .unwrap_or_else(|| "not enrolled".to_owned()),
+                    )),
+                },
+            };
+            if let Err(why) = &result {
+                warn!("CNI add of pod {uid} refused: {why}");
+                refused |= self.explicit.remove(uid).is_some();
+            }
+            let _ = request.reply.send(result);
+        }
+        if refused {
+            // Drop what the failed pods may have left in ztunnel's set.
+            let desired = self.desired(source);
+            self.apply(&desired);
+        }
+        // Answered once the pass that removed them is done.
+        for request in abandoned {
+            let _ = request.reply.send(());
+        }
+    }
+}

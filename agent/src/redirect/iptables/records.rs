@@ -1,0 +1,336 @@
+//! The pods the iptables mode enrolled, recorded on the node: the agent
+//! holds its pods in memory, and a pod that leaves the mesh while no agent
+//! runs would otherwise keep its rules for good (its traffic captured for a
+//! ztunnel that no longer serves it). A new agent adopts the pods of the
+//! records ([`IptablesRedirection::with_records`]) and lists them as
+//! enrolled, so that the controller's first pass removes those no source
+//! wants any more, as the eBPF mode's pinned maps make it do.
+//!
+//! One record per pod under `<pin root>/iptables/pods/`: an empty directory
+//! named `<netns cookie>-<netns inode>` (the pin root is on bpffs, which
+//! holds no regular files; a directory is created whole or not at all).
+//! Written once the pod's rules are in place, removed once they are gone. A
+//! name that is not a record is logged and removed.
+
+use std::{collections::HashMap, io, net::IpAddr, path::PathBuf};
+
+use log::{info, warn};
+
+use super::{IptablesRedirection, PodKey, node::remove_pod_rules};
+use crate::{
+    netns::Netns,
+    redirect::{EnrollError, podnet},
+};
+
+/// The directory of records.
+#[derive(Debug)]
+pub(super) struct PodRecords {
+    dir: PathBuf,
+}
+
+/// A pod an earlier agent enrolled that this one has not (yet).
+#[derive(Debug)]
+pub(super) struct AdoptedPod {
+    pub(super) key: PodKey,
+    /// Its namespace, held from start-up; `None` when it was gone by then.
+    pub(super) netns: Option<Netns>,
+}
+
+impl PodRecords {
+    fn open(dir: PathBuf) -> io::Result<Self> {
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self { dir })
+    }
+
+    fn path(&self, key: PodKey) -> PathBuf {
+        self.dir
+            .join(format!("{}-{}", key.netns_cookie, key.netns_inode))
+    }
+
+    /// The pods recorded; anything else in the directory is removed.
+    fn read(&self) -> io::Result<Vec<PodKey>> {
+        let mut keys = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            match parse(&name.to_string_lossy()) {
+                Some(key) if entry.file_type().is_ok_and(|t| t.is_dir()) => keys.push(key),
+                _ => {
+                    let path = entry.path();
+                    warn!("{} is no pod record; removing it", path.display());
+                    let removed =
+                        std::fs::remove_dir_all(&path).or_else(|_| std::fs::remove_file(&path));
+                    if let Err(e) = removed {
+                        warn!("removing {}: {e}", path.display());
+                    }
+                }
+            }
+        }
+        keys.sort_unstable();
+        Ok(keys)
+    }
+
+    fn write(&self, key: PodKey) {
+        let path = self.path(key);
+        match std::fs::create_dir(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => warn!(
+                "recording the pod with {key} at {}: {e}; an agent started after this one \
+                 will not know it",
+                path.display()
+            ),
+        }
+    }
+
+    fn remove(&self, key: PodKey) {
+        let path = self.path(key);
+        match std::fs::remove_dir(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => warn!("removing the record {}: {e}", path.display()),
+        }
+    }
+
+    /// The directory, and its parent once empty.
+    fn remove_all(&self) -> io::Result<()> {
+        match std::fs::remove_dir_all(&self.dir) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        if let Some(parent) = self.dir.parent() {
+            let _ = std::fs::remove_dir(parent);
+        }
+        Ok(())
+    }
+}
+
+/// `<cookie>-<inode>`.
+fn parse(name: &str) -> Option<PodKey> {
+    let (cookie, inode) = name.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(cookie) || !digits(inode) {
+        return None;
+    }
+    Some(PodKey {
+        netns_cookie: cookie.parse().ok()?,
+        netns_inode: inode.parse().ok()?,
+    })
+}
+
+/// Each key's namespace, found among the host's by inode and confirmed by
+/// cookie (an inode is reused once its namespace is freed).
+fn locate(keys: &[PodKey]) -> HashMap<u64, Netns> {
+    let mut by_inode: HashMap<u64, Netns> = crate::netns::all()
+        .into_iter()
+        .map(|ns| (ns.inode(), ns))
+        .collect();
+    keys.iter()
+        .filter_map(|key| {
+            let netns = by_inode.remove(&key.netns_inode)?;
+            (podnet::netns_cookie(&netns).ok() == Some(key.netns_cookie))
+                .then_some((key.netns_cookie, netns))
+        })
+        .collect()
+}
+
+impl IptablesRedirection {
+    /// Records each pod this agent enrols under `dir` (and forgets it there
+    /// when it is removed), and adopts the pods recorded there by an earlier
+    /// agent: they are listed as enrolled until this agent enrols them again
+    /// or removes them. Without a usable `dir` the agent runs on, saying
+    /// that no record is kept.
+    pub fn with_records(mut self, dir: PathBuf) -> Self {
+        let records = match PodRecords::open(dir.clone()) {
+            Ok(records) => records,
+            Err(e) => {
+                warn!(
+                    "keeping no record of enrolled pods ({}: {e}): an agent started after this \
+                     one will not remove the pods that leave meanwhile",
+                    dir.display()
+                );
+                return self;
+            }
+        };
+        let keys = match records.read() {
+            Ok(keys) => keys,
+            Err(e) => {
+                warn!("reading the pod records in {}: {e}", dir.display());
+                Vec::new()
+            }
+        };
+        let mut found = if keys.is_empty() {
+            HashMap::new()
+        } else {
+            locate(&keys)
+        };
+        for key in keys {
+            let netns = found.remove(&key.netns_cookie);
+            let place = netns.as_ref().map_or_else(
+                || "its namespace is gone".to_owned(),
+                |ns| ns.path().display().to_string(),
+            );
+            info!("pod with {key} was enrolled by an earlier agent ({place})");
+            self.adopted
+                .insert(key.netns_cookie, AdoptedPod { key, netns });
+        }
+        self.records = Some(records);
+        self
+    }
+
+    /// Records the enrolled pod `key`, no longer an adopted one.
+    pub(super) fn record(&mut self, key: PodKey) {
+        self.adopted.remove(&key.netns_cookie);
+        if let Some(records) = &self.records {
+            records.write(key);
+        }
+    }
+
+    pub(super) fn forget(&mut self, key: PodKey) {
+        if let Some(records) = &self.records {
+            records.remove(key);
+        }
+    }
+
+    /// Forgets a deleted pod as Istio's node agent does: its probe ipset
+    /// members go (over netlink), nothing is done inside its namespace,
+    /// which dies with the pod (no process is started). A pod an earlier
+    /// agent enrolled is removed as [`Self::unenroll_adopted`] does.
+    pub(super) fn forget_deleted_pod(&mut self, key: PodKey) -> Result<bool, EnrollError> {
+        let cookie = key.netns_cookie;
+        let Some(entry) = self.pods.get(&cookie) else {
+            return self.unenroll_adopted(key);
+        };
+        let addresses = entry.addresses.clone();
+        self.release_probe_addresses(cookie, &addresses)?;
+        if let Some(entry) = self.pods.remove(&cookie) {
+            info!(
+                "forgot the deleted pod in {} ({key}); its namespace keeps its rules until it goes",
+                entry.netns.path().display()
+            );
+            self.forget(entry.key);
+        }
+        Ok(true)
+    }
+
+    /// Removes a pod an earlier agent enrolled: the probe ipset members that
+    /// name it (unless an enrolled pod has claimed the address since), then
+    /// everything in its namespace, as Istio's `DeleteInpodRules` does (the
+    /// reply path too: this agent's ztunnel never proxied for it). Returns
+    /// whether it was such a pod.
+    pub(super) fn unenroll_adopted(&mut self, key: PodKey) -> Result<bool, EnrollError> {
+        let cookie = key.netns_cookie;
+        let Some(pod) = self.adopted.get(&cookie) else {
+            return Ok(false);
+        };
+        let key = pod.key;
+        self.release_adopted_members(cookie)?;
+        let pod = &self.adopted[&cookie];
+        match &pod.netns {
+            Some(netns) => {
+                if let Err(e) = remove_pod_rules(netns) {
+                    let torn_down = podnet::inspect(netns).is_ok_and(|n| n.interfaces.is_empty());
+                    if !torn_down {
+                        return Err(e);
+                    }
+                    warn!(
+                        "forgetting pod in {} (its network is gone): {e}",
+                        netns.path().display()
+                    );
+                }
+                info!(
+                    "removed the iptables rules and policy routing of {} ({key}), enrolled by \
+                     an earlier agent",
+                    netns.path().display()
+                );
+            }
+            None => info!("forgetting the pod with {key}, enrolled by an earlier agent: gone"),
+        }
+        self.adopted.remove(&cookie);
+        self.forget(key);
+        Ok(true)
+    }
+
+    fn release_adopted_members(&self, cookie: u64) -> Result<(), EnrollError> {
+        for family in self.tools.families.keys().copied() {
+            let members: Vec<IpAddr> = self
+                .probe_members(family)?
+                .into_iter()
+                .filter(|m| m.netns_cookie == Some(cookie))
+                .map(|m| m.address)
+                .filter(|ip| self.claims.owner(ip).is_none())
+                .collect();
+            for ip in members {
+                self.probe_set_del(ip)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the pod `cookie` is one an earlier agent enrolled, pending.
+    pub(super) fn is_adopted(&self, cookie: u64) -> bool {
+        self.adopted.contains_key(&cookie)
+    }
+
+    /// The adopted pods' namespaces that are still there.
+    pub(super) fn adopted_netns(&self) -> impl Iterator<Item = &Netns> {
+        self.adopted.values().filter_map(|pod| pod.netns.as_ref())
+    }
+
+    pub(super) fn adopted_keys(&self) -> impl Iterator<Item = PodKey> + '_ {
+        self.adopted.values().map(|pod| pod.key)
+    }
+
+    /// Removes the records, after an uninstall.
+    pub(super) fn remove_records(&self) -> io::Result<()> {
+        self.records.as_ref().map_or(Ok(()), PodRecords::remove_all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_names_are_cookie_and_inode() {
+        assert_eq!(
+            parse("4144-4026532001"),
+            Some(PodKey {
+                netns_cookie: 4144,
+                netns_inode: 4_026_532_001
+            })
+        );
+        for bad in ["", "4144", "4144-", "-1", "a-1", "1-2-3", "+1-2", "1- 2"] {
+            assert_eq!(parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn records_are_written_read_and_malformed_ones_removed() {
+        let dir =
+            std::env::temp_dir().join(format!("ambpf-records-{}", ambpf_testbed::unique_name("")));
+        let records = PodRecords::open(dir.join("iptables/pods")).unwrap();
+        let key = PodKey {
+            netns_cookie: 7,
+            netns_inode: 99,
+        };
+        records.write(key);
+        records.write(key);
+        std::fs::create_dir(dir.join("iptables/pods/garbage")).unwrap();
+        std::fs::write(dir.join("iptables/pods/8-100"), b"a file").unwrap();
+        assert_eq!(records.read().unwrap(), [key]);
+        assert_eq!(
+            std::fs::read_dir(dir.join("iptables/pods"))
+                .unwrap()
+                .count(),
+            1,
+            "the malformed entries are gone"
+        );
+        records.remove(key);
+        records.remove(key);
+        assert!(records.read().unwrap().is_empty());
+        records.remove_all().unwrap();
+        assert!(!dir.join("iptables").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,225 @@
+//! The source's loop: watch events into the caches, a pass over them after
+//! each burst, and the watches' health in the log.
+
+use super::*;
+
+type WatchResult<K> = Result<watcher::Event<Lenient<K>>, watcher::Error>;
+
+/// The source's state between events.
+pub(super) struct Engine {
+    pub(super) config: KubeSourceConfig,
+    pub(super) pods: Store<Lenient<Pod>>,
+    pub(super) namespaces: Store<Lenient<Namespace>>,
+    /// Taken while discovery runs on a blocking thread.
+    pub(super) resolver: Option<Box<dyn NetnsResolver>>,
+    pub(super) out: watch::Sender<Arc<SourcePods>>,
+    /// The UIDs last published, for the annotator.
+    pub(super) published: watch::Sender<Arc<BTreeSet<String>>>,
+    pub(super) pods_changed: Arc<Notify>,
+    /// What was last logged about pods and malformed objects.
+    pub(super) notes: Notes,
+    pub(super) first: bool,
+}
+
+/// Logs a watch's failures once per run of failures.
+#[derive(Default)]
+struct StreamHealth {
+    failing: Option<String>,
+}
+
+impl StreamHealth {
+    fn failed(&mut self, what: &str, error: &watcher::Error) {
+        let text = describe_watch_error(what, error);
+        if matches!(error, watcher::Error::WatchError(status) if status.code == 410) {
+            info!("{text}");
+        } else if self.failing.as_ref() != Some(&text) {
+            warn!("{text}; keeping the last known {what} and retrying");
+        } else {
+            debug!("{text}");
+        }
+        self.failing = Some(text);
+    }
+
+    fn ok(&mut self, what: &str) {
+        if self.failing.take().is_some() {
+            info!("watching {what} again");
+        }
+    }
+}
+
+fn describe_watch_error(what: &str, error: &watcher::Error) -> String {
+    let api = |verb: &str, e: &kube::Error| match e {
+        kube::Error::Api(status) if status.code == 403 => {
+            format!(
+                "RBAC denies the agent `{verb}` on {what}: {}",
+                status.message
+            )
+        }
+        other => format!("cannot {verb} {what}: {}", crate::error_chain(other)),
+    };
+    match error {
+        watcher::Error::InitialListFailed(e) => api("list", e),
+        watcher::Error::WatchStartFailed(e) | watcher::Error::WatchFailed(e) => api("watch", e),
+        watcher::Error::WatchError(status) if status.code == 410 => {
+            format!("watching {what}: resource version expired (410 Gone); listing them again")
+        }
+        watcher::Error::WatchError(status) => {
+            format!(
+                "watching {what}: the API server sent an error ({}): {}",
+                status.code, status.message
+            )
+        }
+        watcher::Error::NoResourceVersion => {
+            format!("watching {what}: the API server gave no resourceVersion")
+        }
+    }
+}
+
+impl Engine {
+    pub(super) async fn run(
+        mut self,
+        pod_events: impl Stream<Item = WatchResult<Pod>> + Send,
+        namespace_events: impl Stream<Item = WatchResult<Namespace>> + Send,
+        synced: oneshot::Sender<()>,
+    ) {
+        let mut pod_events = std::pin::pin!(pod_events);
+        let mut namespace_events = std::pin::pin!(namespace_events);
+        let (mut pods_synced, mut namespaces_synced) = (false, false);
+        let (mut pod_health, mut namespace_health) =
+            (StreamHealth::default(), StreamHealth::default());
+        let mut synced = Some(synced);
+        let mut tick = tokio::time::interval(self.config.resync);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Pods the resolver left for its next scan of /proc.
+        let mut retry: Option<tokio::time::Instant> = None;
+        loop {
+            let mut dirty = tokio::select! {
+                Some(event) = pod_events.next() => on_event("pods", event, &mut pods_synced, &mut pod_health),
+                Some(event) = namespace_events.next() => {
+                    on_event("namespaces", event, &mut namespaces_synced, &mut namespace_health)
+                }
+                _ = tick.tick() => true,
+                () = tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)), if retry.is_some() => {
+                    retry = None;
+                    true
+                }
+            };
+            // Take whatever else is ready, so a burst makes one pass.
+            loop {
+                let mut progressed = false;
+                if let Some(Some(event)) = pod_events.next().now_or_never() {
+                    dirty |= on_event("pods", event, &mut pods_synced, &mut pod_health);
+                    progressed = true;
+                }
+                if let Some(Some(event)) = namespace_events.next().now_or_never() {
+                    dirty |= on_event(
+                        "namespaces",
+                        event,
+                        &mut namespaces_synced,
+                        &mut namespace_health,
+                    );
+                    progressed = true;
+                }
+                if !progressed {
+                    break;
+                }
+            }
+            if !(pods_synced && namespaces_synced && dirty) {
+                continue;
+            }
+            self.publish().await;
+            retry = self
+                .resolver
+                .as_ref()
+                .and_then(|resolver| resolver.retry_in())
+                .map(|after| tokio::time::Instant::now() + after);
+            if let Some(synced) = synced.take() {
+                let _ = synced.send(());
+            }
+        }
+    }
+
+    /// Works out the desired pods from the caches and publishes them if they
+    /// changed (the first time, always).
+    async fn publish(&mut self) {
+        let mut classified = evaluate::classify(
+            &self.pods.state(),
+            &self.namespaces.state(),
+            &self.config.excluded_namespaces,
+            &mut self.notes,
+        );
+        let queries = std::mem::take(&mut classified.queries);
+        let mut resolver = self
+            .resolver
+            .take()
+            .expect("the resolver is back after each pass");
+        let (resolver, queries, found) = tokio::task::spawn_blocking(move || {
+            let found = resolver.resolve(&queries);
+            (resolver, queries, found)
+        })
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        self.resolver = Some(resolver);
+        let snapshot = classified.snapshot(queries, &found, &mut self.notes);
+
+        let uids: BTreeSet<String> = snapshot
+            .ambient
+            .iter()
+            .map(|s| s.workload.uid.clone())
+            .collect();
+        if std::mem::take(&mut self.first) {
+            info!(
+                "pods of node {}: {} ambient, {} not (initial snapshot)",
+                self.config.node_name,
+                snapshot.ambient.len(),
+                snapshot.not_ambient.len()
+            );
+            self.out.send_replace(Arc::new(snapshot));
+        } else {
+            self.out.send_if_modified(|current| {
+                let changed = **current != snapshot;
+                if changed {
+                    *current = Arc::new(snapshot);
+                }
+                changed
+            });
+        }
+        self.published.send_if_modified(|current| {
+            let changed = **current != uids;
+            if changed {
+                *current = Arc::new(uids);
+            }
+            changed
+        });
+        self.pods_changed.notify_one();
+    }
+}
+
+/// Whether an event changes the caches (the store swaps in a relist only at
+/// `InitDone`); marks the stream synced at `InitDone`.
+fn on_event<K>(
+    what: &str,
+    event: WatchResult<K>,
+    synced: &mut bool,
+    health: &mut StreamHealth,
+) -> bool {
+    match event {
+        Ok(watcher::Event::InitDone) => {
+            health.ok(what);
+            if !*synced {
+                debug!("{what} synced");
+            }
+            *synced = true;
+            true
+        }
+        Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
+            health.ok(what);
+            true
+        }
+        Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => false,
+        Err(error) => {
+            health.failed(what, &error);
+            false
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! The `redirect` suite's summary over runs, and its tables.
+
+use super::*;
+
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct ModeSummary {
+    pub(super) clients: usize,
+    pub(super) mode: Mode,
+    pub(super) conn_per_s: Stats,
+    pub(super) rate_errors: u64,
+    pub(super) p50_us: Stats,
+    pub(super) p99_us: Stats,
+    pub(super) req_per_s: Stats,
+    /// Medians over the runs, in cores.
+    pub(super) rate_cpu: CoresSummary,
+    pub(super) latency_cpu: CoresSummary,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct CoresSummary {
+    pub(super) loadgen: f64,
+    pub(super) ztunnel: f64,
+    pub(super) echo: f64,
+    pub(super) agent: Option<f64>,
+    pub(super) machine_busy: f64,
+    pub(super) machine_softirq: f64,
+    pub(super) busiest: &'static str,
+}
+
+impl CoresSummary {
+    pub(super) fn of(samples: &[&CpuSample]) -> Self {
+        let med = |f: &dyn Fn(&CpuSample) -> f64| {
+            Stats::of(&samples.iter().map(|s| f(s)).collect::<Vec<_>>())
+                .map_or(f64::NAN, |s| s.median)
+        };
+        let agent = samples
+            .iter()
+            .map(|s| s.agent)
+            .collect::<Option<Vec<_>>>()
+            .and_then(|a| Stats::of(&a))
+            .map(|s| s.median);
+        let sample = CpuSample {
+            wall_s: 0.0,
+            loadgen: med(&|s| s.loadgen),
+            ztunnel: med(&|s| s.ztunnel),
+            echo: med(&|s| s.echo),
+            agent,
+            bench_other: med(&|s| s.bench_other),
+            machine_busy: med(&|s| s.machine_busy),
+            machine_softirq: med(&|s| s.machine_softirq),
+            machine_steal: med(&|s| s.machine_steal),
+        };
+        Self {
+            loadgen: sample.loadgen,
+            ztunnel: sample.ztunnel,
+            echo: sample.echo,
+            agent,
+            machine_busy: sample.machine_busy,
+            machine_softirq: sample.machine_softirq,
+            busiest: sample.busiest().0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct Ratios {
+    pub(super) clients: usize,
+    pub(super) conn_rate_ebpf_over_iptables: f64,
+    pub(super) conn_rate_ebpf_over_direct: f64,
+    pub(super) p50_ebpf_over_iptables: f64,
+    pub(super) p50_ebpf_over_direct: f64,
+    pub(super) p99_ebpf_over_iptables: f64,
+    pub(super) p99_ebpf_over_direct: f64,
+    /// With a trace reader attached against without (NaN: not measured).
+    pub(super) conn_rate_traced_over_ebpf: f64,
+    pub(super) p50_traced_over_ebpf: f64,
+    pub(super) p99_traced_over_ebpf: f64,
+    /// A pod not enrolled, the agent running against none (NaN: not
+    /// measured): the cost to bystanders.
+    pub(super) conn_rate_ebpf_bystander_over_direct: f64,
+    pub(super) p50_ebpf_bystander_over_direct: f64,
+    pub(super) p99_ebpf_bystander_over_direct: f64,
+    pub(super) conn_rate_iptables_bystander_over_direct: f64,
+    pub(super) p50_iptables_bystander_over_direct: f64,
+    pub(super) p99_iptables_bystander_over_direct: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct ConntrackSummary {
+    pub(super) mode: Mode,
+    pub(super) pod_per_connection: Option<f64>,
+    pub(super) node_per_connection: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct Summary {
+    pub(super) modes: Vec<ModeSummary>,
+    pub(super) ratios: Vec<Ratios>,
+    pub(super) conntrack: Vec<ConntrackSummary>,
+}
+
+pub(super) fn summarize(runs: &[ModeRun], clients: &[usize], measured: &[Mode]) -> Summary {
+    let mut modes = Vec::new();
+    let mut ratios = Vec::new();
+    for &c in clients {
+        let mut medians = std::collections::HashMap::new();
+        for &mode in measured {
+            let points: Vec<&Point> = runs
+                .iter()
+                .filter(|r| r.mode == mode)
+                .flat_map(|r| r.points.iter().filter(|p| p.clients == c))
+                .collect();
+            let stats = |f: &dyn Fn(&Point) -> f64| {
+                Stats::of(&points.iter().map(|p| f(p)).collect::<Vec<_>>())
+            };
+            let (Some(conn), Some(p50), Some(p99), Some(req)) = (
+                stats(&|p| p.rate.per_second),
+                stats(&|p| p.latency.p50_us),
+                stats(&|p| p.latency.p99_us),
+                stats(&|p| p.latency.per_second),
+            ) else {
+                continue;
+            };
+            medians.insert(mode.name(), (conn.median, p50.median, p99.median));
+            modes.push(ModeSummary {
+                clients: c,
+                mode,
+                conn_per_s: conn,
+                rate_errors: points.iter().map(|p| p.rate.errors).sum(),
+                p50_us: p50,
+                p99_us: p99,
+                req_per_s: req,
+                rate_cpu: CoresSummary::of(&points.iter().map(|p| &p.rate.cpu).collect::<Vec<_>>()),
+                latency_cpu: CoresSummary::of(
+                    &points.iter().map(|p| &p.latency.cpu).collect::<Vec<_>>(),
+                ),
+            });
+        }
+        let get = |m: &str, i: usize| {
+            medians.get(m).map(|t: &(f64, f64, f64)| match i {
+                0 => t.0,
+                1 => t.1,
+                _ => t.2,
+            })
+        };
+        ratios.push(Ratios {
+            clients: c,
+            conn_rate_ebpf_over_iptables: sys::ratio(get("ebpf", 0), get("iptables", 0)),
+            conn_rate_ebpf_over_direct: sys::ratio(get("ebpf", 0), get("direct", 0)),
+            p50_ebpf_over_iptables: sys::ratio(get("ebpf", 1), get("iptables", 1)),
+            p50_ebpf_over_direct: sys::ratio(get("ebpf", 1), get("direct", 1)),
+            p99_ebpf_over_iptables: sys::ratio(get("ebpf", 2), get("iptables", 2)),
+            p99_ebpf_over_direct: sys::ratio(get("ebpf", 2), get("direct", 2)),
+            conn_rate_traced_over_ebpf: sys::ratio(get("ebpf+trace", 0), get("ebpf", 0)),
+            p50_traced_over_ebpf: sys::ratio(get("ebpf+trace", 1), get("ebpf", 1)),
+            p99_traced_over_ebpf: sys::ratio(get("ebpf+trace", 2), get("ebpf", 2)),
+            conn_rate_ebpf_bystander_over_direct: sys::ratio(
+                get("ebpf bystander", 0),
+                get("direct", 0),
+            ),
+            p50_ebpf_bystander_over_direct: sys::ratio(get("ebpf bystander", 1), get("direct", 1)),
+            p99_ebpf_bystander_over_direct: sys::ratio(get("ebpf bystander", 2), get("direct", 2)),
+            conn_rate_iptables_bystander_over_direct: sys::ratio(
+                get("iptables bystander", 0),
+                get("direct", 0),
+            ),
+            p50_iptables_bystander_over_direct: sys::ratio(
+                get("iptables bystander", 1),
+                get("direct", 1),
+            ),
+            p99_iptables_bystander_over_direct: sys::ratio(
+                get("iptables bystander", 2),
+                get("direct", 2),
+            ),
+        });
+    }
+    let conntrack = measured
+        .iter()
+        .map(|&mode| {
+            let median = |f: &dyn Fn(&Conntrack) -> Option<f64>| {
+                runs.iter()
+                    .filter(|r| r.mode == mode)
+                    .map(|r| f(&r.conntrack))
+                    .collect::<Option<Vec<_>>>()
+                    .and_then(|v| Stats::of(&v))
+                    .map(|s| s.median)
+            };
+            ConntrackSummary {
+                mode,
+                pod_per_connection: median(&|c| c.pod_per_connection),
+                node_per_connection: median(&|c| c.node_per_connection),
+            }
+        })
+        .collect();
+    Summary {
+        modes,
+        ratios,
+        conntrack,
+    }
+}
+
+/// Prints the tables of one group of runs (`steady`: every run after the
+/// first; `first`: the first, reported apart).
+pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectArgs, group: &str) {
+    let counted = runs
+        .iter()
+        .map(|r| r.run)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    let f0 = |v: f64| format!("{v:.0}");
+    let f1 = |v: f64| format!("{v:.1}");
+    let f2 = |v: f64| format!("{v:.2}");
+    let x = |v: f64| {
+        if v.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{v:.2}x")
+        }
+    };
+    println!();
+    println!("== {group} ({counted} run(s); modes in balanced order, fresh namespaces each)");
+    println!(
+        "New connections per second (each: connect, {MESSAGE} B request/echo, close), median of {counted} runs of {} s; CPU in cores (medians)",
+        args.duration_secs
+    );
+    let mut table = Table::new([
+        "clients", "mode", "conn/s", "min", "max", "errors", "loadgen", "ztunnel", "echo", "agent",
+        "softirq", "machine", "busiest",
+    ]);
+    for m in &summary.modes {
+        let cpu = &m.rate_cpu;
+        table.row([
+            m.clients.to_string(),
+            m.mode.name().to_owned(),
+            f0(m.conn_per_s.median),
+            f0(m.conn_per_s.min),
+            f0(m.conn_per_s.max),
+            m.rate_errors.to_string(),
+            f2(cpu.loadgen),
+            f2(cpu.ztunnel),
+            f2(cpu.echo),
+            cpu.agent.map_or("-".to_owned(), f2),
+            f2(cpu.machine_softirq),
+            f2(cpu.machine_busy),
+            cpu.busiest.to_owned(),
+        ]);
+    }
+    print!("{table}");
+    println!();
+    println!(
+        "Request latency on kept-alive connections ({MESSAGE} B ping-pong per client), µs, median of {counted} runs"
+    );
+    let mut table = Table::new([
+        "clients", "mode", "p50", "p99", "p99 max", "req/s", "loadgen", "ztunnel", "echo",
+        "softirq", "machine", "busiest",
+    ]);
+    for m in &summary.modes {
+        let cpu = &m.latency_cpu;
+        table.row([
+            m.clients.to_string(),
+            m.mode.name().to_owned(),
+            f1(m.p50_us.median),
+            f1(m.p99_us.median),
+            f1(m.p99_us.max),
+            f0(m.req_per_s.median),
+            f2(cpu.loadgen),
+            f2(cpu.ztunnel),
+            f2(cpu.echo),
+            f2(cpu.machine_softirq),
+            f2(cpu.machine_busy),
+            cpu.busiest.to_owned(),
+        ]);
+    }
+    print!("{table}");
+    println!();
+    println!("Ratios of medians (conn/s: higher is better; latency: lower is better)");
+    let mut table = Table::new([
+        "clients",
+        "conn/s ebpf/iptables",
+        "conn/s ebpf/direct",
+        "p50 ebpf/iptables",
+        "p50 ebpf/direct",
+        "p99 ebpf/iptables",
+        "p99 ebpf/direct",
+    ]);
+    for r in &summary.ratios {
+        table.row([
+            r.clients.to_string(),
+            x(r.conn_rate_ebpf_over_iptables),
+            x(r.conn_rate_ebpf_over_direct),
+            x(r.p50_ebpf_over_iptables),
+            x(r.p50_ebpf_over_direct),
+            x(r.p99_ebpf_over_iptables),
+            x(r.p99_ebpf_over_direct),
+        ]);
+    }
+    print!("{table}");
+    if args.trace_reader {
+        println!();
+        println!("Cost of a trace reader: ebpf+trace / ebpf, ratios of medians");
+        let mut table = Table::new(["clients", "conn/s", "p50", "p99"]);
+        for r in &summary.ratios {
+            table.row([
+                r.clients.to_string(),
+                x(r.conn_rate_traced_over_ebpf),
+                x(r.p50_traced_over_ebpf),
+                x(r.p99_traced_over_ebpf),
+            ]);
+        }
+        print!("{table}");
+    }
+    if args.bystanders {
+        println!();
+        println!(
+            "Cost to bystanders: a pod that is not enrolled, the agent running / no agent, ratios of medians"
+        );
+        let mut table = Table::new([
+            "clients",
+            "conn/s ebpf",
+            "p50 ebpf",
+            "p99 ebpf",
+            "conn/s iptables",
+            "p50 iptables",
+            "p99 iptables",
+        ]);
+        for r in &summary.ratios {
+            table.row([
+                r.clients.to_string(),
+                x(r.conn_rate_ebpf_bystander_over_direct),
+                x(r.p50_ebpf_bystander_over_direct),
+                x(r.p99_ebpf_bystander_over_direct),
+                x(r.conn_rate_iptables_bystander_over_direct),
+                x(r.p50_iptables_bystander_over_direct),
+                x(r.p99_iptables_bystander_over_direct),
+            ]);
+        }
+        print!("{table}");
+    }
+    println!();
+    println!(
+        "conntrack entries created per connection ({} sequential connections; nf_conntrack_count in the pod's and the node's namespace)",
+        args.conntrack_connections
+    );
+    let mut table = Table::new(["mode", "pod", "node", "runs (pod/node after)"]);
+    for c in &summary.conntrack {
+        let after: Vec<String> = runs
+            .iter()
+            .filter(|r| r.mode == c.mode)
+            .map(|r| {
+                let n = |v: Option<u64>| v.map_or("-".to_owned(), |v| v.to_string());
+                format!("{}/{}", n(r.conntrack.pod_after), n(r.conntrack.node_after))
+            })
+            .collect();
+        table.row([
+            c.mode.name().to_owned(),
+            c.pod_per_connection.map_or("-".to_owned(), f2),
+            c.node_per_connection.map_or("-".to_owned(), f2),
+            after.join(" "),
+        ]);
+    }
+    print!("{table}");
+}
