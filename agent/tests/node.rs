@@ -377,6 +377,10 @@ fn ipset_members(node: &Node, set: &str) -> String {
 }
 
 async fn pods_from_the_runtime_are_captured_discovered_and_removed_cleanly(mode: &'static str) {
+    if let Some(why) = ambpf_testbed::node::containers_cannot_start() {
+        eprintln!("skipped: {why}");
+        return;
+    }
     let _serial = SERIAL.lock().await;
     let mut setup = Setup::create(mode).await;
     let ztunnel_cgroup = setup.ztunnel_cgroup();
@@ -528,6 +532,10 @@ async fn iptables_pods_from_the_runtime_are_captured_discovered_and_removed_clea
 async fn without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains(
     mode: &'static str,
 ) {
+    if let Some(why) = ambpf_testbed::node::containers_cannot_start() {
+        eprintln!("skipped: {why}");
+        return;
+    }
     let _serial = SERIAL.lock().await;
     let mut setup = Setup::create(mode).await;
     let ztunnel_cgroup = setup.ztunnel_cgroup();

@@ -64,6 +64,41 @@ const CRI_LOOPBACK_NETWORK: &str = "cni-loopback";
 /// cgroups in each).
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
+/// The cgroup v2 controllers runc writes for every container: `cpu` (the
+/// CRI plugin gives each sandbox CPU shares) and `pids` (podman's default
+/// pids limit).
+const CONTAINER_CONTROLLERS: [&str; 2] = ["cpu", "pids"];
+
+/// Why no container can start on this machine, if none can: cgroup v2 is the
+/// only hierarchy mounted (so runc drives it) but it does not offer the
+/// controllers runc writes. Every pure cgroup v2 node offers them; a hybrid
+/// host's v2 hierarchy seen alone from a mount namespace (a container that
+/// remounted `/sys/fs/cgroup` as cgroup v2, as `cargo xtask fresh` does on a
+/// hybrid host) does not, because the host binds them to cgroup v1. Tests
+/// that start containers skip themselves with this reason.
+pub fn containers_cannot_start() -> Option<String> {
+    let root = cgroup2_root().ok()?;
+    // Elsewhere (hybrid: `/sys/fs/cgroup/unified`) the v1 hierarchies are
+    // mounted too and runc drives them.
+    if root != Path::new(CGROUP_ROOT) {
+        return None;
+    }
+    let offered = fs::read_to_string(root.join("cgroup.controllers")).ok()?;
+    let missing: Vec<&str> = CONTAINER_CONTROLLERS
+        .into_iter()
+        .filter(|c| !offered.split_whitespace().any(|o| o == *c))
+        .collect();
+    (!missing.is_empty()).then(|| {
+        format!(
+            "cgroup v2 alone is mounted at {} and offers [{}], without {}: runc cannot start \
+             containers (a hybrid host binds those controllers to cgroup v1)",
+            root.display(),
+            offered.trim(),
+            missing.join(", ")
+        )
+    })
+}
+
 /// How the node is set up.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
