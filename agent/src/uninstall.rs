@@ -32,7 +32,7 @@ use crate::{
     redirect::{
         RedirectMode, check, ebpf,
         iptables::{self, PodRulesFound},
-        podnet, routing,
+        nftables, podnet, routing,
     },
     sources::kube,
 };
@@ -111,13 +111,20 @@ pub fn uninstall(config: &UninstallConfig) -> anyhow::Result<()> {
     // by inode on its own would scan /proc once a pod.
     let namespaces = std::cell::OnceCell::new();
     let namespaces = || namespaces.get_or_init(crate::netns::all);
-    if config.mode != Some(RedirectMode::Iptables) {
+    let this_mode = |mode| config.mode.is_none_or(|m| m == mode);
+    if this_mode(RedirectMode::Ebpf) {
         ebpf_state(&config.pins, namespaces, &mut report);
     }
-    if config.mode != Some(RedirectMode::Ebpf) {
+    for mode in [RedirectMode::Iptables, RedirectMode::Nftables] {
+        if !this_mode(mode) {
+            continue;
+        }
         match Netns::open("/proc/self/ns/net") {
-            Ok(host) => iptables_state(&host, namespaces(), &config.pins, &mut report),
-            Err(e) => report.failed(format!("iptables: opening this host's namespace: {e}")),
+            Ok(host) if mode == RedirectMode::Iptables => {
+                iptables_state(&host, namespaces(), &config.pins, &mut report)
+            }
+            Ok(host) => nftables_state(&host, namespaces(), &config.pins, &mut report),
+            Err(e) => report.failed(format!("{mode:?}: opening this host's namespace: {e}")),
         }
     }
     match &config.kube {
@@ -313,10 +320,58 @@ fn iptables_state(host: &Netns, namespaces: &[Netns], pins: &PinLayout, report: 
     }
 }
 
+/// Every namespace holding the nftables mode's tables (those with ambpf's
+/// comment; another tool's stay), then the host table, then the records.
+fn nftables_state(host: &Netns, namespaces: &[Netns], pins: &PinLayout, report: &mut Report) {
+    let nft = match nftables::Nft::find(host) {
+        Ok(nft) => nft,
+        // No nft, no nftables mode: nothing of it can be there.
+        Err(nftables::NftablesError::Missing) => return,
+        Err(e) => return report.failed(format!("nftables: {}", crate::error_chain(&e))),
+    };
+    let mut clean = true;
+    for netns in namespaces.iter().filter(|ns| ns.inode() != host.inode()) {
+        let path = netns.path().display();
+        match nftables::remove_pod_tables(&nft, netns) {
+            Ok(removed) if removed.is_empty() => {}
+            Ok(removed) => report.done(format!(
+                "removed the nftables tables ({}) and reply routing of {path}",
+                removed.join(", ")
+            )),
+            Err(e) => {
+                clean = false;
+                let e = crate::error_chain(&e);
+                report.failed(format!("removing the nftables tables of {path}: {e}"));
+            }
+        }
+    }
+    if !clean {
+        return report.done(
+            "kept the host's nftables probe table: a pod still has its tables (its kubelet \
+             probes need it)",
+        );
+    }
+    match nftables::remove_host_table(&nft, host) {
+        Ok(true) => report.done(format!(
+            "removed the host's nftables table inet {} (probe rule and sets)",
+            nftables::NAT_TABLE
+        )),
+        Ok(false) => {}
+        Err(e) => {
+            let e = crate::error_chain(&e);
+            return report.failed(format!("removing the host's nftables table: {e}"));
+        }
+    }
+    remove_records_dir(pins.nftables_pods_dir(), report);
+}
+
 /// The iptables mode's records of its pods (only once every pod is clean:
 /// they are how a new agent finds what is left).
 fn remove_pod_records(pins: &PinLayout, report: &mut Report) {
-    let dir = pins.iptables_pods_dir();
+    remove_records_dir(pins.iptables_pods_dir(), report);
+}
+
+fn remove_records_dir(dir: PathBuf, report: &mut Report) {
     let Some(parent) = dir.parent() else { return };
     match std::fs::remove_dir_all(parent) {
         Ok(()) => report.done(format!("removed {}", parent.display())),

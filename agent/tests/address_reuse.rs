@@ -249,6 +249,7 @@ impl Node {
     /// A new agent's redirection, on the state earlier agents left.
     fn redirection(&self) -> Box<dyn PodRedirection> {
         match self.mode {
+            RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
             RedirectMode::Ebpf => {
                 let mut dataplane = Dataplane::load(self.pins()).unwrap();
                 let cgroup = self.cgroup.as_ref().unwrap();
@@ -327,6 +328,7 @@ impl Node {
         self.assert_captured(agent, 0, Y).await;
         let ips = self.cluster.pods[0].ips();
         match self.mode {
+            RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
             RedirectMode::Ebpf => {
                 let pins = self.pins();
                 let pods: Vec<u64> = inspect::read_pods(&pins)
@@ -437,6 +439,7 @@ impl Node {
         let mut expected = ips.to_vec();
         expected.sort_unstable();
         match self.mode {
+            RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
             RedirectMode::Ebpf => {
                 let pins = self.pins();
                 let pods = inspect::read_pods(&pins).unwrap();

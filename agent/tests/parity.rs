@@ -827,7 +827,8 @@ fn expected_in(mode: RedirectMode, case: &Case) -> BTreeMap<&'static str, String
         .collect();
     for d in DIFFERENCES.iter().filter(|d| d.case == case.name) {
         let value = match mode {
-            RedirectMode::Iptables => d.iptables,
+            // The nftables mode writes the iptables mode's rules.
+            RedirectMode::Iptables | RedirectMode::Nftables => d.iptables,
             RedirectMode::Ebpf => d.ebpf,
         };
         let slot = expected

@@ -24,6 +24,7 @@ use ambpf::{
     redirect::{
         CheckScope, RedirectMode, ViolationKind,
         iptables::{self, Family},
+        nftables,
     },
 };
 use ambpf_common::{IpKey, PodConfig, maps};
@@ -43,7 +44,7 @@ mod modes;
 mod pod_fixture;
 use pod_fixture::*;
 
-in_both_modes!(
+in_all_modes!(
     outbound_tcp_reaches_ztunnel_which_recovers_the_original_destination,
     |f| {
         for v6 in [false, true] {
@@ -60,7 +61,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     an_app_that_closes_before_a_busy_ztunnel_asks_still_has_its_destination_answered,
     |f| {
         // A busy ztunnel: it asks a connection's original destination only
@@ -102,7 +103,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     outbound_capture_keeps_the_pods_address_as_istios_redirect_does,
     |f| {
         let cases = [
@@ -156,7 +157,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     inbound_tcp_reaches_ztunnel_and_the_app_sees_the_client_source,
     |f| {
         for v6 in [false, true] {
@@ -172,7 +173,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     hbone_port_goes_straight_to_ztunnel_and_probes_straight_to_the_app,
     |f| {
         let before = f.proxied().len();
@@ -184,7 +185,8 @@ in_both_modes!(
         let node_ip: IpAddr = f.cluster.node_addresses()[2];
         let app_sees = match f.mode {
             RedirectMode::Ebpf => node_ip,
-            RedirectMode::Iptables => iptables::PROBE_SNAT_V4.into(),
+            // The nftables mode's host rule SNATs the same traffic.
+            RedirectMode::Iptables | RedirectMode::Nftables => iptables::PROBE_SNAT_V4.into(),
         };
         echo_once(
             &f.cluster.node,
@@ -194,7 +196,7 @@ in_both_modes!(
         );
         assert_eq!(f.app.last_peer().unwrap().ip(), app_sees);
         assert_eq!(f.proxied().len(), before, "a probe went through ztunnel");
-        if f.mode == RedirectMode::Iptables {
+        if f.mode != RedirectMode::Ebpf {
             // And Istio's IPv6 equivalent.
             echo_once(
                 &f.cluster.node,
@@ -236,7 +238,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     with_no_ztunnel_listening_an_inbound_connection_is_refused_at_once_and_never_reaches_the_app,
     |f| {
         // Through ztunnel first: the paths (and IPv6 neighbours) are up.
@@ -289,7 +291,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     ztunnel_marked_loopback_own_address_and_neighbour_traffic_is_never_captured,
     |f| {
         let before = f.proxied().len();
@@ -334,6 +336,17 @@ in_both_modes!(
 
 /// One connection from the pod to `to` on a thread with only `privileges`,
 /// whose socket first tries to take ztunnel's mark 0x539; whether it could.
+/// What `nft args...` prints in `ns` (nftables mode).
+fn nft_listing(ns: &NetnsGuard, args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns.name(), "nft"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "nft {args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
 fn echo_trying_ztunnels_mark(f: &Fixture, to: SocketAddr, privileges: Privileges) -> bool {
     tokio::task::block_in_place(|| {
         f.pod()
@@ -372,7 +385,7 @@ fn net_raw_may_mark() -> bool {
     (numbers.next().unwrap(), numbers.next().unwrap()) >= (5, 17)
 }
 
-in_both_modes!(
+in_all_modes!(
     an_unprivileged_app_cannot_take_ztunnels_mark_and_a_net_admin_one_can,
     |f| {
         let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
@@ -476,7 +489,7 @@ fn syn_arrives(ns: &NetnsGuard, from: IpAddr, port: u16, send: impl FnOnce() + S
     false
 }
 
-in_both_modes!(
+in_all_modes!(
     a_raw_socket_syn_from_the_pod_does_not_leave_it_uncaptured,
     |f| {
         // CAP_NET_RAW, which container runtimes grant by default, opens a
@@ -535,7 +548,7 @@ in_both_modes!(
             assert!(!arrived, "the raw SYN left the pod uncaptured (IPv6: {v6})");
             match f.mode {
                 // nat OUTPUT sends it to ztunnel's 15001.
-                RedirectMode::Iptables => assert_eq!(sent, Ok(())),
+                RedirectMode::Iptables | RedirectMode::Nftables => assert_eq!(sent, Ok(())),
                 // The egress drop is the sender's EPERM, and counted.
                 RedirectMode::Ebpf => {
                     assert_eq!(sent, Err(Some(libc::EPERM)), "IPv6: {v6}");
@@ -549,7 +562,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     unenrolling_keeps_open_connections_and_stops_capturing_new_ones,
     |f| {
         let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
@@ -601,6 +614,25 @@ in_both_modes!(
                 );
             }
         }
+        if f.mode == RedirectMode::Nftables {
+            // The same: the nat rules, the raw table and the probe set
+            // members go; the mangle table and the policy routing stay, and
+            // the nat table's empty base chains, which keep NAT hooked for
+            // the connections it redirected.
+            let pod = &f.cluster.pods[0].ns;
+            let nat = nft_listing(pod, &["list", "table", "inet", nftables::NAT_TABLE]);
+            assert!(
+                !nat.contains("redirect to") && !nat.contains("jump"),
+                "{nat}"
+            );
+            let tables = nft_listing(pod, &["list", "tables"]);
+            assert_eq!(
+                tables,
+                "table inet istio-ambient-nat\ntable inet istio-ambient-mangle\n"
+            );
+            let sets = nft_listing(&f.cluster.node, &["list", "sets"]);
+            assert!(!sets.contains("elements"), "{sets}");
+        }
 
         tokio::task::block_in_place(|| {
             for conn in [&mut out_conn, &mut in_conn] {
@@ -627,7 +659,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     dns_to_any_resolver_is_answered_by_ztunnels_dns_proxy_as_if_by_that_resolver,
     |f| {
         // Nothing serves DNS at the remote's address: only the capture can
@@ -698,7 +730,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     a_lost_address_record_is_found_by_the_state_check_and_repaired,
     |f| {
         let netns = f.pod_netns();
@@ -738,6 +770,15 @@ in_both_modes!(
                 assert!(deleted.success());
                 ViolationKind::ProbeSetMissing
             }
+            RedirectMode::Nftables => {
+                let element = format!(
+                    "delete element inet {} {} {{ {v4} }}",
+                    nftables::NAT_TABLE,
+                    nftables::PROBE_SET_V4
+                );
+                nft_listing(&f.cluster.node, &[&element]);
+                ViolationKind::ProbeSetMissing
+            }
         };
         let found = f.redirection.check(&known, CheckScope::Records);
         assert_eq!(found.len(), 1, "{found:#?}");
@@ -753,7 +794,7 @@ in_both_modes!(
         let dst = SocketAddr::new(v4, APP_PORT);
         echo_once(&f.cluster.remote.ns, dst, None, None);
         f.wait_proxied(15006, dst).await;
-        if f.mode == RedirectMode::Iptables {
+        if f.mode != RedirectMode::Ebpf {
             let probed = f.proxied().len();
             echo_once(&f.cluster.node, dst, None, None);
             assert_eq!(

@@ -110,6 +110,7 @@ impl Node {
         let mode = match self.mode {
             RedirectMode::Ebpf => "ebpf",
             RedirectMode::Iptables => "iptables",
+            RedirectMode::Nftables => "nftables",
         };
         let mut cmd = agent_command(
             &self.cluster.node,
@@ -296,6 +297,7 @@ async fn pods_that_left_while_the_agent_was_down_lose_their_capture(mode: Redire
     // Nothing of theirs is left on the node either.
     let kept: Vec<IpAddr> = node.cluster.pods[0].ips().to_vec();
     match mode {
+        RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
         RedirectMode::Iptables => {
             let host = Netns::open(&node.cluster.node.path().to_string_lossy()).unwrap();
             for family in Family::ALL {

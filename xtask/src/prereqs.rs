@@ -19,7 +19,7 @@ const TEST_TOOLS: &[(&str, &str)] = &[
     // What the agent loads (agent/tests/bpftool.rs).
     ("bpftool", "bpftool"),
     // The iptables mode: both backends, the host probe SNAT's sets, and the
-    // nat table it creates on a host that has none.
+    // nat table it creates on a host that has none; the nftables mode's nft.
     ("iptables", "iptables"),
     ("ipset", "ipset"),
     ("nft", "nftables"),

@@ -101,6 +101,11 @@ impl PinLayout {
         self.root.join("iptables/pods")
     }
 
+    /// The nftables mode's pod records, as [`Self::iptables_pods_dir`].
+    pub fn nftables_pods_dir(&self) -> PathBuf {
+        self.root.join("nftables/pods")
+    }
+
     /// Checks that the root lies on bpffs, below its mount point (the root
     /// is ambpf's alone), and creates the directory tree.
     pub fn prepare(&self) -> Result<(), PinError> {

@@ -99,9 +99,9 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct UninstallArgs {
-    /// Remove only this redirection mode's state (default: both). `ebpf`
-    /// leaves every iptables rule alone, for a node where Istio's own node
-    /// agent writes the same in-pod rules.
+    /// Remove only this redirection mode's state (default: every mode's).
+    /// `ebpf` leaves every iptables rule and nftables table alone, for a
+    /// node where Istio's own node agent writes the same in-pod rules.
     #[arg(long, value_enum)]
     pub redirect_mode: Option<RedirectMode>,
 

@@ -12,7 +12,10 @@ use crate::{
     controller::{Controller, SourcePods},
     netns::Netns,
     observe,
-    redirect::{PodRedirection, RedirectMode, iptables::IptablesRedirection, podnet},
+    redirect::{
+        PodRedirection, RedirectMode, iptables::IptablesRedirection, nftables::NftablesRedirection,
+        podnet,
+    },
     sources, zds,
 };
 
@@ -107,6 +110,14 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     "iptables redirection ready ({:?} backend)",
                     redirection.backend()
                 );
+                Box::new(redirection)
+            }
+            RedirectMode::Nftables => {
+                // As iptables mode: the host table in the agent's namespace,
+                // the pods recorded under the pin root.
+                let host = Netns::open("/proc/self/ns/net")?;
+                let redirection =
+                    NftablesRedirection::new(host)?.with_records(pins.nftables_pods_dir());
                 Box::new(redirection)
             }
         };

@@ -47,6 +47,8 @@ pub enum EnrollError {
     Attach(#[from] AttachError),
     #[error(transparent)]
     Iptables(#[from] super::iptables::IptablesError),
+    #[error(transparent)]
+    Nftables(#[from] super::nftables::NftablesError),
     #[error("pod in {netns} has no IPv4 or IPv6 address to redirect")]
     NoAddress { netns: PathBuf },
     #[error(

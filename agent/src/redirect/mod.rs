@@ -4,7 +4,9 @@
 //! - [`ebpf`] (the default): programs loaded and attached once per node,
 //!   per-pod state in pinned maps, the reply routing of [`routing`];
 //! - [`iptables`]: Istio's in-pod rule set, the baseline ambpf is measured
-//!   against.
+//!   against;
+//! - [`nftables`]: Istio's native nftables tables, for hosts without
+//!   iptables.
 //!
 //! [`podnet`] and [`routing`] are the netlink plumbing both use.
 
@@ -14,6 +16,7 @@ pub mod ebpf;
 mod ebpf_node;
 pub use ebpf_node::NodeSetupError;
 pub mod iptables;
+pub mod nftables;
 pub mod podnet;
 #[cfg(any(test, feature = "test-support"))]
 pub mod recorder;
@@ -33,6 +36,7 @@ use crate::netns::Netns;
 pub enum RedirectMode {
     Ebpf,
     Iptables,
+    Nftables,
 }
 
 /// Per-pod options.

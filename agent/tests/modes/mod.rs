@@ -1,5 +1,7 @@
 //! One behaviour tested in both redirection modes, `<name>::ebpf` and
-//! `<name>::iptables`, for the test binaries that `mod modes;`.
+//! `<name>::iptables` (`in_both_modes!`), or in all three, with
+//! `<name>::nftables` (`in_all_modes!`), for the test binaries that
+//! `mod modes;`.
 //!
 //! Tests of one binary run one at a time ([`SERIAL`]): the eBPF mode's socket
 //! programs act on every process in the cgroup a test enters, and a test's
@@ -66,5 +68,46 @@ macro_rules! in_both_modes {
                 super::$name(RedirectMode::Iptables).await
             }
         }
+    };
+}
+
+/// As `in_both_modes!`'s first two forms, plus `<name>::nftables`.
+macro_rules! in_all_modes {
+    ($name:ident, |$mode:ident, $cgroup:ident| $body:block) => {
+        mod $name {
+            use super::*;
+
+            async fn run($mode: RedirectMode) {
+                let _serial = crate::modes::SERIAL.lock().await;
+                let cgroup = ($mode == RedirectMode::Ebpf)
+                    .then(|| ambpf_testbed::CgroupGuard::create().unwrap());
+                let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
+                #[allow(unused_variables)]
+                let $cgroup = cgroup.as_ref();
+                $body
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn ebpf() {
+                run(RedirectMode::Ebpf).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn iptables() {
+                run(RedirectMode::Iptables).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn nftables() {
+                run(RedirectMode::Nftables).await
+            }
+        }
+    };
+    ($name:ident, |$f:ident| $body:block) => {
+        in_all_modes!($name, |mode, cgroup| {
+            #[allow(unused_mut)]
+            let mut $f = fixture(mode, cgroup).await;
+            $body
+        });
     };
 }

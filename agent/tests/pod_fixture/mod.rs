@@ -20,6 +20,7 @@ use ambpf::{
     redirect::{
         EnrollOptions, PodRedirection, RedirectMode,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
+        nftables::NftablesRedirection,
     },
     zds::{NetnsSource, Workload, ZdsConfig},
 };
@@ -247,6 +248,11 @@ pub fn node_redirection(
             let redirection = IptablesRedirection::new(host, IptablesBackend::Auto).unwrap();
             let backend = redirection.backend();
             (Box::new(redirection), None, Some(backend))
+        }
+        RedirectMode::Nftables => {
+            let host = Netns::open(cluster.node.name()).unwrap();
+            let redirection = NftablesRedirection::new(host).unwrap();
+            (Box::new(redirection), None, None)
         }
     }
 }

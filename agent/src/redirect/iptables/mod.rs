@@ -102,7 +102,7 @@ pub mod ipset;
 mod nat_table;
 mod node;
 mod probes;
-mod records;
+pub(in crate::redirect) mod records;
 mod rules;
 #[cfg(test)]
 mod tests;
@@ -119,6 +119,9 @@ use std::{
 
 use log::{info, warn};
 
+#[cfg(test)]
+pub(in crate::redirect) use self::tools::PROCESSES_STARTED;
+pub(in crate::redirect) use self::tools::{find_binary, run_in};
 pub use self::{
     node::{
         NodeUninstall, PodRulesFound, find_pod_capture, find_pod_rules, probe_set_members,
@@ -412,7 +415,7 @@ impl IptablesRedirection {
 
 /// A handle of our own on `netns` (the caller's may close): reopened by
 /// path when that still names the same namespace, else through our fd.
-fn keep_netns(netns: &Netns) -> Result<Netns, IptablesError> {
+pub(in crate::redirect) fn keep_netns(netns: &Netns) -> Result<Netns, IptablesError> {
     if let Some(path) = netns.path().to_str()
         && let Ok(again) = Netns::open(path)
         && again.inode() == netns.inode()

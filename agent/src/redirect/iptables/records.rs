@@ -12,7 +12,12 @@
 //! Written once the pod's rules are in place, removed once they are gone. A
 //! name that is not a record is logged and removed.
 
-use std::{collections::HashMap, io, net::IpAddr, path::PathBuf};
+use std::{
+    collections::{BTreeMap, HashMap},
+    io,
+    net::IpAddr,
+    path::PathBuf,
+};
 
 use log::{info, warn};
 
@@ -24,16 +29,16 @@ use crate::{
 
 /// The directory of records.
 #[derive(Debug)]
-pub(super) struct PodRecords {
+pub(in crate::redirect) struct PodRecords {
     dir: PathBuf,
 }
 
 /// A pod an earlier agent enrolled that this one has not (yet).
 #[derive(Debug)]
-pub(super) struct AdoptedPod {
-    pub(super) key: PodKey,
+pub(in crate::redirect) struct AdoptedPod {
+    pub(in crate::redirect) key: PodKey,
     /// Its namespace, held from start-up; `None` when it was gone by then.
-    pub(super) netns: Option<Netns>,
+    pub(in crate::redirect) netns: Option<Netns>,
 }
 
 impl PodRecords {
@@ -70,7 +75,7 @@ impl PodRecords {
         Ok(keys)
     }
 
-    fn write(&self, key: PodKey) {
+    pub(in crate::redirect) fn write(&self, key: PodKey) {
         let path = self.path(key);
         match std::fs::create_dir(&path) {
             Ok(()) => {}
@@ -83,7 +88,7 @@ impl PodRecords {
         }
     }
 
-    fn remove(&self, key: PodKey) {
+    pub(in crate::redirect) fn remove(&self, key: PodKey) {
         let path = self.path(key);
         match std::fs::remove_dir(&path) {
             Ok(()) => {}
@@ -93,7 +98,7 @@ impl PodRecords {
     }
 
     /// The directory, and its parent once empty.
-    fn remove_all(&self) -> io::Result<()> {
+    pub(in crate::redirect) fn remove_all(&self) -> io::Result<()> {
         match std::fs::remove_dir_all(&self.dir) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
             _ => {}
@@ -102,6 +107,48 @@ impl PodRecords {
             let _ = std::fs::remove_dir(parent);
         }
         Ok(())
+    }
+}
+
+impl PodRecords {
+    /// The records under `dir` and the pods they name, each with its
+    /// namespace when it is still there. Without a usable `dir` there are
+    /// none, and the agent runs on, saying that no record is kept.
+    pub(in crate::redirect) fn adopt(dir: PathBuf) -> (Option<Self>, BTreeMap<u64, AdoptedPod>) {
+        let mut adopted = BTreeMap::new();
+        let records = match PodRecords::open(dir.clone()) {
+            Ok(records) => records,
+            Err(e) => {
+                warn!(
+                    "keeping no record of enrolled pods ({}: {e}): an agent started after this \
+                     one will not remove the pods that leave meanwhile",
+                    dir.display()
+                );
+                return (None, adopted);
+            }
+        };
+        let keys = match records.read() {
+            Ok(keys) => keys,
+            Err(e) => {
+                warn!("reading the pod records in {}: {e}", dir.display());
+                Vec::new()
+            }
+        };
+        let mut found = if keys.is_empty() {
+            HashMap::new()
+        } else {
+            locate(&keys)
+        };
+        for key in keys {
+            let netns = found.remove(&key.netns_cookie);
+            let place = netns.as_ref().map_or_else(
+                || "its namespace is gone".to_owned(),
+                |ns| ns.path().display().to_string(),
+            );
+            info!("pod with {key} was enrolled by an earlier agent ({place})");
+            adopted.insert(key.netns_cookie, AdoptedPod { key, netns });
+        }
+        (Some(records), adopted)
     }
 }
 
@@ -141,40 +188,9 @@ impl IptablesRedirection {
     /// or removes them. Without a usable `dir` the agent runs on, saying
     /// that no record is kept.
     pub fn with_records(mut self, dir: PathBuf) -> Self {
-        let records = match PodRecords::open(dir.clone()) {
-            Ok(records) => records,
-            Err(e) => {
-                warn!(
-                    "keeping no record of enrolled pods ({}: {e}): an agent started after this \
-                     one will not remove the pods that leave meanwhile",
-                    dir.display()
-                );
-                return self;
-            }
-        };
-        let keys = match records.read() {
-            Ok(keys) => keys,
-            Err(e) => {
-                warn!("reading the pod records in {}: {e}", dir.display());
-                Vec::new()
-            }
-        };
-        let mut found = if keys.is_empty() {
-            HashMap::new()
-        } else {
-            locate(&keys)
-        };
-        for key in keys {
-            let netns = found.remove(&key.netns_cookie);
-            let place = netns.as_ref().map_or_else(
-                || "its namespace is gone".to_owned(),
-                |ns| ns.path().display().to_string(),
-            );
-            info!("pod with {key} was enrolled by an earlier agent ({place})");
-            self.adopted
-                .insert(key.netns_cookie, AdoptedPod { key, netns });
-        }
-        self.records = Some(records);
+        let (records, adopted) = PodRecords::adopt(dir);
+        self.records = records;
+        self.adopted = adopted;
         self
     }
 

@@ -21,7 +21,7 @@ pub(super) const FALLBACK_DIRS: [&str; 4] = ["/usr/sbin", "/sbin", "/usr/bin", "
 const IPV6_PROC: &str = "/proc/sys/net/ipv6";
 
 /// Looks `name` up in `$PATH`, then in [`FALLBACK_DIRS`].
-pub(super) fn find_binary(name: &str) -> Option<PathBuf> {
+pub(in crate::redirect) fn find_binary(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(FALLBACK_DIRS.iter().map(PathBuf::from))
@@ -97,12 +97,12 @@ fn is_missing_kernel_support(stderr: &str) -> bool {
 thread_local! {
     /// Processes [`run_in`] started on this thread, for tests that count
     /// them against Istio's per-pod operations.
-    pub(super) static PROCESSES_STARTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    pub(in crate::redirect) static PROCESSES_STARTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Runs `program args...` inside `netns` (the child process enters it before
 /// exec), feeding it `input`; returns its stdout.
-pub(super) fn run_in(
+pub(in crate::redirect) fn run_in(
     netns: &Netns,
     program: &Path,
     args: &[&str],

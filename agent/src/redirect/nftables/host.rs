@@ -1,0 +1,270 @@
+//! The host side: the probe sets' members and who owns each, and removing
+//! the mode's state from a node (its pods' tables, then the host table).
+
+use std::net::IpAddr;
+
+use tracing::{info, warn};
+
+use super::{
+    NAT_TABLE, NftablesError, NftablesRedirection, POD_TABLES,
+    rules::{add_elements, delete_elements, delete_tables, set_of},
+    tool::Nft,
+};
+use crate::{
+    netns::Netns,
+    redirect::{
+        AddressConflict, EnrollError, Violation, ViolationKind,
+        claims::{Claim, Release},
+        routing,
+    },
+};
+
+const COMMENT_PREFIX: &str = "netns cookie ";
+
+fn owner_comment(cookie: u64) -> String {
+    format!("{COMMENT_PREFIX}{cookie}")
+}
+
+/// The pod a member's comment names (`None`: not ambpf's comment).
+fn named_pod(comment: Option<&str>) -> Option<u64> {
+    comment?.strip_prefix(COMMENT_PREFIX)?.parse().ok()
+}
+
+/// Every member of the probe sets of `host`, with the pod it names.
+pub fn probe_set_entries(
+    nft: &Nft,
+    host: &Netns,
+) -> Result<Vec<(IpAddr, Option<u64>)>, NftablesError> {
+    let mut out = Vec::new();
+    for set in super::probe_sets() {
+        for (ip, comment) in nft.set_elements(host, NAT_TABLE, set)? {
+            out.push((ip, named_pod(comment.as_deref())));
+        }
+    }
+    Ok(out)
+}
+
+impl NftablesRedirection {
+    /// Claims `addresses` for the pod `cookie`, releases what it claimed
+    /// before (`previous`) and no longer has, and writes the members that
+    /// change in one host transaction (none when nothing changes).
+    pub(super) fn claim_probe_addresses(
+        &mut self,
+        cookie: u64,
+        addresses: &[IpAddr],
+        previous: &[IpAddr],
+    ) -> Result<Vec<AddressConflict>, NftablesError> {
+        let dropped: Vec<IpAddr> = previous
+            .iter()
+            .filter(|ip| !addresses.contains(ip))
+            .copied()
+            .collect();
+        let mut script = self.release_script(cookie, &dropped);
+        let mut conflicts = Vec::new();
+        let mut added = Vec::new();
+        for ip in addresses {
+            let (other, won) = match self.claims.claim(*ip, cookie) {
+                Claim::Owner { displaced } => {
+                    if !previous.contains(ip) || displaced.is_some() {
+                        added.push((*ip, owner_comment(cookie)));
+                    }
+                    match displaced {
+                        Some(other) => (other, true),
+                        None => continue,
+                    }
+                }
+                Claim::Outranked { owner } => (owner, false),
+            };
+            conflicts.push(AddressConflict {
+                address: *ip,
+                other_netns_cookie: other,
+                won,
+            });
+        }
+        script.push_str(&add_elements(&self.in_use(added)));
+        self.apply_host(&script)?;
+        Ok(conflicts)
+    }
+
+    /// Drops the pod `cookie`'s claims on `addresses`, in one transaction.
+    pub(super) fn release_probe_addresses(
+        &mut self,
+        cookie: u64,
+        addresses: &[IpAddr],
+    ) -> Result<(), NftablesError> {
+        let script = self.release_script(cookie, addresses);
+        self.apply_host(&script)
+    }
+
+    /// The members to delete, or to hand to the pod that claims them next.
+    fn release_script(&mut self, cookie: u64, addresses: &[IpAddr]) -> String {
+        let (mut gone, mut passed) = (Vec::new(), Vec::new());
+        for ip in addresses {
+            match self.claims.release(*ip, cookie) {
+                Release::NotOwner => {}
+                Release::Delete => gone.push(*ip),
+                Release::PassTo(next) => {
+                    info!("probe set member {ip} passes back to the pod with netns cookie {next}");
+                    passed.push((*ip, owner_comment(next)));
+                }
+            }
+        }
+        let gone: Vec<IpAddr> = gone
+            .into_iter()
+            .filter(|ip| self.family_in_use(ip))
+            .collect();
+        let mut script = delete_elements(&gone);
+        script.push_str(&add_elements(&self.in_use(passed)));
+        script
+    }
+
+    fn family_in_use(&self, ip: &IpAddr) -> bool {
+        ip.is_ipv4() || self.ipv6
+    }
+
+    fn in_use(&self, elements: Vec<(IpAddr, String)>) -> Vec<(IpAddr, String)> {
+        elements
+            .into_iter()
+            .filter(|(ip, _)| self.family_in_use(ip))
+            .collect()
+    }
+
+    fn apply_host(&self, script: &str) -> Result<(), NftablesError> {
+        if script.is_empty() {
+            return Ok(());
+        }
+        self.nft.apply(&self.host, script)
+    }
+
+    /// Removes the members that name the pod `cookie` (an earlier agent's)
+    /// unless an enrolled pod has claimed the address since.
+    pub(super) fn release_members_naming(&self, cookie: u64) -> Result<(), NftablesError> {
+        let ips: Vec<IpAddr> = probe_set_entries(&self.nft, &self.host)?
+            .into_iter()
+            .filter(|(ip, named)| *named == Some(cookie) && self.claims.owner(ip).is_none())
+            .map(|(ip, _)| ip)
+            .collect();
+        self.apply_host(&delete_elements(&ips))
+    }
+
+    /// Every member against the owners the agent knows.
+    pub(super) fn check_probe_sets(&self) -> Vec<Violation> {
+        let entries = match probe_set_entries(&self.nft, &self.host) {
+            Ok(entries) => entries,
+            Err(e) => {
+                let detail = format!("reading the probe sets: {e}");
+                return vec![Violation::new(ViolationKind::Unreadable, detail)];
+            }
+        };
+        let mut out = Vec::new();
+        for (ip, named) in &entries {
+            let owner = self.claims.owner(ip);
+            if owner.is_some() && owner == *named {
+                continue;
+            }
+            if owner.is_none() && named.is_some_and(|c| self.adopted.contains_key(&c)) {
+                continue;
+            }
+            let detail = format!(
+                "{ip} in {} names {}; its owner is {}",
+                set_of(ip),
+                named.map_or("no pod".into(), |c| format!("netns cookie {c}")),
+                owner.map_or("no enrolled pod".into(), |c| format!("netns cookie {c}")),
+            );
+            out.push(Violation::new(ViolationKind::ProbeSetOrphan, detail).address(*ip));
+        }
+        for (ip, owner) in self.claims.owners() {
+            if entries.iter().any(|(e, _)| *e == ip) || !self.family_in_use(&ip) {
+                continue;
+            }
+            let mut violation = Violation::new(
+                ViolationKind::ProbeSetMissing,
+                format!(
+                    "{ip} of the pod with netns cookie {owner} is not in {}: its kubelet probes \
+                     are captured",
+                    set_of(&ip)
+                ),
+            )
+            .address(ip);
+            violation.pod = self.pods.get(&owner).map(|e| e.key);
+            out.push(violation);
+        }
+        out
+    }
+
+    /// Writes each violating member as its owner's, or deletes it.
+    pub(super) fn repair_probe_sets(&self, violations: &[Violation]) {
+        for violation in violations {
+            if !matches!(
+                violation.kind,
+                ViolationKind::ProbeSetOrphan | ViolationKind::ProbeSetMissing
+            ) {
+                continue;
+            }
+            let Some(ip) = violation.address else {
+                continue;
+            };
+            let script = match self.claims.owner(&ip) {
+                Some(owner) => add_elements(&[(ip, owner_comment(owner))]),
+                None => delete_elements(&[ip]),
+            };
+            match self.apply_host(&script) {
+                Ok(()) => info!("repaired: {violation}"),
+                Err(e) => warn!("repairing {violation}: {e}"),
+            }
+        }
+    }
+}
+
+/// Which of the in-pod table names `netns` holds, split into ambpf's and
+/// another's (no ambpf comment).
+pub fn find_pod_tables(
+    nft: &Nft,
+    netns: &Netns,
+) -> Result<(Vec<&'static str>, Vec<&'static str>), NftablesError> {
+    let present = nft.inet_tables(netns)?;
+    let (mut ours, mut foreign) = (Vec::new(), Vec::new());
+    for name in POD_TABLES {
+        if present.iter().any(|t| t == name) {
+            if nft.owns(netns, name)? {
+                ours.push(name);
+            } else {
+                foreign.push(name);
+            }
+        }
+    }
+    Ok((ours, foreign))
+}
+
+/// Removes ambpf's tables from `netns` (others' stay) and its policy
+/// routing, in one transaction; returns the tables it removed.
+pub fn remove_pod_tables(nft: &Nft, netns: &Netns) -> Result<Vec<&'static str>, EnrollError> {
+    let (ours, _) = find_pod_tables(nft, netns)?;
+    if !ours.is_empty() {
+        nft.apply(netns, &delete_tables(&ours))?;
+        routing::remove_policy_routing(netns)?;
+    }
+    Ok(ours)
+}
+
+/// Removes the host table if it is ambpf's; returns whether it did.
+pub fn remove_host_table(nft: &Nft, host: &Netns) -> Result<bool, NftablesError> {
+    let present = nft.inet_tables(host)?;
+    if !present.iter().any(|t| t == NAT_TABLE) || !nft.owns(host, NAT_TABLE)? {
+        return Ok(false);
+    }
+    nft.apply(host, &delete_tables(&[NAT_TABLE]))?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn members_name_their_pod_in_their_comment() {
+        assert_eq!(named_pod(Some(&owner_comment(4144))), Some(4144));
+        assert_eq!(named_pod(Some("6f1c-uid")), None);
+        assert_eq!(named_pod(None), None);
+    }
+}

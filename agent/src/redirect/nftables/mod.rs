@@ -1,0 +1,516 @@
+//! The nftables redirection: Istio 1.28's native nftables rules
+//! (`global.nativeNftables=true`), for hosts without iptables.
+//!
+//! # What is installed where
+//!
+//! **In each enrolled pod's network namespace**, three `inet` tables, each
+//! added, flushed and rebuilt in one `nft -f -` transaction run by a child
+//! that enters the namespace ([`rules::pod_script`], Istio's
+//! `cni/pkg/nftables/testdata/default.golden` plus its `ip6` rules):
+//!
+//! ```text
+//! istio-ambient-nat     prerouting (nat, -100), output (nat, -100):
+//!                       probe-address accept, inbound redirect to 15006
+//!                       (not to loopback, 15008 or mark 0x539), [dns] to
+//!                       15053, mark 0x111 and loopback accepts, outbound
+//!                       redirect to 15001
+//! istio-ambient-mangle  prerouting (filter, -150): mark 0x539 sets connmark
+//!                       0x111; output (route, -150): connmark 0x111 restored
+//! istio-ambient-raw     [dns] prerouting/output (filter, -300): DNS in
+//!                       conntrack zone 1
+//! policy routing        fwmark 0x111/0xfff lookup 100, local default dev lo
+//!                       (over netlink, shared with the iptables mode)
+//! ```
+//!
+//! Each table carries ambpf's comment ([`OWNED_COMMENT`]), set when it is
+//! created, as knftables marks its tables: a pod whose table of the same
+//! name lacks it is another tool's (Istio's CNI agent, say), and is refused
+//! with its tables untouched. A pod's first write creates the tables with
+//! `create table` (which fails if one exists), so the check costs a read
+//! only when a table is already there.
+//!
+//! **In the host namespace**, once, by [`NftablesRedirection::new`]: the
+//! table `inet istio-ambient-nat` with the sets `istio-inpod-probes-v4/-v6`
+//! (every enrolled pod's addresses, each commented with its owner, as the
+//! iptables mode's ipsets) and a postrouting rule (nat, priority 100) that
+//! SNATs TCP from local sockets to members to 169.254.7.127
+//! (`fd16:9254:7127:1337:ffff:ffff:ffff:ffff`). Istio matches kubelet's UID
+//! there (`meta skuid <uid>`) because nft has no `--socket-exists`; ambpf
+//! matches `meta skuid >= 0`, which is true of every packet that has a full
+//! local socket in this namespace and false of every other (the kernel's
+//! `meta skuid` stops the rule when there is none): the very set of packets
+//! that Istio's iptables rule (`-m owner --socket-exists`) and ambpf's
+//! iptables mode SNAT. Forwarded traffic (kube-proxy's) has no local socket
+//! and is captured, as there.
+//!
+//! # Process counts
+//!
+//! A new pod costs one `nft -f -` in its namespace and one on the host (its
+//! addresses' members, both families in one transaction); re-enrolling
+//! with the same addresses costs the pod's one. A deleted pod costs one
+//! host transaction and nothing in its namespace; an opt-out adds one in
+//! the namespace, which removes the capture rules (the nat table's rules,
+//! the raw table) and keeps the reply path (mangle, policy routing) while
+//! the namespace lives, as the iptables mode does. The nat table's base
+//! chains stay, empty: deleting the last nat chain unhooks NAT from the
+//! namespace, and every connection it redirected would break.
+//!
+//! # Refusals
+//!
+//! At start-up, before anything is written: `nft` missing, `nft` built
+//! without JSON (the mode reads sets through `nft -j`), `nft` older than
+//! [`MIN_NFT_VERSION`], and a host table of the same name that is not
+//! ambpf's.
+
+mod host;
+mod rules;
+#[cfg(test)]
+mod tests;
+mod tool;
+
+use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
+
+use tracing::{info, warn};
+
+pub use self::{
+    host::{find_pod_tables, probe_set_entries, remove_host_table, remove_pod_tables},
+    rules::{host_script, pod_script},
+    tool::Nft,
+};
+use super::{
+    CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection, RedirectMode,
+    Violation, ViolationKind,
+    claims::AddressClaims,
+    iptables::{IptablesError, keep_netns, records},
+    podnet, routing,
+};
+use crate::netns::Netns;
+
+pub const NAT_TABLE: &str = "istio-ambient-nat";
+pub const MANGLE_TABLE: &str = "istio-ambient-mangle";
+pub const RAW_TABLE: &str = "istio-ambient-raw";
+pub const POD_TABLES: [&str; 3] = [NAT_TABLE, MANGLE_TABLE, RAW_TABLE];
+/// Istio's probe sets keep the ipsets' names.
+pub const PROBE_SET_V4: &str = "istio-inpod-probes-v4";
+pub const PROBE_SET_V6: &str = "istio-inpod-probes-v6";
+/// The comment on every table ambpf creates.
+pub const OWNED_COMMENT: &str = "ambpf: Istio ambient redirection";
+/// The conntrack zone of DNS between ztunnel and resolvers.
+const ZONE_DNS: u32 = 1;
+/// nft 1.0.1 is the first that reads only the table it is asked about;
+/// older ones parse the whole ruleset for any command, so a table another
+/// tool wrote with newer features fails or crashes them (knftables'
+/// minimum, for the same reason; Istio #58492 is this with sets).
+pub const MIN_NFT_VERSION: (u32, u32, u32) = (1, 0, 1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftablesError {
+    #[error(
+        "nft not found in $PATH or /usr/sbin, /sbin, /usr/bin, /bin: the nftables redirection \
+         needs it (Debian and RHEL package `nftables`)"
+    )]
+    Missing,
+    #[error(
+        "{nft} has no JSON support (`nft -j` says \"JSON support not compiled-in\"): the \
+         nftables redirection reads its sets as JSON; install an nft built with libjansson"
+    )]
+    NoJson { nft: String },
+    #[error(
+        "{nft} is nftables {found}; the nftables redirection needs {needed} or later (older \
+         ones parse every table of a namespace, and fail on other tools' newer ones)"
+    )]
+    TooOld {
+        nft: String,
+        found: String,
+        needed: String,
+    },
+    #[error("{nft} --version printed no version: {output:?}")]
+    Unversioned { nft: String, output: String },
+    #[error(
+        "{} holds nftables table(s) {} that ambpf did not create (no `{OWNED_COMMENT}` \
+         comment): another tool's; left untouched, not enrolled",
+        netns.display(), tables.join(", ")
+    )]
+    ForeignTables {
+        netns: PathBuf,
+        tables: Vec<&'static str>,
+    },
+    #[error("reading {what}: {cause}")]
+    Unreadable { what: String, cause: String },
+    #[error("{0}")]
+    Run(IptablesError),
+    #[error("removing the pod records: {0}")]
+    Records(std::io::Error),
+}
+
+/// The probe sets of the families in use.
+fn probe_sets() -> impl Iterator<Item = &'static str> {
+    let ipv6 = ipv6_in_kernel();
+    [PROBE_SET_V4, PROBE_SET_V6]
+        .into_iter()
+        .take(if ipv6 { 2 } else { 1 })
+}
+
+fn ipv6_in_kernel() -> bool {
+    std::path::Path::new("/proc/sys/net/ipv6").exists()
+}
+
+#[derive(Debug)]
+struct PodEntry {
+    netns: Netns,
+    key: PodKey,
+    addresses: Vec<IpAddr>,
+}
+
+/// Istio's in-pod nftables tables, per pod, plus the host probe SNAT.
+#[derive(Debug)]
+pub struct NftablesRedirection {
+    host: Netns,
+    nft: Nft,
+    ipv6: bool,
+    pods: BTreeMap<u64, PodEntry>,
+    claims: AddressClaims<IpAddr>,
+    records: Option<records::PodRecords>,
+    adopted: BTreeMap<u64, records::AdoptedPod>,
+}
+
+impl NftablesRedirection {
+    /// Finds and vets `nft`, then writes the host table in `host`.
+    pub fn new(host: Netns) -> Result<Self, NftablesError> {
+        let nft = Nft::find(&host)?;
+        Self::with_nft(host, nft)
+    }
+
+    /// As [`Self::new`] with a vetted `nft`.
+    pub fn with_nft(host: Netns, nft: Nft) -> Result<Self, NftablesError> {
+        let present = nft.inet_tables(&host)?;
+        if present.iter().any(|t| t == NAT_TABLE) && !nft.owns(&host, NAT_TABLE)? {
+            return Err(NftablesError::ForeignTables {
+                netns: host.path().to_owned(),
+                tables: vec![NAT_TABLE],
+            });
+        }
+        let ipv6 = ipv6_in_kernel();
+        nft.apply(&host, &host_script(ipv6))?;
+        info!(
+            "nftables redirection ready (nft {}.{}.{}, host table in {})",
+            nft.version.0,
+            nft.version.1,
+            nft.version.2,
+            host.path().display()
+        );
+        Ok(Self {
+            host,
+            nft,
+            ipv6,
+            pods: BTreeMap::new(),
+            claims: AddressClaims::default(),
+            records: None,
+            adopted: BTreeMap::new(),
+        })
+    }
+
+    pub fn nft(&self) -> &Nft {
+        &self.nft
+    }
+
+    /// Records enrolled pods under `dir` and adopts those an earlier agent
+    /// recorded there (see the iptables mode's records).
+    pub fn with_records(mut self, dir: PathBuf) -> Self {
+        let (records, adopted) = records::PodRecords::adopt(dir);
+        self.records = records;
+        self.adopted = adopted;
+        self
+    }
+
+    /// Removes everything from every enrolled and adopted pod, then the host
+    /// table, then the records.
+    pub fn uninstall(self) -> Result<(), EnrollError> {
+        let adopted = self.adopted.values().filter_map(|p| p.netns.as_ref());
+        for netns in self.pods.values().map(|e| &e.netns).chain(adopted) {
+            remove_pod_tables(&self.nft, netns)?;
+        }
+        remove_host_table(&self.nft, &self.host)?;
+        if let Some(records) = &self.records {
+            records.remove_all().map_err(NftablesError::Records)?;
+        }
+        Ok(())
+    }
+
+    /// The pod's tables, in one transaction: created on its first write
+    /// (refused when another tool's are there), rebuilt after.
+    fn write_pod(&self, netns: &Netns, dns: bool, known: bool) -> Result<(), NftablesError> {
+        let script = pod_script(dns, self.ipv6);
+        if known {
+            return self.nft.apply(netns, &script);
+        }
+        let fresh = script.replace("add table ", "create table ");
+        match self.nft.apply(netns, &fresh) {
+            Err(NftablesError::Run(IptablesError::Failed { stderr, .. }))
+                if stderr.contains("File exists") => {}
+            done => return done,
+        }
+        // A table is there: ambpf's from an earlier agent, or another's.
+        let (_, foreign) = find_pod_tables(&self.nft, netns)?;
+        if !foreign.is_empty() {
+            return Err(NftablesError::ForeignTables {
+                netns: netns.path().to_owned(),
+                tables: foreign,
+            });
+        }
+        self.nft.apply(netns, &script)
+    }
+
+    fn record(&mut self, key: PodKey) {
+        self.adopted.remove(&key.netns_cookie);
+        if let Some(records) = &self.records {
+            records.write(key);
+        }
+    }
+
+    fn forget(&mut self, key: PodKey) {
+        if let Some(records) = &self.records {
+            records.remove(key);
+        }
+    }
+
+    /// Removes a pod an earlier agent enrolled: its members, then all its
+    /// tables and policy routing.
+    fn unenroll_adopted(&mut self, key: PodKey) -> Result<bool, EnrollError> {
+        let Some(pod) = self.adopted.get(&key.netns_cookie) else {
+            return Ok(false);
+        };
+        let key = pod.key;
+        self.release_members_naming(key.netns_cookie)?;
+        if let Some(netns) = &self.adopted[&key.netns_cookie].netns {
+            if let Err(e) = remove_pod_tables(&self.nft, netns) {
+                let torn_down = podnet::inspect(netns).is_ok_and(|n| n.interfaces.is_empty());
+                if !torn_down {
+                    return Err(e);
+                }
+            }
+            info!(
+                "removed the nftables tables and reply routing of {} ({key}), enrolled by an \
+                 earlier agent",
+                netns.path().display()
+            );
+        }
+        self.adopted.remove(&key.netns_cookie);
+        self.forget(key);
+        Ok(true)
+    }
+
+    fn check_pod(&self, key: PodKey, netns: &Netns) -> Vec<Violation> {
+        let mut out = Vec::new();
+        let unreadable = |e: String| Violation::new(ViolationKind::Unreadable, e).for_pod(key);
+        if let (Ok(net), Some(entry)) = (podnet::inspect(netns), self.pods.get(&key.netns_cookie)) {
+            out.extend(crate::redirect::check::addresses_changed(
+                key,
+                &entry.addresses,
+                &net,
+                netns,
+            ));
+        }
+        match find_pod_tables(&self.nft, netns) {
+            Ok((ours, _)) if ours.contains(&NAT_TABLE) => {}
+            Ok(_) => out.push(
+                Violation::new(
+                    ViolationKind::RulesMissing,
+                    format!("the pod with {key} lacks its table {NAT_TABLE}"),
+                )
+                .for_pod(key),
+            ),
+            Err(e) => out.push(unreadable(format!("the pod with {key}: {e}"))),
+        }
+        match routing::reply_routing_status(netns) {
+            Ok(status) if status.policy_routing_installed() => {}
+            Ok(status) => out.push(
+                Violation::new(
+                    ViolationKind::RoutingMissing,
+                    format!("the pod with {key} lacks part of its policy routing: {status:?}"),
+                )
+                .for_pod(key),
+            ),
+            Err(e) => out.push(unreadable(format!("the pod with {key}: {e}"))),
+        }
+        out
+    }
+}
+
+impl PodRedirection for NftablesRedirection {
+    fn mode(&self) -> RedirectMode {
+        RedirectMode::Nftables
+    }
+
+    fn enroll(
+        &mut self,
+        netns: &Netns,
+        options: EnrollOptions,
+    ) -> Result<EnrolledPod, EnrollError> {
+        let mut steps = super::EnrolSteps::default();
+        let net = steps.time("inspect", || podnet::inspect(netns))?;
+        let addresses = super::pod_addresses(&net, netns)?;
+        let key = PodKey {
+            netns_cookie: net.netns_cookie,
+            netns_inode: netns.inode(),
+        };
+        let cookie = key.netns_cookie;
+        let previous = self.pods.get(&cookie).map(|e| e.addresses.clone());
+        let known = previous.is_some();
+        let kept = if known {
+            None
+        } else {
+            Some(keep_netns(netns)?)
+        };
+        let stale = previous.unwrap_or_default();
+        let conflicts = steps.time("probes", || {
+            self.claim_probe_addresses(cookie, &addresses, &stale)
+        })?;
+        let written = steps.time("rules", || {
+            routing::install_policy_routing(netns)?;
+            self.write_pod(netns, options.dns_capture, known)
+                .map_err(EnrollError::from)
+        });
+        if let Err(e) = written {
+            if !known {
+                // Nothing half-done for a pod that was not enrolled; a
+                // refused pod's tables are another's and stay.
+                let _ = self.release_probe_addresses(cookie, &addresses);
+                if !matches!(
+                    e,
+                    EnrollError::Nftables(NftablesError::ForeignTables { .. })
+                ) {
+                    if let Err(undo) = remove_pod_tables(&self.nft, netns) {
+                        warn!(
+                            "undoing the failed enrolment of {}: {undo}",
+                            netns.path().display()
+                        );
+                    }
+                } else if let Err(undo) = routing::remove_policy_routing(netns) {
+                    warn!(
+                        "undoing the policy routing of {}: {undo}",
+                        netns.path().display()
+                    );
+                }
+            }
+            return Err(e);
+        }
+        match kept {
+            Some(netns) => {
+                let entry = PodEntry {
+                    netns,
+                    key,
+                    addresses: addresses.clone(),
+                };
+                self.pods.insert(cookie, entry);
+            }
+            None => {
+                if let Some(entry) = self.pods.get_mut(&cookie) {
+                    entry.addresses = addresses.clone();
+                }
+            }
+        }
+        self.record(key);
+        info!(
+            "enrolled pod in {} with nftables ({addresses:?}, dns capture {})",
+            netns.path().display(),
+            options.dns_capture
+        );
+        Ok(EnrolledPod {
+            netns: netns.path().to_owned(),
+            netns_inode: key.netns_inode,
+            netns_cookie: cookie,
+            addresses,
+            interfaces: net.interfaces.into_iter().map(|i| i.name).collect(),
+            dns_capture: options.dns_capture,
+            conflicts,
+            steps,
+        })
+    }
+
+    fn unenroll(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        let cookie = pod.netns_cookie;
+        let Some(entry) = self.pods.get(&cookie) else {
+            return self.unenroll_adopted(pod);
+        };
+        let addresses = entry.addresses.clone();
+        self.release_probe_addresses(cookie, &addresses)?;
+        let entry = &self.pods[&cookie];
+        // The capture rules go; the reply path stays for connections
+        // ztunnel proxies at this moment. The nat table keeps its empty
+        // base chains: without a nat chain the kernel unhooks NAT from the
+        // namespace, and the connections it redirected stop being
+        // translated.
+        let mut capture = format!("flush table inet {NAT_TABLE}\n");
+        capture.push_str(&rules::delete_tables(&[RAW_TABLE]));
+        if let Err(e) = self.nft.apply(&entry.netns, &capture) {
+            let torn_down = podnet::inspect(&entry.netns).is_ok_and(|n| n.interfaces.is_empty());
+            if !torn_down {
+                return Err(e.into());
+            }
+            warn!(
+                "forgetting pod in {} (its network is gone): {e}",
+                entry.netns.path().display()
+            );
+        }
+        if let Some(entry) = self.pods.remove(&cookie) {
+            info!(
+                "unenrolled pod in {} ({pod}) from nftables",
+                entry.netns.path().display()
+            );
+            self.forget(entry.key);
+        }
+        Ok(true)
+    }
+
+    /// As Istio's node agent: the pod's set members go, nothing is done in
+    /// its namespace, which dies with it.
+    fn forget_deleted(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
+        let cookie = pod.netns_cookie;
+        let Some(entry) = self.pods.get(&cookie) else {
+            return self.unenroll_adopted(pod);
+        };
+        let addresses = entry.addresses.clone();
+        self.release_probe_addresses(cookie, &addresses)?;
+        if let Some(entry) = self.pods.remove(&cookie) {
+            self.forget(entry.key);
+        }
+        Ok(true)
+    }
+
+    fn enrolled(&mut self) -> Result<Vec<PodKey>, EnrollError> {
+        let enrolled = self.pods.values().map(|e| e.key);
+        Ok(enrolled
+            .chain(self.adopted.values().map(|p| p.key))
+            .collect())
+    }
+
+    fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
+        let mut out = self.check_probe_sets();
+        if scope == CheckScope::Full {
+            for (key, netns) in pods {
+                out.extend(self.check_pod(*key, netns));
+            }
+        }
+        out
+    }
+
+    fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
+        self.repair_probe_sets(violations);
+        let mut again: Vec<PodKey> = violations
+            .iter()
+            .filter(|v| {
+                matches!(
+                    v.kind,
+                    ViolationKind::RulesMissing
+                        | ViolationKind::RoutingMissing
+                        | ViolationKind::PodAddressesChanged
+                )
+            })
+            .filter_map(|v| v.pod)
+            .collect();
+        again.sort_unstable();
+        again.dedup();
+        again
+    }
+}
