@@ -134,6 +134,55 @@ pub fn balanced_order(n: usize, round: usize) -> Vec<usize> {
     base.into_iter().map(|lane| (lane + round) % n).collect()
 }
 
+/// Istio's two in-pod backends, as ambpf's `iptables` and `nftables` modes
+/// write them: what a user would run instead of eBPF mode, so every suite
+/// compares eBPF mode with each of them and with the faster of the two.
+pub const ISTIO_BACKENDS: [&str; 2] = ["iptables", "nftables"];
+
+/// One baseline of a figure: an Istio backend's value, labelled by the
+/// backend or, for the faster of two, `faster (<backend>)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Baseline {
+    pub label: String,
+    pub backend: &'static str,
+    pub value: f64,
+}
+
+/// The baselines of one figure: each Istio backend that `value` has, then
+/// the faster of them (the smaller value where `lower_is_better`, else the
+/// larger) when both were measured.
+pub fn istio_baselines(
+    value: impl Fn(&str) -> Option<f64>,
+    lower_is_better: bool,
+) -> Vec<Baseline> {
+    let mut baselines: Vec<Baseline> = ISTIO_BACKENDS
+        .iter()
+        .filter_map(|&backend| {
+            let value = value(backend).filter(|v| v.is_finite())?;
+            Some(Baseline {
+                label: backend.to_owned(),
+                backend,
+                value,
+            })
+        })
+        .collect();
+    let faster = baselines.iter().cloned().reduce(|a, b| {
+        let b_faster = if lower_is_better {
+            b.value < a.value
+        } else {
+            b.value > a.value
+        };
+        if b_faster { b } else { a }
+    });
+    if let (Some(faster), true) = (faster, baselines.len() > 1) {
+        baselines.push(Baseline {
+            label: format!("faster ({})", faster.backend),
+            ..faster
+        });
+    }
+    baselines
+}
+
 /// Which runs make the steady figures: every run after the first, which is
 /// reported apart (a first run meets cold caches and binaries), or the one
 /// run there was.
@@ -747,6 +796,41 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn baselines_are_each_istio_backend_and_the_faster_per_figure() {
+        let times = |b: &str| match b {
+            "iptables" => Some(12.0),
+            "nftables" => Some(9.0),
+            _ => None,
+        };
+        let labelled = |baselines: Vec<Baseline>| -> Vec<(String, &str, f64)> {
+            baselines
+                .into_iter()
+                .map(|b| (b.label, b.backend, b.value))
+                .collect()
+        };
+        assert_eq!(
+            labelled(istio_baselines(times, true)),
+            [
+                ("iptables".to_owned(), "iptables", 12.0),
+                ("nftables".to_owned(), "nftables", 9.0),
+                ("faster (nftables)".to_owned(), "nftables", 9.0)
+            ]
+        );
+        // A rate: the larger is the faster.
+        assert_eq!(
+            labelled(istio_baselines(times, false))[2],
+            ("faster (iptables)".to_owned(), "iptables", 12.0)
+        );
+        // One backend measured: no "faster" row; a NaN is not a measurement.
+        let one = |b: &str| (b == "iptables").then_some(3.0).or(Some(f64::NAN));
+        assert_eq!(
+            labelled(istio_baselines(one, true)),
+            [("iptables".to_owned(), "iptables", 3.0)]
+        );
+        assert!(istio_baselines(|_| None, true).is_empty());
+    }
 
     #[test]
     fn balanced_orders_put_each_lane_first_and_after_each_other_equally_often() {

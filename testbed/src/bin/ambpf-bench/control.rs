@@ -72,6 +72,10 @@ pub(super) struct ControlArgs {
     /// Pods in the API server before the agent starts (at most 2559).
     #[arg(long, default_value_t = 125)]
     snapshot: usize,
+    /// The modes measured, comma-separated: eBPF mode and the agent writing
+    /// each of Istio's two backends.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = redirect::ALL_COMPARED)]
+    modes: Vec<redirect::Compared>,
     /// Measurements per mode (churn and snapshot each).
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -81,6 +85,7 @@ pub(super) struct ControlArgs {
 struct Config {
     churn: usize,
     snapshot: usize,
+    modes: Vec<&'static str>,
     runs: usize,
     agent: PathBuf,
     kube_resync_s: f64,
@@ -155,19 +160,27 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
         "--churn and --snapshot: between 1 and {} pods (the testbed cluster's limit)",
         cluster::MAX_PODS
     );
+    let modes = redirect::compared_modes(&args.modes)?;
     let suite = SuiteRun::start("control");
     let agent = std::path::absolute(&args.common.agent)?;
     let work = TempDir::create("ambpf-bench-control")?;
     let cgroup = CgroupGuard::create().context("creating the agent's cgroup")?;
     eprintln!(
-        "control: churn {} pods, snapshot {} pods, {} runs of each mode (order alternating), a fresh node, pods and API server for every measurement",
-        args.churn, args.snapshot, args.runs
+        "control: churn {} pods, snapshot {} pods, {} runs of {} (order rotated), a fresh node, pods and API server for every measurement",
+        args.churn,
+        args.snapshot,
+        args.runs,
+        modes
+            .iter()
+            .map(|m| m.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
 
     let mut churns = Vec::new();
     let mut snapshots = Vec::new();
     for run in 0..args.runs {
-        for mode in bench::alternated([Mode::Iptables, Mode::Ebpf], run) {
+        for mode in redirect::rotated(&modes, run) {
             let world = World::create(args.churn).await?;
             let env = world.env(&agent, &work, &cgroup);
             let mut churn = churn(&env, &world.pods, mode, run)
@@ -208,14 +221,15 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
         }
     }
 
-    let churn_summary = summarize_churn(&churns);
-    let snapshot_summary = summarize_snapshots(&snapshots, args.runs);
+    let churn_summary = summarize_churn(&churns, &modes);
+    let snapshot_summary = summarize_snapshots(&snapshots, &modes, args.runs);
     let ratios = print_tables(&churn_summary, &snapshot_summary, &args);
     suite.write_report(
         args.common.out.as_deref(),
         Config {
             churn: args.churn,
             snapshot: args.snapshot,
+            modes: modes.iter().map(|m| m.name()).collect(),
             runs: args.runs,
             agent,
             kube_resync_s: KUBE_RESYNC_S,
@@ -223,7 +237,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
         json!({
             "churn": churn_summary,
             "snapshot": snapshot_summary,
-            "ratios_ebpf_over_iptables": ratios,
+            "ratios_ebpf_over": ratios,
             "churn_samples": churns,
             "snapshot_samples": snapshots,
         }),

@@ -1,13 +1,15 @@
 //! The `enroll` suite of `ambpf-bench` (a module of that binary; not part of the
 //! library).
 //!
-//! Time for the agent to enrol N pods and to remove them, in the iptables
-//! and the eBPF mode; the iptables mode measured in the same run is the
-//! baseline. As a user meets them: every measurement gets a fresh testbed
+//! Time for the agent to enrol N pods and to remove them, in eBPF mode and
+//! in the two modes that write Istio's backends (iptables, nftables); those
+//! measured in the same run are the baselines, and the faster of them the
+//! headline one. As a user meets them: every measurement gets a fresh testbed
 //! [`Cluster`] (each pod its own network namespace, an `eth0` with IPv4 and
 //! IPv6 addresses, veth'd to the node), so no mode enrols a namespace
-//! another measurement enrolled before; the order of the modes alternates
-//! from run to run; and the first run is reported apart from the rest.
+//! another measurement enrolled before; the order of the modes rotates from
+//! run to run (each goes first equally often); and the first run is reported
+//! apart from the rest.
 //!
 //! One measurement: the agent starts with an empty pods file and the ztunnel
 //! double connects (ready, no pods). The bench writes the file with N pods;
@@ -35,7 +37,7 @@ use ambpf_testbed::{
 };
 
 use super::{
-    redirect::{Agent, Mode, write_pods_file},
+    redirect::{ALL_COMPARED, Agent, Compared, Mode, compared_modes, rotated, write_pods_file},
     *,
 };
 
@@ -50,6 +52,10 @@ pub(super) struct EnrollArgs {
     /// Pod counts (each pod its own network namespace; at most 2559).
     #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
     pods: Vec<usize>,
+    /// The modes measured, comma-separated: eBPF mode and the agent writing
+    /// each of Istio's two backends.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = ALL_COMPARED)]
+    modes: Vec<Compared>,
     /// Measurements per pod count and mode.
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -58,6 +64,7 @@ pub(super) struct EnrollArgs {
 #[derive(Serialize)]
 struct Config {
     pods: Vec<usize>,
+    modes: Vec<&'static str>,
     runs: usize,
     agent: PathBuf,
 }
@@ -111,14 +118,18 @@ struct ModeSummary {
     enrol_steps_ms_per_pod: BTreeMap<String, f64>,
 }
 
+/// eBPF mode's medians over a baseline's (lower is better).
 #[derive(Clone, Debug, Serialize)]
 struct Ratio {
     pods: usize,
     runs: &'static str,
-    enrol_ebpf_over_iptables: f64,
-    enrol_cpu_ebpf_over_iptables: f64,
-    remove_ebpf_over_iptables: f64,
-    remove_cpu_ebpf_over_iptables: f64,
+    /// `iptables`, `nftables` or `faster (<backend>)`: the Istio backend that
+    /// enrolled faster.
+    against: String,
+    enrol: f64,
+    enrol_cpu: f64,
+    remove: f64,
+    remove_cpu: f64,
 }
 
 pub(super) async fn run(args: EnrollArgs) -> Result<()> {
@@ -133,11 +144,18 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
         "--pods: counts between 1 and {} (the testbed cluster's limit)",
         cluster::MAX_PODS
     );
+    let modes = compared_modes(&args.modes)?;
     let suite = SuiteRun::start("enroll");
     let agent = std::path::absolute(&args.common.agent)?;
     eprintln!(
-        "enroll: pods {:?}, {} runs of each mode (order alternating), fresh pod namespaces for every measurement",
-        args.pods, args.runs
+        "enroll: pods {:?}, {} runs of {} (order rotated), fresh pod namespaces for every measurement",
+        args.pods,
+        args.runs,
+        modes
+            .iter()
+            .map(|m| m.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let work = TempDir::create("ambpf-bench-enroll")?;
     let cgroup = CgroupGuard::create().context("creating a throwaway cgroup")?;
@@ -146,7 +164,7 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
     let mut samples = Vec::new();
     for &n in &args.pods {
         for run in 0..args.runs {
-            for mode in bench::alternated([Mode::Iptables, Mode::Ebpf], run) {
+            for mode in rotated(&modes, run) {
                 let created = Instant::now();
                 let cluster = Cluster::create(n as u16).context("creating the pod namespaces")?;
                 let cluster_create_s = created.elapsed().as_secs_f64();
@@ -176,16 +194,17 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
             }
         }
     }
-    let (modes, ratios) = summarize(&samples, &args.pods, args.runs);
-    print_tables(&modes, &ratios, &args);
+    let (summaries, ratios) = summarize(&samples, &args.pods, &modes, args.runs);
+    print_tables(&summaries, &ratios, &args);
     suite.write_report(
         args.common.out.as_deref(),
         Config {
             pods: args.pods.clone(),
+            modes: modes.iter().map(|m| m.name()).collect(),
             runs: args.runs,
             agent,
         },
-        serde_json::json!({ "summary": modes, "ratios": ratios, "samples": samples }),
+        serde_json::json!({ "summary": summaries, "ratios": ratios, "samples": samples }),
     )?;
     Ok(())
 }
@@ -256,19 +275,42 @@ async fn measure(
     })
 }
 
-/// The agent's `ambpf_enrol_steps_total` and `ambpf_enrol_step_seconds_total`
-/// by step: (times, seconds).
+/// The agent's `ambpf_enrol_duration_seconds` histogram by step, summed
+/// over modes: (times, seconds).
 fn enrol_steps(node: &ambpf_testbed::NetnsGuard) -> Result<BTreeMap<String, (f64, f64)>> {
     Ok(parse_enrol_steps(&agent_metrics(node)?))
 }
 
 fn parse_enrol_steps(metrics: &str) -> BTreeMap<String, (f64, f64)> {
     let mut steps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-    for (step, n) in labelled_series(metrics, "ambpf_enrol_steps_total", "step") {
-        steps.entry(step).or_default().0 = n;
-    }
-    for (step, s) in labelled_series(metrics, "ambpf_enrol_step_seconds_total", "step") {
-        steps.entry(step).or_default().1 = s;
+    for line in metrics.lines() {
+        let Some((series, sample)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Ok(sample) = sample.parse::<f64>() else {
+            continue;
+        };
+        let (count, labels) =
+            if let Some(labels) = series.strip_prefix("ambpf_enrol_duration_seconds_count{") {
+                (true, labels)
+            } else if let Some(labels) = series.strip_prefix("ambpf_enrol_duration_seconds_sum{") {
+                (false, labels)
+            } else {
+                continue;
+            };
+        let Some(step) = labels
+            .split(',')
+            .find_map(|label| label.strip_prefix("step=\""))
+            .and_then(|rest| rest.split('"').next())
+        else {
+            continue;
+        };
+        let entry = steps.entry(step.to_owned()).or_default();
+        if count {
+            entry.0 += sample;
+        } else {
+            entry.1 += sample;
+        }
     }
     steps
 }
@@ -334,13 +376,18 @@ async fn phase(
     })
 }
 
-fn summarize(samples: &[Sample], counts: &[usize], runs: usize) -> (Vec<ModeSummary>, Vec<Ratio>) {
+fn summarize(
+    samples: &[Sample],
+    counts: &[usize],
+    measured: &[Mode],
+    runs: usize,
+) -> (Vec<ModeSummary>, Vec<Ratio>) {
     let mut modes = Vec::new();
     let mut ratios = Vec::new();
     for &n in counts {
         for (runs_label, in_group) in bench::RUN_GROUPS {
             let mut medians = std::collections::HashMap::new();
-            for mode in [Mode::Iptables, Mode::Ebpf] {
+            for &mode in measured {
                 let of: Vec<&Sample> = samples
                     .iter()
                     .filter(|s| s.pods == n && s.mode == mode && in_group(s.run, runs))
@@ -359,23 +406,23 @@ fn summarize(samples: &[Sample], counts: &[usize], runs: usize) -> (Vec<ModeSumm
                 );
                 modes.push(summary);
             }
-            if medians.is_empty() {
+            let Some(ebpf) = medians.get("ebpf") else {
                 continue;
-            }
-            let r = |i: usize| {
-                sys::ratio(
-                    medians.get("ebpf").map(|m: &[f64; 4]| m[i]),
-                    medians.get("iptables").map(|m: &[f64; 4]| m[i]),
-                )
             };
-            ratios.push(Ratio {
-                pods: n,
-                runs: runs_label,
-                enrol_ebpf_over_iptables: r(0),
-                enrol_cpu_ebpf_over_iptables: r(1),
-                remove_ebpf_over_iptables: r(2),
-                remove_cpu_ebpf_over_iptables: r(3),
-            });
+            // The faster backend by enrolment time, the headline figure.
+            for baseline in bench::istio_baselines(|b| medians.get(b).map(|m| m[0]), true) {
+                let base = medians[baseline.backend];
+                let r = |i: usize| sys::ratio(Some(ebpf[i]), Some(base[i]));
+                ratios.push(Ratio {
+                    pods: n,
+                    runs: runs_label,
+                    against: baseline.label,
+                    enrol: r(0),
+                    enrol_cpu: r(1),
+                    remove: r(2),
+                    remove_cpu: r(3),
+                });
+            }
         }
     }
     (modes, ratios)
@@ -492,16 +539,27 @@ fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
     }
     print!("{table}");
     println!();
-    println!("Ratios ebpf/iptables of medians (lower is better)");
-    let mut table = Table::new(["pods", "runs", "enrol", "enrol cpu", "remove", "remove cpu"]);
+    println!(
+        "Ratios of medians, eBPF mode against each Istio backend and the faster of them (lower is better)"
+    );
+    let mut table = Table::new([
+        "pods",
+        "runs",
+        "against",
+        "enrol",
+        "enrol cpu",
+        "remove",
+        "remove cpu",
+    ]);
     for r in ratios {
         table.row([
             r.pods.to_string(),
             r.runs.to_owned(),
-            x(r.enrol_ebpf_over_iptables),
-            x(r.enrol_cpu_ebpf_over_iptables),
-            x(r.remove_ebpf_over_iptables),
-            x(r.remove_cpu_ebpf_over_iptables),
+            r.against.clone(),
+            x(r.enrol),
+            x(r.enrol_cpu),
+            x(r.remove),
+            x(r.remove_cpu),
         ]);
     }
     print!("{table}");
@@ -513,11 +571,12 @@ mod tests {
 
     #[test]
     fn enrolment_steps_are_read_from_the_agents_metrics() {
-        let metrics = "# HELP ambpf_enrol_steps_total x\n\
-            ambpf_enrol_steps_total{step=\"inspect\"} 4.0\n\
-            ambpf_enrol_step_seconds_total{step=\"inspect\"} 0.002\n\
-            ambpf_enrol_step_seconds_total{step=\"maps\"} 0.5\n\
-            ambpf_pods_enrolled 4\n";
+        let metrics = "# HELP ambpf_enrol_duration_seconds x\n\
+            ambpf_enrol_duration_seconds_sum{mode=\"ebpf\",step=\"inspect\"} 0.002\n\
+            ambpf_enrol_duration_seconds_count{mode=\"ebpf\",step=\"inspect\"} 4\n\
+            ambpf_enrol_duration_seconds_bucket{mode=\"ebpf\",step=\"inspect\",le=\"0.1\"} 4\n\
+            ambpf_enrol_duration_seconds_sum{mode=\"ebpf\",step=\"maps\"} 0.5\n\
+            ambpf_pods_enrolled{mode=\"ebpf\"} 4\n";
         let steps = parse_enrol_steps(metrics);
         assert_eq!(steps.len(), 2);
         assert_eq!(steps["inspect"], (4.0, 0.002));

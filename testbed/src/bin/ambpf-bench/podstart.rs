@@ -37,9 +37,10 @@ const NAMESPACE: &str = "mesh";
 const TIMEOUT: Duration = Duration::from_secs(120);
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(30);
 /// The nodes: the baseline first, the control last.
-const LANES: [(Mode, &str); 4] = [
+const LANES: [(Mode, &str); 5] = [
     (Mode::Direct, "no ambpf"),
     (Mode::Iptables, "iptables"),
+    (Mode::Nftables, "nftables"),
     (Mode::Ebpf, "ebpf"),
     (Mode::Direct, "no ambpf, 2nd"),
 ];
@@ -357,19 +358,29 @@ fn print_table(results: &[ModeResult], pods: usize) {
         ]);
     }
     println!("{table}");
-    if let [_, iptables, ebpf, control] = results {
+    if let Some(control) = results.last() {
         println!(
             "two nodes without ambpf differ by {:.1} ms at p50, {:.1} ms at p99 in this run: \
              \"added\" figures within that are noise",
             control.added_p50_ms, control.added_p99_ms
         );
-        println!(
-            "eBPF/iptables: p50 {:.2}x, p99 {:.2}x; added p50 {:.1} ms vs {:.1} ms",
-            ebpf.run_pod_sandbox_ms.median / iptables.run_pod_sandbox_ms.median,
-            ebpf.run_pod_sandbox_ms.p99 / iptables.run_pod_sandbox_ms.p99,
-            ebpf.added_p50_ms,
-            iptables.added_p50_ms,
-        );
+    }
+    let lane = |label: &str| results.iter().find(|r| r.node == label);
+    if let Some(ebpf) = lane("ebpf") {
+        let p50 = |r: &ModeResult| Some(r.run_pod_sandbox_ms.median);
+        for baseline in bench::istio_baselines(|b| lane(b).and_then(p50), true) {
+            let Some(base) = lane(baseline.backend) else {
+                continue;
+            };
+            println!(
+                "eBPF over {}: p50 {:.2}x, p99 {:.2}x; added p50 {:.1} ms vs {:.1} ms",
+                baseline.label,
+                ebpf.run_pod_sandbox_ms.median / base.run_pod_sandbox_ms.median,
+                ebpf.run_pod_sandbox_ms.p99 / base.run_pod_sandbox_ms.p99,
+                ebpf.added_p50_ms,
+                base.added_p50_ms,
+            );
+        }
     }
     for r in results.iter().filter(|r| !r.agent_ms_per_add.is_empty()) {
         let phases: Vec<String> = r

@@ -2,12 +2,13 @@
 //! library).
 //!
 //! Traffic from an enrolled pod (pod 1 of a testbed [`Cluster`]) to a peer
-//! (an echo server in the cluster's `remote` namespace), in three modes
-//! measured in the same run and interleaved (direct, iptables, ebpf, repeat):
+//! (an echo server in the cluster's `remote` namespace), in up to four modes
+//! measured in the same run, in a rotated order each round:
 //!
 //! - `direct`: no agent, the pod not enrolled: the floor;
 //! - `iptables`: the agent (`ambpf run --redirect-mode iptables`) writes
-//!   Istio's in-pod rules; the ztunnel double proxies on 15001;
+//!   Istio's in-pod iptables rules; the ztunnel double proxies on 15001;
+//! - `nftables`: the agent writes Istio 1.28's native nftables rules;
 //! - `ebpf`: the agent's eBPF redirection; the same double.
 //!
 //! Each mode of each run gets a fresh cluster (so no conntrack entries,
@@ -89,7 +90,10 @@ pub(super) struct RedirectArgs {
     /// Unmeasured seconds at the start of each test.
     #[arg(long, default_value_t = 0.5)]
     warmup_secs: f64,
-    /// Rounds of the three modes (direct, iptables, ebpf, repeat).
+    /// The redirecting modes measured beside `direct`, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = ALL_COMPARED)]
+    modes: Vec<Compared>,
+    /// Rounds of the modes, each in a rotated order.
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Sequential connections for the conntrack count.
@@ -114,6 +118,8 @@ pub(super) struct RedirectArgs {
 pub(super) enum Mode {
     Direct,
     Iptables,
+    /// Istio 1.28's native nftables rules (`--redirect-mode nftables`).
+    Nftables,
     Ebpf,
     /// eBPF with a trace reader attached.
     #[serde(rename = "ebpf+trace")]
@@ -122,6 +128,9 @@ pub(super) enum Mode {
     /// bystander's (`--bystanders`).
     #[serde(rename = "iptables bystander")]
     IptablesBystander,
+    /// The agent in nftables mode, the pod not enrolled (`--bystanders`).
+    #[serde(rename = "nftables bystander")]
+    NftablesBystander,
     /// The agent in eBPF mode, the pod not enrolled: its connects still pass
     /// the agent's cgroup programs, which let it go (`--bystanders`).
     #[serde(rename = "ebpf bystander")]
@@ -133,9 +142,11 @@ impl Mode {
         match self {
             Mode::Direct => "direct",
             Mode::Iptables => "iptables",
+            Mode::Nftables => "nftables",
             Mode::Ebpf => "ebpf",
             Mode::EbpfTraced => "ebpf+trace",
             Mode::IptablesBystander => "iptables bystander",
+            Mode::NftablesBystander => "nftables bystander",
             Mode::EbpfBystander => "ebpf bystander",
         }
     }
@@ -145,14 +156,65 @@ impl Mode {
         match self {
             Mode::EbpfTraced | Mode::EbpfBystander => Mode::Ebpf.name(),
             Mode::IptablesBystander => Mode::Iptables.name(),
+            Mode::NftablesBystander => Mode::Nftables.name(),
             other => other.name(),
         }
     }
 
     /// Whether the pod is enrolled (its connections go through ztunnel).
     fn captures(self) -> bool {
-        matches!(self, Mode::Iptables | Mode::Ebpf | Mode::EbpfTraced)
+        matches!(
+            self,
+            Mode::Iptables | Mode::Nftables | Mode::Ebpf | Mode::EbpfTraced
+        )
     }
+}
+
+/// A redirecting mode a suite compares (`--modes`): eBPF mode and the agent
+/// writing each of Istio's two backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum Compared {
+    Iptables,
+    Nftables,
+    Ebpf,
+}
+
+/// `--modes`' default: all three.
+pub(super) const ALL_COMPARED: &str = "iptables,nftables,ebpf";
+
+impl From<Compared> for Mode {
+    fn from(mode: Compared) -> Self {
+        match mode {
+            Compared::Iptables => Mode::Iptables,
+            Compared::Nftables => Mode::Nftables,
+            Compared::Ebpf => Mode::Ebpf,
+        }
+    }
+}
+
+/// `--modes` as [`Mode`]s, each once, in the order given.
+pub(super) fn compared_modes(modes: &[Compared]) -> Result<Vec<Mode>> {
+    let mut out: Vec<Mode> = Vec::new();
+    for &mode in modes {
+        if !out.contains(&mode.into()) {
+            out.push(mode.into());
+        }
+    }
+    ensure!(
+        !out.is_empty(),
+        "--modes: at least one of iptables, nftables, ebpf"
+    );
+    Ok(out)
+}
+
+/// The order of `modes` in run `run`: a balanced rotation
+/// ([`bench::balanced_order`]), so each mode goes first, and right after each
+/// other mode, equally often.
+pub(super) fn rotated(modes: &[Mode], run: usize) -> Vec<Mode> {
+    bench::balanced_order(modes.len(), run)
+        .into_iter()
+        .map(|i| modes[i])
+        .collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -210,12 +272,18 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
     );
     let suite = SuiteRun::start("redirect");
     let agent = std::path::absolute(&args.common.agent)?;
-    let mut modes = vec![Mode::Direct, Mode::Iptables, Mode::Ebpf];
-    if args.trace_reader {
+    let compared = compared_modes(&args.modes)?;
+    let mut modes = vec![Mode::Direct];
+    modes.extend(&compared);
+    if args.trace_reader && compared.contains(&Mode::Ebpf) {
         modes.push(Mode::EbpfTraced);
     }
     if args.bystanders {
-        modes.extend([Mode::IptablesBystander, Mode::EbpfBystander]);
+        modes.extend(compared.iter().map(|mode| match mode {
+            Mode::Iptables => Mode::IptablesBystander,
+            Mode::Nftables => Mode::NftablesBystander,
+            _ => Mode::EbpfBystander,
+        }));
     }
     let names: Vec<&str> = modes.iter().map(|m| m.name()).collect();
     eprintln!(
@@ -239,10 +307,7 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
     for run in 0..args.runs {
         // Each mode goes first, and right after each other mode, equally
         // often; on a fresh cluster each time.
-        let order: Vec<Mode> = bench::balanced_order(modes.len(), run)
-            .into_iter()
-            .map(|i| modes[i])
-            .collect();
+        let order = rotated(&modes, run);
         let names: Vec<&str> = order.iter().map(|m| m.name()).collect();
         eprintln!(
             "redirect: run {} of {}: {}",

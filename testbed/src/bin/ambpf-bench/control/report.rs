@@ -3,10 +3,10 @@
 use super::*;
 
 /// Each mode's churn, pooled over the runs.
-pub(super) fn summarize_churn(churns: &[Churn]) -> Vec<ChurnSummary> {
-    [Mode::Iptables, Mode::Ebpf]
-        .into_iter()
-        .filter_map(|mode| {
+pub(super) fn summarize_churn(churns: &[Churn], measured: &[Mode]) -> Vec<ChurnSummary> {
+    measured
+        .iter()
+        .filter_map(|&mode| {
             let of: Vec<&Churn> = churns.iter().filter(|c| c.mode == mode).collect();
             let pooled = |f: fn(&Churn) -> &Vec<f64>| -> Vec<f64> {
                 of.iter().flat_map(|c| f(c).iter().copied()).collect()
@@ -27,10 +27,14 @@ pub(super) fn summarize_churn(churns: &[Churn]) -> Vec<ChurnSummary> {
 
 /// Each mode's snapshots: the steady runs (all after the first, or the
 /// only one) and, with more than one run, the first apart.
-pub(super) fn summarize_snapshots(snapshots: &[Snapshot], runs: usize) -> Vec<SnapshotSummary> {
+pub(super) fn summarize_snapshots(
+    snapshots: &[Snapshot],
+    measured: &[Mode],
+    runs: usize,
+) -> Vec<SnapshotSummary> {
     let mut out = Vec::new();
     for (label, in_group) in bench::RUN_GROUPS {
-        for mode in [Mode::Iptables, Mode::Ebpf] {
+        for &mode in measured {
             let of: Vec<&Snapshot> = snapshots
                 .iter()
                 .filter(|s| s.mode == mode && in_group(s.run, runs))
@@ -56,44 +60,92 @@ pub(super) fn summarize_snapshots(snapshots: &[Snapshot], runs: usize) -> Vec<Sn
     out
 }
 
-/// ebpf / iptables for each named figure.
-pub(super) fn ratios(
-    churn: &[ChurnSummary],
-    snapshot: &[SnapshotSummary],
-) -> std::collections::BTreeMap<&'static str, f64> {
-    let c = |mode: Mode, f: fn(&ChurnSummary) -> f64| churn.iter().find(|s| s.mode == mode).map(f);
-    let s = |mode: Mode, f: fn(&SnapshotSummary) -> f64| {
+/// Ratios by baseline, then by figure.
+pub(super) type RatiosByBaseline =
+    std::collections::BTreeMap<String, std::collections::BTreeMap<&'static str, f64>>;
+
+/// eBPF mode over each Istio backend, and over the faster of them figure by
+/// figure (`faster`: every figure here is lower-is-better), for each named
+/// figure; snapshot figures from the steady runs.
+pub(super) fn ratios(churn: &[ChurnSummary], snapshot: &[SnapshotSummary]) -> RatiosByBaseline {
+    let c = |mode: &str, f: fn(&ChurnSummary) -> f64| {
+        churn.iter().find(|s| s.mode.name() == mode).map(f)
+    };
+    let s = |mode: &str, f: fn(&SnapshotSummary) -> f64| {
         snapshot
             .iter()
-            .find(|s| s.mode == mode && s.runs == "steady")
+            .find(|s| s.mode.name() == mode && s.runs == "steady")
             .map(f)
     };
-    let rc = |f: fn(&ChurnSummary) -> f64| sys::ratio(c(Mode::Ebpf, f), c(Mode::Iptables, f));
-    let rs = |f: fn(&SnapshotSummary) -> f64| sys::ratio(s(Mode::Ebpf, f), s(Mode::Iptables, f));
-    [
-        ("churn_add_p50", rc(|s| s.add_ms.median)),
-        ("churn_add_p99", rc(|s| s.add_ms.p99)),
-        ("churn_annotate_p50", rc(|s| s.annotate_ms.median)),
-        ("churn_annotate_p99", rc(|s| s.annotate_ms.p99)),
-        ("churn_del_p50", rc(|s| s.del_ms.median)),
-        ("churn_del_p99", rc(|s| s.del_ms.p99)),
-        ("churn_create_cpu", rc(|s| s.create_cpu_ms_per_pod)),
-        ("churn_delete_cpu", rc(|s| s.delete_cpu_ms_per_pod)),
-        ("snapshot_programmed", rs(|s| s.programmed_ms.median)),
-        ("snapshot_ztunnel", rs(|s| s.ztunnel_ms.median)),
-        ("snapshot_annotated", rs(|s| s.annotated_ms.median)),
-        ("snapshot_cpu", rs(|s| s.agent_cpu_ms.median)),
-        ("snapshot_hwm", rs(|s| s.vm_hwm_kib as f64)),
-    ]
-    .into_iter()
-    .collect()
+    let figures: [(&'static str, Box<dyn Fn(&str) -> Option<f64> + '_>); 13] = [
+        (
+            "churn_add_p50",
+            Box::new(move |m| c(m, |s| s.add_ms.median)),
+        ),
+        ("churn_add_p99", Box::new(move |m| c(m, |s| s.add_ms.p99))),
+        (
+            "churn_annotate_p50",
+            Box::new(move |m| c(m, |s| s.annotate_ms.median)),
+        ),
+        (
+            "churn_annotate_p99",
+            Box::new(move |m| c(m, |s| s.annotate_ms.p99)),
+        ),
+        (
+            "churn_del_p50",
+            Box::new(move |m| c(m, |s| s.del_ms.median)),
+        ),
+        ("churn_del_p99", Box::new(move |m| c(m, |s| s.del_ms.p99))),
+        (
+            "churn_create_cpu",
+            Box::new(move |m| c(m, |s| s.create_cpu_ms_per_pod)),
+        ),
+        (
+            "churn_delete_cpu",
+            Box::new(move |m| c(m, |s| s.delete_cpu_ms_per_pod)),
+        ),
+        (
+            "snapshot_programmed",
+            Box::new(move |m| s(m, |s| s.programmed_ms.median)),
+        ),
+        (
+            "snapshot_ztunnel",
+            Box::new(move |m| s(m, |s| s.ztunnel_ms.median)),
+        ),
+        (
+            "snapshot_annotated",
+            Box::new(move |m| s(m, |s| s.annotated_ms.median)),
+        ),
+        (
+            "snapshot_cpu",
+            Box::new(move |m| s(m, |s| s.agent_cpu_ms.median)),
+        ),
+        (
+            "snapshot_hwm",
+            Box::new(move |m| s(m, |s| s.vm_hwm_kib as f64)),
+        ),
+    ];
+    let mut out = RatiosByBaseline::new();
+    for (figure, value) in &figures {
+        for baseline in bench::istio_baselines(value, true) {
+            // One "faster" column, whichever backend was faster at this figure.
+            let against = if baseline.label.starts_with("faster") {
+                "faster".to_owned()
+            } else {
+                baseline.label
+            };
+            let ratio = sys::ratio(value("ebpf"), Some(baseline.value));
+            out.entry(against).or_default().insert(figure, ratio);
+        }
+    }
+    out
 }
 
 pub(super) fn print_tables(
     churn: &[ChurnSummary],
     snapshot: &[SnapshotSummary],
     args: &ControlArgs,
-) -> std::collections::BTreeMap<&'static str, f64> {
+) -> RatiosByBaseline {
     let f1 = |v: f64| format!("{v:.1}");
     let mib = |kib: u64| format!("{:.1}", kib as f64 / 1024.0);
     println!();
@@ -167,15 +219,22 @@ pub(super) fn print_tables(
     print!("{table}");
     let ratios = ratios(churn, snapshot);
     println!();
-    println!("Ratios ebpf/iptables (lower is better; snapshot figures from the steady runs)");
-    let mut table = Table::new(["figure", "ebpf/iptables"]);
-    for (name, r) in &ratios {
-        let cell = if r.is_nan() {
-            "-".to_owned()
-        } else {
-            format!("{r:.2}x")
-        };
-        table.row([(*name).to_owned(), cell]);
+    println!(
+        "Ratios of eBPF mode over each Istio backend and over the faster of them per figure \
+         (lower is better; snapshot figures from the steady runs)"
+    );
+    let baselines: Vec<&String> = ratios.keys().collect();
+    let mut table = Table::new(
+        std::iter::once("figure".to_owned()).chain(baselines.iter().map(|b| format!("ebpf/{b}"))),
+    );
+    let figures: std::collections::BTreeSet<&str> =
+        ratios.values().flat_map(|f| f.keys().copied()).collect();
+    for figure in figures {
+        let cells = baselines.iter().map(|b| match ratios[*b].get(figure) {
+            Some(r) if !r.is_nan() => format!("{r:.2}x"),
+            _ => "-".to_owned(),
+        });
+        table.row(std::iter::once(figure.to_owned()).chain(cells));
     }
     print!("{table}");
     ratios

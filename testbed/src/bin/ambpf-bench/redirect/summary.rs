@@ -62,27 +62,38 @@ impl CoresSummary {
     }
 }
 
+/// One comparison at one client count: `mode`'s medians over `against`'s.
 #[derive(Clone, Debug, Serialize)]
 pub(super) struct Ratios {
     pub(super) clients: usize,
-    pub(super) conn_rate_ebpf_over_iptables: f64,
-    pub(super) conn_rate_ebpf_over_direct: f64,
-    pub(super) p50_ebpf_over_iptables: f64,
-    pub(super) p50_ebpf_over_direct: f64,
-    pub(super) p99_ebpf_over_iptables: f64,
-    pub(super) p99_ebpf_over_direct: f64,
-    /// With a trace reader attached against without (NaN: not measured).
-    pub(super) conn_rate_traced_over_ebpf: f64,
-    pub(super) p50_traced_over_ebpf: f64,
-    pub(super) p99_traced_over_ebpf: f64,
-    /// A pod not enrolled, the agent running against none (NaN: not
-    /// measured): the cost to bystanders.
-    pub(super) conn_rate_ebpf_bystander_over_direct: f64,
-    pub(super) p50_ebpf_bystander_over_direct: f64,
-    pub(super) p99_ebpf_bystander_over_direct: f64,
-    pub(super) conn_rate_iptables_bystander_over_direct: f64,
-    pub(super) p50_iptables_bystander_over_direct: f64,
-    pub(super) p99_iptables_bystander_over_direct: f64,
+    pub(super) mode: String,
+    /// `iptables`, `nftables`, `faster (<backend>)` (the Istio backend with
+    /// the higher connection rate), `direct` or `ebpf`.
+    pub(super) against: String,
+    pub(super) conn_rate: f64,
+    pub(super) p50: f64,
+    pub(super) p99: f64,
+}
+
+/// What each comparison is for, as the tables head them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Comparison {
+    /// eBPF mode against each Istio backend, the faster of them, and direct.
+    Redirection,
+    /// A trace reader attached against not.
+    TraceReader,
+    /// A pod that is not enrolled, the agent running, against no agent.
+    Bystander,
+}
+
+impl Comparison {
+    fn of(mode: &str) -> Self {
+        match mode {
+            "ebpf+trace" => Comparison::TraceReader,
+            m if m.ends_with(" bystander") => Comparison::Bystander,
+            _ => Comparison::Redirection,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -136,43 +147,28 @@ pub(super) fn summarize(runs: &[ModeRun], clients: &[usize], measured: &[Mode]) 
                 ),
             });
         }
-        let get = |m: &str, i: usize| {
-            medians.get(m).map(|t: &(f64, f64, f64)| match i {
-                0 => t.0,
-                1 => t.1,
-                _ => t.2,
-            })
+        let get = |m: &str| medians.get(m).copied();
+        let mut row = |mode: &str, against: String, baseline: Option<(f64, f64, f64)>| {
+            if let (Some(of), Some(base)) = (get(mode), baseline) {
+                ratios.push(Ratios {
+                    clients: c,
+                    mode: mode.to_owned(),
+                    against,
+                    conn_rate: of.0 / base.0,
+                    p50: of.1 / base.1,
+                    p99: of.2 / base.2,
+                });
+            }
         };
-        ratios.push(Ratios {
-            clients: c,
-            conn_rate_ebpf_over_iptables: sys::ratio(get("ebpf", 0), get("iptables", 0)),
-            conn_rate_ebpf_over_direct: sys::ratio(get("ebpf", 0), get("direct", 0)),
-            p50_ebpf_over_iptables: sys::ratio(get("ebpf", 1), get("iptables", 1)),
-            p50_ebpf_over_direct: sys::ratio(get("ebpf", 1), get("direct", 1)),
-            p99_ebpf_over_iptables: sys::ratio(get("ebpf", 2), get("iptables", 2)),
-            p99_ebpf_over_direct: sys::ratio(get("ebpf", 2), get("direct", 2)),
-            conn_rate_traced_over_ebpf: sys::ratio(get("ebpf+trace", 0), get("ebpf", 0)),
-            p50_traced_over_ebpf: sys::ratio(get("ebpf+trace", 1), get("ebpf", 1)),
-            p99_traced_over_ebpf: sys::ratio(get("ebpf+trace", 2), get("ebpf", 2)),
-            conn_rate_ebpf_bystander_over_direct: sys::ratio(
-                get("ebpf bystander", 0),
-                get("direct", 0),
-            ),
-            p50_ebpf_bystander_over_direct: sys::ratio(get("ebpf bystander", 1), get("direct", 1)),
-            p99_ebpf_bystander_over_direct: sys::ratio(get("ebpf bystander", 2), get("direct", 2)),
-            conn_rate_iptables_bystander_over_direct: sys::ratio(
-                get("iptables bystander", 0),
-                get("direct", 0),
-            ),
-            p50_iptables_bystander_over_direct: sys::ratio(
-                get("iptables bystander", 1),
-                get("direct", 1),
-            ),
-            p99_iptables_bystander_over_direct: sys::ratio(
-                get("iptables bystander", 2),
-                get("direct", 2),
-            ),
-        });
+        // The faster Istio backend by connection rate, the headline figure.
+        for baseline in bench::istio_baselines(|b| get(b).map(|t| t.0), false) {
+            row("ebpf", baseline.label, get(baseline.backend));
+        }
+        row("ebpf", "direct".to_owned(), get("direct"));
+        row("ebpf+trace", "ebpf".to_owned(), get("ebpf"));
+        for bystander in ["ebpf bystander", "iptables bystander", "nftables bystander"] {
+            row(bystander, "direct".to_owned(), get("direct"));
+        }
     }
     let conntrack = measured
         .iter()
@@ -273,65 +269,41 @@ pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectA
     }
     print!("{table}");
     println!();
-    println!("Ratios of medians (conn/s: higher is better; latency: lower is better)");
-    let mut table = Table::new([
-        "clients",
-        "conn/s ebpf/iptables",
-        "conn/s ebpf/direct",
-        "p50 ebpf/iptables",
-        "p50 ebpf/direct",
-        "p99 ebpf/iptables",
-        "p99 ebpf/direct",
-    ]);
-    for r in &summary.ratios {
-        table.row([
-            r.clients.to_string(),
-            x(r.conn_rate_ebpf_over_iptables),
-            x(r.conn_rate_ebpf_over_direct),
-            x(r.p50_ebpf_over_iptables),
-            x(r.p50_ebpf_over_direct),
-            x(r.p99_ebpf_over_iptables),
-            x(r.p99_ebpf_over_direct),
-        ]);
-    }
-    print!("{table}");
-    if args.trace_reader {
-        println!();
-        println!("Cost of a trace reader: ebpf+trace / ebpf, ratios of medians");
-        let mut table = Table::new(["clients", "conn/s", "p50", "p99"]);
-        for r in &summary.ratios {
-            table.row([
-                r.clients.to_string(),
-                x(r.conn_rate_traced_over_ebpf),
-                x(r.p50_traced_over_ebpf),
-                x(r.p99_traced_over_ebpf),
-            ]);
+    for (comparison, title) in [
+        (
+            Comparison::Redirection,
+            "Ratios of medians, eBPF mode against each Istio backend, the faster of them and no \
+             redirection (conn/s: higher is better; latency: lower is better)",
+        ),
+        (
+            Comparison::TraceReader,
+            "Cost of a trace reader: ebpf+trace / ebpf, ratios of medians",
+        ),
+        (
+            Comparison::Bystander,
+            "Cost to bystanders: a pod that is not enrolled, the agent running / no agent, \
+             ratios of medians",
+        ),
+    ] {
+        let rows: Vec<&Ratios> = summary
+            .ratios
+            .iter()
+            .filter(|r| Comparison::of(&r.mode) == comparison)
+            .collect();
+        if rows.is_empty() {
+            continue;
         }
-        print!("{table}");
-    }
-    if args.bystanders {
         println!();
-        println!(
-            "Cost to bystanders: a pod that is not enrolled, the agent running / no agent, ratios of medians"
-        );
-        let mut table = Table::new([
-            "clients",
-            "conn/s ebpf",
-            "p50 ebpf",
-            "p99 ebpf",
-            "conn/s iptables",
-            "p50 iptables",
-            "p99 iptables",
-        ]);
-        for r in &summary.ratios {
+        println!("{title}");
+        let mut table = Table::new(["clients", "mode", "against", "conn/s", "p50", "p99"]);
+        for r in rows {
             table.row([
                 r.clients.to_string(),
-                x(r.conn_rate_ebpf_bystander_over_direct),
-                x(r.p50_ebpf_bystander_over_direct),
-                x(r.p99_ebpf_bystander_over_direct),
-                x(r.conn_rate_iptables_bystander_over_direct),
-                x(r.p50_iptables_bystander_over_direct),
-                x(r.p99_iptables_bystander_over_direct),
+                r.mode.clone(),
+                r.against.clone(),
+                x(r.conn_rate),
+                x(r.p50),
+                x(r.p99),
             ]);
         }
         print!("{table}");
