@@ -50,6 +50,11 @@ pub fn render(status: &inspect::Status, wide: bool) -> Result<String, fmt::Error
         )?,
         (None, None) => {}
     }
+    let inbound = match status.inbound {
+        crate::bpf::InboundPath::TcAssign => "bpf_sk_assign from the pods' tc filters",
+        crate::bpf::InboundPath::SkLookup => "each pod's sk_lookup link (links/pods)",
+    };
+    writeln!(f, "inbound: {} ({inbound})", status.inbound)?;
 
     let pods: Vec<String> = status
         .pods
@@ -253,6 +258,7 @@ mod tests {
                 this_binary: crate::build_info::current().clone(),
                 warning: None,
             },
+            inbound: crate::bpf::InboundPath::SkLookup,
             pods: vec![EnrolledPodEntry {
                 pod: Some(PodIdentity {
                     namespace: "shop".into(),
@@ -302,6 +308,7 @@ mod tests {
         assert_eq!(text.matches("(none)").count(), 4, "{text}");
         assert!(text.contains("shop/web-0"), "{text}");
         assert!(text.contains("eth0 steered"), "{text}");
+        assert!(text.contains("\ninbound: sk-lookup ("), "{text}");
         assert!(!text.contains("4144"), "the cookie is for -o wide:\n{text}");
         assert!(
             text.contains(

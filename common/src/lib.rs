@@ -20,6 +20,10 @@ pub mod programs {
     /// TC ingress on each enrolled pod's interfaces: steers inbound TCP SYNs
     /// to ztunnel's 15006 listener (`bpf_sk_assign`, TPROXY-style).
     pub const POD_INGRESS: &str = "ambpf_pod_in";
+    /// sk_lookup in each enrolled pod's netns, where the kernel's TC
+    /// `bpf_sk_assign` refuses SO_REUSEPORT listeners (before 6.5): assigns
+    /// the SYNs [`POD_INGRESS`] steered to ztunnel's inbound listener.
+    pub const INBOUND_LOOKUP: &str = "ambpf_inbound";
     /// cgroup connect4/connect6: outbound TCP to 15001, DNS to 15053.
     pub const CONNECT4: &str = "ambpf_connect4";
     pub const CONNECT6: &str = "ambpf_connect6";
@@ -45,6 +49,9 @@ pub mod programs {
 
     /// TC programs, in load order.
     pub const TC: &[&str] = &[IFACE_COUNT_INGRESS, IFACE_COUNT_EGRESS, POD_INGRESS];
+    /// Global of [`POD_INGRESS`]: non-zero to hand SYNs to
+    /// [`INBOUND_LOOKUP`] instead of assigning them itself.
+    pub const INBOUND_VIA_SK_LOOKUP: &str = "INBOUND_VIA_SK_LOOKUP";
     /// cgroup sock_addr programs, in load order.
     pub const SOCK_ADDR: &[&str] = &[
         CONNECT4,
@@ -64,6 +71,7 @@ pub mod programs {
         IFACE_COUNT_INGRESS,
         IFACE_COUNT_EGRESS,
         POD_INGRESS,
+        INBOUND_LOOKUP,
         CONNECT4,
         CONNECT6,
         SENDMSG4,
@@ -138,6 +146,18 @@ pub mod maps {
     /// knows the sockets tagged before.
     pub const RAW_SOCKS: &str = "ambpf_raw_socks";
 
+    /// The sk_lookup path's inbound listeners: ztunnel's 15006 listener of
+    /// each pod (a SOCKHASH keyed by netns cookie), put there by the
+    /// steering program when it steers a SYN.
+    pub const INBOUND_LISTENERS: &str = "ambpf_in_lsn";
+    /// The sk_lookup path's steered SYNs: [`crate::TupleKey`] (cookie 0,
+    /// local: the original destination, peer: the client) -> the pod's netns
+    /// cookie, the key of its listener in [`INBOUND_LISTENERS`] (LRU).
+    pub const INBOUND_SYNS: &str = "ambpf_in_syns";
+    /// Capacity of [`INBOUND_SYNS`]: SYNs between the steering program and
+    /// the socket lookup, a moment each.
+    pub const INBOUND_SYNS_MAX: u32 = 16 * 1024;
+
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
     pub const PINNED: &[&str] = &[
@@ -155,6 +175,8 @@ pub mod maps {
         TRACE_LOST,
         MISSES,
         RAW_SOCKS,
+        INBOUND_LISTENERS,
+        INBOUND_SYNS,
     ];
 }
 

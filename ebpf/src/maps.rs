@@ -5,7 +5,7 @@ use ambpf_common::{
     TupleKey,
 };
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf, SockHash},
     macros::btf_map,
 };
 
@@ -37,6 +37,16 @@ pub static ORIG_BY_COOKIE: LruHashMap<u64, SockAddr, { MAX_REDIRECTED }> = LruHa
 
 #[btf_map(name = "ambpf_orig_tpl")]
 pub static ORIG_BY_TUPLE: LruHashMap<TupleKey, SockAddr, { MAX_REDIRECTED }> = LruHashMap::new();
+
+#[btf_map(name = "ambpf_in_lsn")]
+pub static INBOUND_LISTENERS: SockHash<u64, { MAX_PODS }> = SockHash::new();
+
+#[btf_map(name = "ambpf_in_syns")]
+pub static INBOUND_SYNS: LruHashMap<
+    TupleKey,
+    u64,
+    { ambpf_common::maps::INBOUND_SYNS_MAX as usize },
+> = LruHashMap::new();
 
 #[btf_map(name = "ambpf_counters")]
 pub static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();

@@ -6,25 +6,36 @@
 //! SO_ORIGINAL_DST. Only SYNs are steered; the rest of the handshake and the
 //! connection find their socket through the kernel's established lookup.
 //!
+//! Before Linux 6.5 the TC `bpf_sk_assign` refuses SO_REUSEPORT listeners,
+//! and ztunnel's are. There the agent sets [`INBOUND_VIA_SK_LOOKUP`]: the
+//! program puts the listener it found in `INBOUND_LISTENERS` and the SYN's
+//! tuple in `INBOUND_SYNS`, and lets the SYN go on to the pod's sk_lookup
+//! program ([`crate::inbound_lookup`]), whose assignment takes reuseport
+//! groups. Every decision stays here.
+//!
 //! Not captured, as in Istio: HBONE (15008, straight to ztunnel's listener),
 //! and traffic from this node's own addresses (the host network namespace,
 //! where kubelet probes come from). With no ztunnel listener the SYN is
 //! refused with an RST, as the kernel does under Istio's REDIRECT to a closed
 //! 15006 ([`crate::tcp_reset`]); it never reaches the app.
 
-use ambpf_common::{Counter, IpKey, TraceDirection, TraceRecord, Verdict, ztunnel};
+use ambpf_common::{
+    Counter, IpKey, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict, ztunnel,
+};
 use aya_ebpf::{
+    Global,
     bindings::{
-        BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple, tcx_action_base::TCX_NEXT,
+        BPF_ANY, BPF_F_CURRENT_NETNS, TC_ACT_OK, TC_ACT_SHOT, bpf_sock, bpf_sock_tuple,
+        tcx_action_base::TCX_NEXT,
     },
-    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::{bpf_map_update_elem, bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
     programs::TcContext,
 };
 
 use crate::{
     addr::{v4, v6},
-    maps::{HOST_ADDRS, PODS_BY_IP, count},
+    maps::{HOST_ADDRS, INBOUND_LISTENERS, INBOUND_SYNS, PODS_BY_IP, count},
     tcp_reset::{ETH_HLEN, refuse},
     trace::{PodEvent, count_pod, trace},
 };
@@ -40,6 +51,12 @@ const IPV6_HOP_BY_HOP: u8 = 0;
 const IPV6_ROUTING: u8 = 43;
 const IPV6_DEST_OPTS: u8 = 60;
 const MAX_IPV6_EXT_HEADERS: usize = 3;
+
+/// Set by the agent at load (read-only data, so the verifier prunes the
+/// path not taken): non-zero where the kernel's TC `bpf_sk_assign` refuses
+/// SO_REUSEPORT listeners.
+#[unsafe(no_mangle)]
+static INBOUND_VIA_SK_LOOKUP: Global<u8> = Global::new(0);
 
 #[classifier]
 pub fn ambpf_pod_in(ctx: TcContext) -> i32 {
@@ -101,7 +118,7 @@ fn steer(ctx: &TcContext) -> Result<i32, i64> {
         report(&syn, netns, syn.dport, Verdict::ProbeBypassed);
         return Ok(TCX_NEXT);
     }
-    let (action, verdict) = assign_to_inbound_listener(ctx, &syn);
+    let (action, verdict) = assign_to_inbound_listener(ctx, &syn, netns);
     match verdict {
         Verdict::InboundSteered => {
             count(Counter::InboundRedirected);
@@ -114,7 +131,7 @@ fn steer(ctx: &TcContext) -> Result<i32, i64> {
 }
 
 #[inline(always)]
-fn assign_to_inbound_listener(ctx: &TcContext, syn: &Syn) -> (i32, Verdict) {
+fn assign_to_inbound_listener(ctx: &TcContext, syn: &Syn, pod_netns: u64) -> (i32, Verdict) {
     let mut tuple = syn.tuple;
     // Look up ztunnel's listener on the same destination address, port 15006.
     // (Writing a union field is safe; reading one is not.)
@@ -140,12 +157,52 @@ fn assign_to_inbound_listener(ctx: &TcContext, syn: &Syn) -> (i32, Verdict) {
         unsafe { bpf_sk_release(sk.cast()) };
         return (refuse(ctx, syn.dst.is_v4(), syn.l4), Verdict::NoListener);
     }
-    let assigned = unsafe { bpf_sk_assign(skb, sk.cast(), 0) };
+    let assigned = if INBOUND_VIA_SK_LOOKUP.load() != 0 {
+        hand_to_sk_lookup(syn, pod_netns, sk.cast())
+    } else {
+        unsafe { bpf_sk_assign(skb, sk.cast(), 0) }
+    };
     unsafe { bpf_sk_release(sk.cast()) };
     if assigned != 0 {
         return (TC_ACT_SHOT, Verdict::NoListener);
     }
     (TC_ACT_OK, Verdict::InboundSteered)
+}
+
+/// Records `listener` as the pod's (`netns`) inbound listener and the SYN as
+/// steered, for [`crate::inbound_lookup`]; non-zero when either write fails.
+#[inline(always)]
+fn hand_to_sk_lookup(syn: &Syn, netns: u64, listener: *mut bpf_sock) -> i64 {
+    let mut key = netns;
+    // From TC, a SOCKHASH takes a socket the program holds (5.10+).
+    let stored = unsafe {
+        bpf_map_update_elem(
+            core::ptr::from_ref(&INBOUND_LISTENERS).cast_mut().cast(),
+            (&raw mut key).cast(),
+            listener.cast(),
+            u64::from(BPF_ANY),
+        )
+    };
+    if stored != 0 {
+        return stored;
+    }
+    let tuple = TupleKey {
+        netns_cookie: 0,
+        local: SockAddr {
+            ip: syn.dst,
+            port_be: syn.dport.to_be(),
+            ..SockAddr::default()
+        },
+        peer: SockAddr {
+            ip: syn.src,
+            port_be: syn.sport_be,
+            ..SockAddr::default()
+        },
+    };
+    match INBOUND_SYNS.insert(&tuple, &netns, 0) {
+        Ok(()) => 0,
+        Err(e) => i64::from(e),
+    }
 }
 
 /// The packet as a TCP SYN (without ACK), or `None` for anything else.

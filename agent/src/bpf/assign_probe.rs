@@ -8,7 +8,8 @@
 //! kernels, so only trying it tells: in a private network namespace on a
 //! thread of its own, a small classifier on the loopback's ingress assigns
 //! SYNs to port `PORT` to the reuseport listener on that port, and passes
-//! them only if the kernel took the assignment.
+//! them only if the kernel took the assignment. Where it does not, inbound
+//! capture takes the sk_lookup path ([`super::inbound`]).
 
 use std::{
     io::{self, Read as _},
@@ -31,8 +32,15 @@ const LOOPBACK_IFINDEX: u32 = 1;
 /// assignment it is dropped and the connect waits for its retry.
 const ANSWERED_WITHIN: Duration = Duration::from_millis(1500);
 
-/// `Ok(true)` when the kernel assigns SO_REUSEPORT listeners from TC.
+/// `Ok(true)` when the kernel assigns SO_REUSEPORT listeners from TC. Asked
+/// once per process: the kernel's answer does not change, and a kernel that
+/// refuses costs the probe its timeout.
 pub fn probe() -> Result<bool, String> {
+    static ANSWER: std::sync::OnceLock<Result<bool, String>> = std::sync::OnceLock::new();
+    ANSWER.get_or_init(ask).clone()
+}
+
+fn ask() -> Result<bool, String> {
     std::thread::spawn(|| -> Result<bool, String> {
         nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
             .map_err(|e| format!("a private network namespace: {e}"))?;

@@ -42,7 +42,14 @@ pub struct Feature {
     pub name: &'static str,
     /// First upstream kernel that has it.
     pub since: &'static str,
-    probe: fn() -> Result<bool, String>,
+    pub probe: fn() -> Result<bool, String>,
+}
+
+impl Feature {
+    /// Asks the kernel; names the feature when it lacks it.
+    pub fn check(&self) -> Result<(), FeatureError> {
+        check(self)
+    }
 }
 
 fn helper(program: ProgramType, helper: BpfHelper) -> Result<bool, String> {
@@ -55,7 +62,8 @@ const BPF_TCX_INGRESS: u32 = 46;
 /// `enum bpf_prog_type`.
 const PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
 
-/// What the dataplane needs, in the order the kernel gained it.
+/// What the dataplane needs, in the order the kernel gained it; and one of
+/// the inbound paths ([`super::inbound`]).
 pub const REQUIRED: &[Feature] = &[
     Feature {
         name: "bpf_skc_lookup_tcp in TC programs (finding ztunnel's inbound listener)",
@@ -71,12 +79,6 @@ pub const REQUIRED: &[Feature] = &[
         name: "bpf_sk_assign in TC programs (inbound capture)",
         since: "5.7",
         probe: || helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_sk_assign),
-    },
-    Feature {
-        name: "bpf_sk_assign of SO_REUSEPORT listeners in TC programs (inbound capture: \
-               ztunnel's listeners are SO_REUSEPORT; older kernels refuse them and drop the SYN)",
-        since: "6.5",
-        probe: super::assign_probe::probe,
     },
     Feature {
         name: "bpf_get_netns_cookie in cgroup socket-address programs (outbound capture)",
@@ -234,7 +236,10 @@ mod tests {
 
     #[test]
     fn this_kernel_has_every_feature_and_tcx() {
-        for feature in REQUIRED.iter().chain(RAW_GUARD) {
+        let inbound = super::super::inbound::SK_LOOKUP
+            .iter()
+            .chain([&super::super::inbound::TC_ASSIGN_REUSEPORT]);
+        for feature in REQUIRED.iter().chain(RAW_GUARD).chain(inbound) {
             assert_eq!((feature.probe)(), Ok(true), "{}", feature.name);
         }
         tcx_supported().unwrap();

@@ -20,12 +20,14 @@ use super::PinLayout;
 pub struct Status {
     pub pin_root: PathBuf,
     pub build: PinnedBuild,
+    /// How steered SYNs reach ztunnel's listener ([`super::inbound`]).
+    pub inbound: super::InboundPath,
     pub pods: Vec<EnrolledPodEntry>,
     pub maps: Vec<PinnedMap>,
     /// The interface counters' TCX links (`--attach`, `ambpf attach`).
     pub tc_links: Vec<PinnedTcLink>,
-    /// Every other pinned link (socket programs on cgroups; pods' steering
-    /// links left by an older agent), with the program it runs.
+    /// Every other pinned link (socket programs on cgroups; pods' sk_lookup
+    /// links), with the program it runs.
     pub links: Vec<PinnedLinkEntry>,
     /// Redirection events counted in the kernel, summed over CPUs, by name.
     #[serde(serialize_with = "as_object")]
@@ -238,6 +240,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
             pinned_object_sha256: recorded,
             this_binary: crate::build_info::current().clone(),
         },
+        inbound: super::inbound::pinned_path(pins),
         pods,
         maps: maps_out,
         tc_links: read_tc_links(pins)?,

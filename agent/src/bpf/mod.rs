@@ -6,6 +6,7 @@ pub mod capacity;
 pub mod cgroup;
 pub mod compat;
 pub mod features;
+pub mod inbound;
 pub mod inspect;
 pub mod object;
 pub mod pins;
@@ -18,11 +19,12 @@ pub mod tc;
 use ambpf_common::maps;
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{Program, SchedClassifier},
+    programs::{Program, SchedClassifier, SkLookup},
 };
 use log::{debug, warn};
 
 pub use capacity::Capacities;
+pub use inbound::{InboundAssign, InboundPath};
 pub use pins::{DEFAULT_PIN_ROOT, PinLayout};
 
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +33,8 @@ pub enum LoadError {
     ObjectMissing(&'static str),
     #[error(transparent)]
     Kernel(#[from] features::KernelError),
+    #[error("{0}")]
+    InboundChoice(String),
     #[error(transparent)]
     Pins(#[from] pins::PinError),
     #[error(transparent)]
@@ -66,6 +70,8 @@ pub struct Dataplane {
     /// The raw-socket guard's programs are loaded (the kernel has what they
     /// need).
     raw_guard: bool,
+    /// How steered SYNs reach ztunnel's listener.
+    inbound: InboundPath,
 }
 
 /// Pins the steering program (replacing an earlier agent's pin), so that
@@ -90,6 +96,34 @@ fn pin_steering_program(ebpf: &mut Ebpf, pins: &PinLayout) -> Result<(), LoadErr
     program.pin(&path).map_err(|e| pin_err(e.to_string()))
 }
 
+/// Pins the sk_lookup program while its path is in use, and removes the
+/// pin otherwise ([`inbound`]).
+fn pin_inbound_program(
+    ebpf: &mut Ebpf,
+    pins: &PinLayout,
+    path: InboundPath,
+) -> Result<(), LoadError> {
+    let name = ambpf_common::programs::INBOUND_LOOKUP;
+    let pin = pins.program(name);
+    let pin_err = |reason: String| LoadError::Program {
+        name: name.to_owned(),
+        reason: format!("pinning at {}: {reason}", pin.display()),
+    };
+    match std::fs::remove_file(&pin) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(pin_err(e.to_string())),
+    }
+    if path != InboundPath::SkLookup {
+        return Ok(());
+    }
+    let program: &mut SkLookup = ebpf
+        .program_mut(name)
+        .and_then(|p| p.try_into().ok())
+        .ok_or_else(|| pin_err("not an sk_lookup program".into()))?;
+    program.pin(&pin).map_err(|e| pin_err(e.to_string()))
+}
+
 /// The id of the steering program pinned under `pins`, if any.
 pub fn pinned_steering_program(pins: &PinLayout) -> Option<u32> {
     use std::os::fd::AsFd as _;
@@ -108,11 +142,30 @@ impl Dataplane {
     /// `capacities`; pinned maps of another capacity are adopted as they
     /// are, with a warning ([`compat`]).
     pub fn load_with(pins: PinLayout, capacities: Capacities) -> Result<Self, LoadError> {
+        let choice = InboundAssign::from_env().map_err(LoadError::InboundChoice)?;
+        Self::load_inbound(pins, capacities, choice)
+    }
+
+    /// As [`Self::load_with`], on the inbound path `choice` picks
+    /// ([`inbound::choose`]).
+    pub fn load_inbound(
+        pins: PinLayout,
+        capacities: Capacities,
+        choice: InboundAssign,
+    ) -> Result<Self, LoadError> {
         if let Some(why) = object::missing_reason() {
             return Err(LoadError::ObjectMissing(why));
         }
         capacities.validate()?;
-        features::check_kernel()?;
+        let inbound = match (features::check_kernel(), inbound::choose(choice, &pins)) {
+            (Ok(()), Ok(path)) => path,
+            (Err(features::KernelError(mut missing)), Err(features::KernelError(more))) => {
+                missing.extend(more);
+                return Err(features::KernelError(missing).into());
+            }
+            (Err(e), _) | (_, Err(e)) => return Err(e.into()),
+        };
+        debug!("inbound path: {inbound}");
         pins.prepare()?;
         let (capacities, capacities_kept) =
             compat::check_pinned_maps(object::OBJECT, &pins, capacities)?;
@@ -135,6 +188,12 @@ impl Dataplane {
             }
         };
         let mut loader = EbpfLoader::new();
+        let via_sk_lookup = u8::from(inbound == InboundPath::SkLookup);
+        loader.override_global(
+            ambpf_common::programs::INBOUND_VIA_SK_LOOKUP,
+            &via_sk_lookup,
+            true,
+        );
         for (name, path) in &map_pins {
             loader.map_pin_path(name, path.as_path());
         }
@@ -160,6 +219,7 @@ impl Dataplane {
                 Program::SockOps(p) => p.load(),
                 Program::CgroupSkb(p) => p.load(),
                 Program::CgroupSock(p) => p.load(),
+                Program::SkLookup(p) => p.load(),
                 other => {
                     return Err(LoadError::Program {
                         name: name.to_owned(),
@@ -175,6 +235,7 @@ impl Dataplane {
             debug!("loaded BPF program {name}");
         }
         pin_steering_program(&mut ebpf, &pins)?;
+        pin_inbound_program(&mut ebpf, &pins, inbound)?;
         crate::build_info::record_loaded(&pins).map_err(|source| pins::PinError::Io {
             path: pins.root().join("object"),
             cause: source,
@@ -187,7 +248,13 @@ impl Dataplane {
             capacities,
             capacities_kept,
             raw_guard,
+            inbound,
         })
+    }
+
+    /// How steered SYNs reach ztunnel's listener.
+    pub fn inbound(&self) -> InboundPath {
+        self.inbound
     }
 
     /// The maps' capacities in effect.

@@ -189,6 +189,31 @@ pub fn tcx_link_ifindex(link: BorrowedFd<'_>) -> io::Result<Option<u32>> {
     Ok(Some(info[4]).filter(|ifindex| *ifindex != 0))
 }
 
+/// What `BPF_OBJ_GET_INFO_BY_FD` tells of a link.
+pub struct LinkInfo {
+    pub prog_id: u32,
+    /// The first word of the link's type-specific part: a TCX link's
+    /// ifindex, a netns link's namespace inode (0 once it is gone).
+    pub target: u32,
+}
+
+/// The program `link` runs and what it is attached to.
+pub fn link_info(link: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    // struct bpf_link_info: type, id, prog_id, then a u64-aligned union.
+    let mut info = [0u32; 6];
+    let mut attr = Attr::default();
+    attr.words[0] = link.as_raw_fd() as u32; // bpf_fd
+    attr.words[1] = size_of_val(&info) as u32; // info_len
+    let ptr = info.as_mut_ptr() as u64;
+    attr.words[2] = ptr as u32; // info (u64, little-endian halves)
+    attr.words[3] = (ptr >> 32) as u32;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(LinkInfo {
+        prog_id: info[2],
+        target: info[4],
+    })
+}
+
 /// Loads a two-instruction program of `prog_type` that returns `verdict`
 /// (`r0 = verdict; exit`): a stand-in whose behaviour does not matter, for
 /// probing what the kernel accepts and for tests of attachment plumbing.

@@ -249,6 +249,13 @@ pub struct RunArgs {
     #[command(flatten)]
     pub capacities: bpf::capacity::CapacityArgs,
 
+    /// How the eBPF mode hands steered SYNs to ztunnel's listener: `tc`
+    /// (`bpf_sk_assign` from TC, 6.5+), `sk-lookup` (a per-pod sk_lookup
+    /// program), or `auto` (tc where the kernel takes SO_REUSEPORT
+    /// listeners there). For diagnosis and tests.
+    #[arg(long, value_enum, env = bpf::InboundAssign::ENV, default_value = "auto", hide = true)]
+    pub inbound_assign: bpf::InboundAssign,
+
     /// Which iptables the iptables mode writes with (auto: what the host uses).
     #[arg(long, value_enum, default_value = "auto")]
     pub iptables_backend: IptablesBackend,

@@ -68,10 +68,13 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 // Before anything is made, so that a refused kernel is left
                 // as it was.
                 bpf::features::check_kernel()?;
+                bpf::inbound::choose(args.inbound_assign, &pins)?;
                 // One agent writes a pin root at a time (see PinRootLock).
                 pins.prepare()?;
                 _pin_root_lock = Some(bpf::pins::PinRootLock::acquire(&pins)?);
-                let mut dataplane = Dataplane::load_with(pins.clone(), capacities)?;
+                let mut dataplane =
+                    Dataplane::load_inbound(pins.clone(), capacities, args.inbound_assign)?;
+                info!("inbound path: {}", dataplane.inbound());
                 dataplane.forward_kernel_logs()?;
                 tokio::spawn(bpf::capacity::log_misses(
                     pins.clone(),

@@ -4,7 +4,8 @@
 //! 1. the reply routing in its netns (`routing`: fwmark 0x111 -> local table,
 //!    tcp_fwmark_accept), which ztunnel's inbound connections need;
 //! 2. the inbound-steering TC program attached to each of its interfaces, as
-//!    a direct-action `cls_bpf` filter ([`super::steering`]);
+//!    a direct-action `cls_bpf` filter ([`super::steering`]), and on the
+//!    sk_lookup inbound path its sk_lookup link ([`crate::bpf::inbound`]);
 //! 3. two map writes, by netns cookie (socket programs) and by address
 //!    (packet programs), after which new connections are redirected.
 //!
@@ -89,6 +90,11 @@ pub enum EnrollError {
     },
     #[error("the steering program: {0}")]
     SteeringProgram(String),
+    #[error("the sk_lookup link of the pod in {netns}: {cause}")]
+    InboundLink {
+        netns: PathBuf,
+        cause: std::io::Error,
+    },
     #[error("recording the pod's name: {0}")]
     PodNames(#[from] crate::bpf::inspect::InspectError),
     #[error(transparent)]
@@ -212,6 +218,11 @@ impl Dataplane {
             config.flags |= pod_flags::STEERING_QDISC_CREATED;
         }
         self.held.insert(cookie, keep(netns)?);
+        // Before its addresses are written: the steering program hands the
+        // pod's SYNs to this link from then on.
+        if let Err(e) = self.attach_inbound_link(netns, cookie) {
+            return Err(self.undo_new_pod(netns, cookie, previous.is_none(), qdisc_created, e));
+        }
         // Its counters first, so its first redirected connection is counted;
         // a new pod that does not fit leaves nothing behind.
         if let Err(e) = self.add_pod_counters(cookie) {
@@ -286,7 +297,57 @@ impl Dataplane {
         if let Err(undo) = detach_steering(netns, qdisc_created) {
             warn!("removing the steering of a pod that was not enrolled: {undo}");
         }
+        if let Err(undo) = self.remove_inbound_link(cookie) {
+            warn!("removing the sk_lookup link of a pod that was not enrolled: {undo}");
+        }
         e
+    }
+
+    /// On the sk_lookup path, attaches (or updates) the pod's sk_lookup
+    /// link; nothing on the TC path.
+    fn attach_inbound_link(&mut self, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
+        use crate::bpf::{InboundPath, inbound};
+        if self.inbound() != InboundPath::SkLookup {
+            return Ok(());
+        }
+        let link_err = |cause| EnrollError::InboundLink {
+            netns: netns.path().to_owned(),
+            cause,
+        };
+        let pin = inbound::link_pin(self.pins(), cookie);
+        let program: &mut aya::programs::SkLookup = self
+            .program_mut(programs::INBOUND_LOOKUP)
+            .try_into()
+            .map_err(|e| link_err(std::io::Error::other(e)))?;
+        let program = program
+            .fd()
+            .map_err(|e| link_err(std::io::Error::other(e)))?;
+        inbound::attach_link(&pin, program.as_fd(), netns.file().as_fd(), netns.inode())
+            .map_err(link_err)
+    }
+
+    /// Removes the pod's sk_lookup link and forgets its listener (on either
+    /// path: an agent on the other path may have left them).
+    fn remove_inbound_link(&mut self, cookie: u64) -> Result<(), EnrollError> {
+        crate::bpf::inbound::remove_link(self.pins(), cookie).map_err(|cause| {
+            EnrollError::Unlink {
+                dir: self.pins().pod_links_dir(cookie),
+                cause,
+            }
+        })?;
+        let mut listeners: aya::maps::SockHash<&mut MapData, u64> =
+            aya::maps::SockHash::try_from(self.map_mut(maps::INBOUND_LISTENERS))
+                .map_err(map_err(maps::INBOUND_LISTENERS))?;
+        match listeners.remove(&cookie) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            // A hash map answers a missing key with ENOENT.
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(map_err(maps::INBOUND_LISTENERS)(e)),
+        }
     }
 
     /// Writes the address entries `pod` owns ([`claims`]), after releasing
@@ -420,6 +481,7 @@ impl Dataplane {
                 found.is_some_and(|c| c.flags & pod_flags::STEERING_QDISC_CREATED != 0);
             detach_steering(&netns, qdisc_created)?;
         }
+        self.remove_inbound_link(cookie)?;
         if let Err(e) = crate::bpf::pod_names::remove(self.pins(), cookie) {
             // A stale name is harmless: cookies are never reused.
             log::warn!("pod with {pod}: forgetting its name: {e}");

@@ -13,7 +13,7 @@ use log::{info, warn};
 
 use super::{CheckScope, Violation, ViolationKind, key_of};
 use crate::{
-    bpf::{Dataplane, PinLayout, pinned_steering_program},
+    bpf::{Dataplane, PinLayout, inbound, pinned_steering_program},
     netns::Netns,
     redirect::{
         PodKey,
@@ -32,11 +32,14 @@ pub struct PinnedPods {
     pub pods: Vec<PodConfig>,
     /// `ambpf_pod_ips`.
     pub addresses: Vec<(IpKey, PodConfig)>,
-    /// Directories under `links/pods`: per-pod steering links an older
-    /// agent pinned (steering is a tc filter now, with no pin).
-    pub legacy_link_dirs: Vec<PathBuf>,
+    /// Directories under `links/pods` of no enrolled pod's sk_lookup link:
+    /// left by a removal cut short, or steering links an older agent pinned.
+    pub stray_link_dirs: Vec<PathBuf>,
     /// The steering program the agent pinned (its id).
     pub steering_program: Option<u32>,
+    /// The sk_lookup program the agent pinned (its id): `Some` on the
+    /// sk_lookup inbound path ([`inbound`]).
+    pub inbound_program: Option<u32>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,14 +66,25 @@ pub fn read_pinned_pods(pins: &PinLayout) -> Result<PinnedPods, ReadError> {
             .collect::<Result<_, _>>()
             .map_err(|e| err(e.to_string()))
     }
-    let pods = entries::<u64>(&pins.map(maps::PODS_BY_NETNS))?
+    let pods: Vec<PodConfig> = entries::<u64>(&pins.map(maps::PODS_BY_NETNS))?
         .into_iter()
         .map(|(_, pod)| pod)
         .collect();
+    let inbound_program = inbound::pinned_program(pins);
+    let linked = |dir: &Path| {
+        inbound_program.is_some()
+            && dir.file_name().and_then(|n| n.to_str()?.parse::<u64>().ok()).is_some_and(
+                |cookie| pods.iter().any(|pod| pod.netns_cookie == cookie),
+            )
+    };
     let addresses = entries::<IpKey>(&pins.map(maps::PODS_BY_IP))?;
     let root = pins.pod_links_root();
-    let legacy_link_dirs = match std::fs::read_dir(&root) {
-        Ok(entries) => entries.flatten().map(|e| e.path()).collect(),
+    let stray_link_dirs = match std::fs::read_dir(&root) {
+        Ok(entries) => entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|dir| !linked(dir))
+            .collect(),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(e) => {
             return Err(ReadError {
@@ -82,14 +96,15 @@ pub fn read_pinned_pods(pins: &PinLayout) -> Result<PinnedPods, ReadError> {
     Ok(PinnedPods {
         pods,
         addresses,
-        legacy_link_dirs,
+        stray_link_dirs,
         steering_program: pinned_steering_program(pins),
+        inbound_program,
     })
 }
 
 /// The records' own consistency: every address entry is its owner's
 /// ([`crate::redirect::claims`]), every owned address has its entry, and no
-/// steering link is left pinned by an older agent.
+/// link is pinned for a pod that is not enrolled.
 pub fn check_records(state: &PinnedPods) -> Vec<Violation> {
     let mut out = Vec::new();
     let pods: HashMap<u64, &PodConfig> = state
@@ -147,14 +162,11 @@ pub fn check_records(state: &PinnedPods) -> Vec<Violation> {
             );
         }
     }
-    for dir in &state.legacy_link_dirs {
+    for dir in &state.stray_link_dirs {
         out.push(
             Violation::new(
                 ViolationKind::SteeringOrphan,
-                format!(
-                    "{} holds steering links pinned by an older agent",
-                    dir.display()
-                ),
+                format!("{} holds links of no enrolled pod", dir.display()),
             )
             .pin(dir),
         );
@@ -198,10 +210,13 @@ fn reopen(netns: &Netns) -> Option<Netns> {
 
 /// Inside one enrolled pod's namespace: the addresses it was enrolled with,
 /// ambpf's steering filter running the agent's program (`steering_program`)
-/// on each interface, and the reply routing.
+/// on each interface, and the reply routing; on the sk_lookup path
+/// (`inbound`: the pod's link pin and the agent's sk_lookup program), the
+/// pod's link running that program in its namespace.
 pub fn check_pod_netns(
     pod: &PodConfig,
     steering_program: Option<u32>,
+    inbound: Option<(&Path, u32)>,
     netns: &Netns,
 ) -> Vec<Violation> {
     let key = key_of(pod);
@@ -257,6 +272,33 @@ pub fn check_pod_netns(
         Ok(Err(e)) => out.push(unreadable("reading the steering filters", &e)),
         Err(e) => out.push(unreadable("entering the namespace", &e)),
     }
+    if let Some((pin, program)) = inbound {
+        let why = match inbound::link_info(pin) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Some("has no sk_lookup link".to_owned())
+            }
+            Err(e) => {
+                out.push(unreadable("reading the sk_lookup link", &e));
+                None
+            }
+            Ok((id, _)) if id != program => Some(format!(
+                "has an sk_lookup link that runs program {id}, not the agent's {program}"
+            )),
+            Ok((_, inode)) if inode != Some(netns.inode() as u32) => Some(format!(
+                "has an sk_lookup link attached to namespace inode {inode:?}, not its own"
+            )),
+            Ok(_) => None,
+        };
+        if let Some(why) = why {
+            out.push(
+                Violation::new(
+                    ViolationKind::SteeringMissing,
+                    format!("the pod with {key} {why}: its inbound SYNs reach no listener"),
+                )
+                .pod(pod),
+            );
+        }
+    }
     match routing::reply_routing_status(netns) {
         Ok(status) if status.is_installed() => {}
         Ok(status) => out.push(
@@ -309,7 +351,11 @@ pub fn ebpf_state(
                 )
                 .pod(pod),
             ),
-            Some(netns) => out.extend(check_pod_netns(pod, state.steering_program, netns)),
+            Some(netns) => {
+                let link = inbound::link_pin(pins, pod.netns_cookie);
+                let inbound = state.inbound_program.map(|id| (link.as_path(), id));
+                out.extend(check_pod_netns(pod, state.steering_program, inbound, netns));
+            }
         }
     }
     // The node is the agent's own namespace's (the host's, in production).
@@ -468,13 +514,14 @@ mod tests {
     }
 
     #[test]
-    fn steering_links_an_older_agent_pinned_are_orphans() {
+    fn links_of_no_enrolled_pod_are_orphans() {
         let live = pod(20, &[A]);
         let state = PinnedPods {
             pods: vec![live],
             addresses: vec![(IpKey::v4(A), live)],
-            legacy_link_dirs: vec![PathBuf::from("/pins/links/pods/4026532001")],
+            stray_link_dirs: vec![PathBuf::from("/pins/links/pods/4026532001")],
             steering_program: Some(7),
+            inbound_program: Some(8),
         };
         let found = check_records(&state);
         assert_eq!(kinds(&found), [ViolationKind::SteeringOrphan]);

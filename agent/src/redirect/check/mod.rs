@@ -62,10 +62,11 @@ pub enum ViolationKind {
     /// An enrolled pod whose network namespace no longer exists.
     PodNetnsGone,
     /// An enrolled pod's interface without ambpf's steering filter, or with
-    /// one that runs another program than the agent's.
+    /// one that runs another program than the agent's; on the sk_lookup
+    /// inbound path, a pod without its sk_lookup link running the agent's.
     SteeringMissing,
     /// ambpf's steering filter in a namespace that is no enrolled pod's, or
-    /// a pinned steering link left by an older agent.
+    /// pinned links of no enrolled pod.
     SteeringOrphan,
     /// An enrolled pod without its reply routing (rule, route or sysctl).
     RoutingMissing,

@@ -1,0 +1,205 @@
+//! How steered SYNs reach ztunnel's inbound listener: the two inbound paths.
+//!
+//! - `tc-assign`: the steering program assigns the SYN to the listener
+//!   itself (`bpf_sk_assign` from TC). Linux 6.5 and later: earlier kernels
+//!   refuse SO_REUSEPORT listeners there, and ztunnel's are.
+//! - `sk-lookup`: the steering program records the listener and the SYN in
+//!   maps, and an sk_lookup program attached to each enrolled pod's network
+//!   namespace (a netns link, pinned at `links/pods/<netns cookie>/inbound`)
+//!   assigns it where the kernel looks the listener up; sk_lookup's
+//!   assignment takes reuseport listeners since it exists (5.9).
+//!
+//! The path is chosen once per pin root: the agent pins the sk_lookup
+//! program (`progs/ambpf_inbound`) only while that path is in use, which is
+//! also how `status`, the state check and a later agent (on `auto`) know it.
+
+use std::{
+    io,
+    os::fd::{AsFd as _, BorrowedFd},
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::MapType,
+    programs::ProgramType,
+    sys::{BpfHelper, is_helper_supported, is_map_supported, is_program_supported},
+};
+
+use super::{
+    PinLayout,
+    features::{Feature, FeatureError, KernelError},
+    sys,
+};
+
+/// `--inbound-assign`: which path to use (`auto`: the kernel decides).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum InboundAssign {
+    #[default]
+    Auto,
+    Tc,
+    SkLookup,
+}
+
+impl InboundAssign {
+    /// The environment variable that sets the choice where no flag does
+    /// (the library's loads; tests force a path with it).
+    pub const ENV: &'static str = "AMBPF_INBOUND_ASSIGN";
+
+    /// The choice `AMBPF_INBOUND_ASSIGN` names (`auto` when unset).
+    pub fn from_env() -> Result<Self, String> {
+        use clap::ValueEnum as _;
+        match std::env::var(Self::ENV) {
+            Ok(value) => Self::from_str(&value, true).map_err(|e| format!("{}: {e}", Self::ENV)),
+            Err(_) => Ok(Self::Auto),
+        }
+    }
+}
+
+/// The inbound path in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InboundPath {
+    TcAssign,
+    SkLookup,
+}
+
+impl std::fmt::Display for InboundPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            InboundPath::TcAssign => "tc-assign",
+            InboundPath::SkLookup => "sk-lookup",
+        })
+    }
+}
+
+/// The TC path's need: tried, since the helper exists on kernels that
+/// refuse the socket ([`super::assign_probe`]).
+pub const TC_ASSIGN_REUSEPORT: Feature = Feature {
+    name: "bpf_sk_assign of SO_REUSEPORT listeners in TC programs (inbound capture: \
+           ztunnel's listeners are SO_REUSEPORT)",
+    since: "6.5",
+    probe: super::assign_probe::probe,
+};
+
+/// The sk_lookup path's needs. Storing the listener from TC into a SOCKHASH
+/// (5.10) is not probed: every kernel with the required features (5.15)
+/// has it.
+pub const SK_LOOKUP: &[Feature] = &[
+    Feature {
+        name: "sk_lookup programs (inbound capture where TC cannot assign reuseport listeners)",
+        since: "5.9",
+        probe: || is_program_supported(ProgramType::SkLookup).map_err(|e| e.to_string()),
+    },
+    Feature {
+        name: "bpf_sk_assign in sk_lookup programs",
+        since: "5.9",
+        probe: || {
+            is_helper_supported(ProgramType::SkLookup, BpfHelper::BPF_FUNC_sk_assign)
+                .map_err(|e| e.to_string())
+        },
+    },
+    Feature {
+        name: "SOCKHASH maps (the sk_lookup path's listeners)",
+        since: "4.18",
+        probe: || is_map_supported(MapType::SockHash).map_err(|e| e.to_string()),
+    },
+];
+
+/// The path for `choice` on this kernel and pin root; names what the
+/// kernel lacks when it has neither path (or not the one asked for).
+pub fn choose(choice: InboundAssign, pins: &PinLayout) -> Result<InboundPath, KernelError> {
+    let sk_lookup = || -> Result<InboundPath, Vec<FeatureError>> {
+        let missing: Vec<_> = SK_LOOKUP.iter().filter_map(|f| f.check().err()).collect();
+        if missing.is_empty() {
+            Ok(InboundPath::SkLookup)
+        } else {
+            Err(missing)
+        }
+    };
+    match choice {
+        InboundAssign::Tc => TC_ASSIGN_REUSEPORT
+            .check()
+            .map(|()| InboundPath::TcAssign)
+            .map_err(|e| KernelError(vec![e])),
+        InboundAssign::SkLookup => sk_lookup().map_err(KernelError),
+        // Pods enrolled on the sk_lookup path keep it: their links are
+        // pinned, and switching would leave them to be re-enrolled.
+        InboundAssign::Auto if pinned_program(pins).is_some() => sk_lookup().map_err(KernelError),
+        InboundAssign::Auto => match TC_ASSIGN_REUSEPORT.check() {
+            Ok(()) => Ok(InboundPath::TcAssign),
+            Err(tc) => sk_lookup().map_err(|mut missing| {
+                missing.insert(0, tc);
+                KernelError(missing)
+            }),
+        },
+    }
+}
+
+/// The id of the sk_lookup program pinned under `pins`: `Some` while the
+/// sk_lookup path is in use.
+pub fn pinned_program(pins: &PinLayout) -> Option<u32> {
+    let fd = sys::obj_get(&pins.program(ambpf_common::programs::INBOUND_LOOKUP)).ok()?;
+    sys::prog_id(fd.as_fd()).ok()
+}
+
+/// The path in use under `pins` (as [`pinned_program`] tells).
+pub fn pinned_path(pins: &PinLayout) -> InboundPath {
+    match pinned_program(pins) {
+        Some(_) => InboundPath::SkLookup,
+        None => InboundPath::TcAssign,
+    }
+}
+
+/// Where the sk_lookup link of the pod with `netns_cookie` is pinned.
+pub fn link_pin(pins: &PinLayout, netns_cookie: u64) -> PathBuf {
+    pins.pod_links_dir(netns_cookie).join("inbound")
+}
+
+const BPF_SK_LOOKUP: u32 = 36;
+
+/// Attaches `program` to the namespace `netns` (of inode `netns_inode`)
+/// and pins the link at `pin`; where a link into that namespace is pinned
+/// there already, makes it run `program` (in one step, so no SYN goes
+/// unassigned during an upgrade).
+pub fn attach_link(
+    pin: &Path,
+    program: BorrowedFd<'_>,
+    netns: BorrowedFd<'_>,
+    netns_inode: u64,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    match sys::obj_get(pin) {
+        Ok(link) => {
+            let attached = sys::link_info(link.as_fd())?.target;
+            if u64::from(attached) == netns_inode & u64::from(u32::MAX) {
+                return sys::link_update(link.as_fd(), program);
+            }
+            // Attached elsewhere (or to a namespace gone): replaced.
+            std::fs::remove_file(pin)?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    if let Some(dir) = pin.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let link = sys::link_create(program, netns.as_raw_fd() as u32, BPF_SK_LOOKUP)?;
+    sys::obj_pin(link.as_fd(), pin)
+}
+
+/// Removes the pod's pinned link (which detaches it) and its directory.
+pub fn remove_link(pins: &PinLayout, netns_cookie: u64) -> io::Result<()> {
+    match std::fs::remove_dir_all(pins.pod_links_dir(netns_cookie)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// The pinned link at `pin`: the program it runs and the inode of the
+/// namespace it is attached to (`None` once that namespace is gone; the
+/// kernel reports the inode's low 32 bits).
+pub fn link_info(pin: &Path) -> io::Result<(u32, Option<u32>)> {
+    let link = sys::obj_get(pin)?;
+    let info = sys::link_info(link.as_fd())?;
+    Ok((info.prog_id, Some(info.target).filter(|ino| *ino != 0)))
+}
