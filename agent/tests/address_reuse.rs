@@ -1,13 +1,13 @@
 //! Privileged: a pod's addresses recycled to a new pod, as a node's IPAM
-//! does, changed under a live pod, or more than a pod's entry holds, in both
-//! redirection modes (`<scenario>::ebpf` and
-//! `<scenario>::iptables`, set up as in tests/redirect.rs), with real
+//! does, changed under a live pod, or more than a pod's entry holds, in every
+//! redirection mode (`<scenario>::ebpf`, `<scenario>::iptables` and
+//! `<scenario>::nftables`, set up as in tests/redirect.rs), with real
 //! namespaces (testbed `Cluster`), a real ZDS server and the ztunnel double.
 //!
 //! Addresses and nsfs inode numbers are reused; netns cookies are not, so
 //! every per-pod record belongs to its pod's cookie (eBPF: the `ambpf_pods`
 //! and `ambpf_pod_ips` entries and the pod's link directory; iptables: the
-//! probe ipset members). In each scenario pod X is enrolled, then its
+//! probe ipset members; nftables: the probe set members). In each scenario pod X is enrolled, then its
 //! addresses go to a new pod Y (`Cluster::recycle_pod*`):
 //!
 //! - `stale_pod_at_agent_start`: the agent (and ztunnel) go away without
@@ -30,12 +30,12 @@
 //! Then Y is checked end to end, in IPv4 and IPv6: a connection from the
 //! remote client to Y's app goes through ztunnel's inbound listener (15006)
 //! with the right original destination and reaches the app; one from Y to
-//! the remote goes through the outbound listener (15001); in iptables mode a
-//! probe from the node reaches the app as 169.254.7.127 (or its IPv6
+//! the remote goes through the outbound listener (15001); in the iptables
+//! and nftables modes a probe from the node reaches the app as 169.254.7.127 (or its IPv6
 //! equivalent), not through ztunnel. Nothing of X is left: no `ambpf_pods`
 //! entry of X's cookie, every `ambpf_pod_ips` entry of the addresses holds
-//! Y's, no pod link directory but Y's; the probe ipset member of each
-//! address names Y's cookie. And the agent's state checks never found
+//! Y's, no pod link directory but Y's; the probe (ipset or nftables set)
+//! member of each address names Y's cookie. And the agent's state checks never found
 //! anything to repair.
 //!
 //! Two more scenarios check the same of a pod whose addresses are not what
@@ -46,7 +46,7 @@
 //! addresses, the node's other pod enrolled).
 
 mod common;
-use common::Server;
+use common::{Server, agent::nft_probe_members};
 #[macro_use]
 mod modes;
 
@@ -71,6 +71,7 @@ use ambpf::{
         CheckScope, PodRedirection, RedirectMode, ViolationKind,
         ebpf::ip_key,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
+        nftables::{NftablesRedirection, PROBE_SET_V4, PROBE_SET_V6},
         podnet::netns_cookie,
     },
     sources::kube::{KubeSource, KubeSourceConfig, PodQuery, rules::DATAPLANE_MODE_LABEL},
@@ -238,6 +239,20 @@ impl Node {
         }
     }
 
+    /// The node's probe set members (nftables mode), each with the netns
+    /// cookie its comment names.
+    fn nft_probe_members(&self) -> Vec<(IpAddr, Option<u64>)> {
+        let host = self.cluster.node.path();
+        [PROBE_SET_V4, PROBE_SET_V6]
+            .iter()
+            .flat_map(|set| nft_probe_members(&host, set))
+            .map(|(ip, comment)| {
+                let owner = comment.and_then(|c| c.strip_prefix("netns cookie ")?.parse().ok());
+                (ip.parse().unwrap(), owner)
+            })
+            .collect()
+    }
+
     fn cookie(&self) -> u64 {
         self.cookie_of(0)
     }
@@ -249,7 +264,7 @@ impl Node {
     /// A new agent's redirection, on the state earlier agents left.
     fn redirection(&self) -> Box<dyn PodRedirection> {
         match self.mode {
-            RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
+            RedirectMode::Nftables => Box::new(NftablesRedirection::new(self.host()).unwrap()),
             RedirectMode::Ebpf => {
                 let mut dataplane = Dataplane::load(self.pins()).unwrap();
                 let cgroup = self.cgroup.as_ref().unwrap();
@@ -328,7 +343,17 @@ impl Node {
         self.assert_captured(agent, 0, Y).await;
         let ips = self.cluster.pods[0].ips();
         match self.mode {
-            RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
+            RedirectMode::Nftables => {
+                let members = self.nft_probe_members();
+                for ip in ips {
+                    let owners: Vec<_> = members
+                        .iter()
+                        .filter(|(m, _)| *m == ip)
+                        .map(|(_, owner)| *owner)
+                        .collect();
+                    assert_eq!(owners, [Some(y)], "probe set member {ip} (X is {x})");
+                }
+            }
             RedirectMode::Ebpf => {
                 let pins = self.pins();
                 let pods: Vec<u64> = inspect::read_pods(&pins)
@@ -385,7 +410,8 @@ impl Node {
     }
 
     /// The pod `i`, known to ztunnel as `uid`, is captured both ways in
-    /// both families (and its probes are not, in iptables mode).
+    /// both families (and its probes are not, in the iptables and nftables
+    /// modes).
     async fn assert_captured(&self, agent: &Agent, i: usize, uid: &str) {
         let inode = self.cluster.pods[i].ns.inode().unwrap();
         agent
@@ -419,7 +445,7 @@ impl Node {
             wait_proxied(agent, uid, 15001, outbound).await;
             assert_eq!(remote_server.last_peer(), ip, "outbound to {outbound}");
 
-            if self.mode == RedirectMode::Iptables {
+            if self.mode != RedirectMode::Ebpf {
                 // A kubelet probe: SNATed on the node, straight to the app.
                 let before = agent.ztunnel.proxied().len();
                 echo_once(&self.cluster.node, inbound);
@@ -434,12 +460,30 @@ impl Node {
     /// What differs from the redirection holding `ips` as the pod
     /// `cookie`'s and no other address of it, and none of `not_its` as
     /// anyone's (eBPF: the pod's entry and the `ambpf_pod_ips` entries;
-    /// iptables: the probe ipset members); `None` if nothing does.
+    /// iptables and nftables: the probe set members); `None` if nothing
+    /// does.
     fn addresses_problem(&self, cookie: u64, ips: &[IpAddr], not_its: &[IpAddr]) -> Option<String> {
         let mut expected = ips.to_vec();
         expected.sort_unstable();
         match self.mode {
-            RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
+            RedirectMode::Nftables => {
+                let members = self.nft_probe_members();
+                let mut its: Vec<IpAddr> = members
+                    .iter()
+                    .filter(|(_, owner)| *owner == Some(cookie))
+                    .map(|(ip, _)| *ip)
+                    .collect();
+                its.sort_unstable();
+                if its != expected {
+                    return Some(format!("its probe set members are {its:?}"));
+                }
+                if let Some(ip) = not_its
+                    .iter()
+                    .find(|ip| members.iter().any(|(m, _)| m == *ip))
+                {
+                    return Some(format!("{ip} is still a probe set member: {members:?}"));
+                }
+            }
             RedirectMode::Ebpf => {
                 let pins = self.pins();
                 let pods = inspect::read_pods(&pins).unwrap();
@@ -810,28 +854,28 @@ fn node(mode: RedirectMode, cgroup: Option<&CgroupGuard>, pods: u16) -> Node {
     Node::with_pods(mode, cgroup.map(|c| c.path().to_owned()), pods)
 }
 
-in_both_modes!(stale_pod_at_agent_start, |mode, cgroup| {
+in_all_modes!(stale_pod_at_agent_start, |mode, cgroup| {
     agent_restart(node(mode, cgroup, 1), false).await
 });
-in_both_modes!(netns_inode_reused_at_agent_start, |mode, cgroup| {
+in_all_modes!(netns_inode_reused_at_agent_start, |mode, cgroup| {
     agent_restart(node(mode, cgroup, 1), true).await
 });
-in_both_modes!(cni_add_before_the_old_pods_delete, |mode, cgroup| {
+in_all_modes!(cni_add_before_the_old_pods_delete, |mode, cgroup| {
     cni_pod(node(mode, cgroup, 1), true).await
 });
-in_both_modes!(cni_add_after_the_old_pods_delete, |mode, cgroup| {
+in_all_modes!(cni_add_after_the_old_pods_delete, |mode, cgroup| {
     cni_pod(node(mode, cgroup, 1), false).await
 });
-in_both_modes!(kube_new_pod_before_old_pods_delete, |mode, cgroup| {
+in_all_modes!(kube_new_pod_before_old_pods_delete, |mode, cgroup| {
     kube_pods(node(mode, cgroup, 1), true).await
 });
-in_both_modes!(kube_old_pods_delete_before_new_pod, |mode, cgroup| {
+in_all_modes!(kube_old_pods_delete_before_new_pod, |mode, cgroup| {
     kube_pods(node(mode, cgroup, 1), false).await
 });
-in_both_modes!(pod_addresses_changed_while_enrolled, |mode, cgroup| {
+in_all_modes!(pod_addresses_changed_while_enrolled, |mode, cgroup| {
     address_change(node(mode, cgroup, 1), ()).await
 });
-in_both_modes!(
+in_all_modes!(
     a_pod_with_two_addresses_of_a_family_is_refused,
     |mode, cgroup| { too_many_addresses(node(mode, cgroup, 2), ()).await }
 );

@@ -1,5 +1,5 @@
 //! Privileged: a CNI ADD answers only once ztunnel holds the pod, as Istio's
-//! node agent's does, in both redirection modes. The real `ambpf-cni`
+//! node agent's does, in every redirection mode. The real `ambpf-cni`
 //! binary posts each pod to the agent's endpoint, served here by a real
 //! `Controller` on its own thread over the mode's redirection, and the
 //! ztunnel double is unkind: each pod's proxy starts only after a delay,
@@ -180,7 +180,7 @@ fn cni_error(output: &Output) -> (u64, String) {
     (code, format!("{}: {}", error["msg"], error["details"]))
 }
 
-in_both_modes!(
+in_all_modes!(
     apps_connecting_the_instant_add_returns_find_ztunnel_listening,
     |mode, cgroup| {
         const PODS: usize = 50;
@@ -240,7 +240,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(
+in_all_modes!(
     with_no_ztunnel_an_add_fails_for_retry_and_leaves_nothing_until_ztunnel_connects,
     |mode, cgroup| {
         let node = CniNode::start(mode, 1, cgroup);
@@ -267,7 +267,7 @@ in_both_modes!(
     }
 );
 
-in_both_modes!(a_nack_fails_the_add_and_leaves_nothing, |mode, cgroup| {
+in_all_modes!(a_nack_fails_the_add_and_leaves_nothing, |mode, cgroup| {
     let node = CniNode::start(mode, 1, cgroup);
     let config = ZtunnelConfig::default().nack(CniNode::uid(0));
     let ztunnel = ZtunnelDouble::connect_with_retry(node.zds.socket(), config);

@@ -3,8 +3,8 @@
 //! `bridge`/`host-local`/`loopback` CNI plugins, `ambpf-cni` chained in by
 //! `ambpf cni-install`) creates pods the way kubelet does, the same pods are
 //! in the test API server, and the real `ambpf run --pod-source kube` runs in
-//! the node's network namespace with the ztunnel double connected. In both
-//! redirection modes.
+//! the node's network namespace with the ztunnel double connected. In every
+//! redirection mode.
 
 use std::{
     net::SocketAddr,
@@ -376,6 +376,35 @@ fn ipset_members(node: &Node, set: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The addresses in a probe set of the node's host table (nftables mode),
+/// read with `nft -j`.
+fn nft_probe_members(node: &Node, set: &str) -> Vec<String> {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            node.netns.name(),
+            "nft",
+            "-j",
+            "list",
+            "set",
+        ])
+        .args(["inet", "istio-ambient-nat", set])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listing: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut members = Vec::new();
+    for object in listing["nftables"].as_array().unwrap() {
+        for elem in object["set"]["elem"].as_array().into_iter().flatten() {
+            // `{"elem": {"val": ..., "comment": ...}}` with a comment.
+            let val = elem.get("elem").map_or(elem, |inner| &inner["val"]);
+            members.push(val.as_str().unwrap().to_owned());
+        }
+    }
+    members
+}
+
 async fn pods_from_the_runtime_are_captured_discovered_and_removed_cleanly(mode: &'static str) {
     if let Some(why) = ambpf_testbed::node::containers_cannot_start() {
         eprintln!("skipped: {why}");
@@ -501,6 +530,11 @@ async fn pods_from_the_runtime_are_captured_discovered_and_removed_cleanly(mode:
         assert!(!members.contains(&format!("{}\n", web_run.ip)), "{members}");
         assert!(members.contains(&old_run.ip), "{members}");
     }
+    if mode == "nftables" {
+        let members = nft_probe_members(&setup.node, "istio-inpod-probes-v4");
+        assert!(!members.contains(&web_run.ip), "{members:?}");
+        assert!(members.contains(&old_run.ip), "{members:?}");
+    }
     if ebpf {
         // The pinned state agrees with the kernel (iptables mode pins nothing,
         // and `status` says so with an error).
@@ -599,6 +633,11 @@ async fn without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nftables_pods_from_the_runtime_are_captured_discovered_and_removed_cleanly() {
+    pods_from_the_runtime_are_captured_discovered_and_removed_cleanly("nftables").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ebpf_without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains() {
     without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains("ebpf").await;
 }
@@ -606,4 +645,9 @@ async fn ebpf_without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unc
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn iptables_without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains() {
     without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains("iptables").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nftables_without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains() {
+    without_the_agent_sandboxes_fail_with_its_reason_and_uninstall_unchains("nftables").await;
 }

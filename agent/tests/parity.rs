@@ -1,10 +1,11 @@
 //! Privileged: the mode-parity suite. One table of cases runs against the
-//! `iptables` mode (Istio's in-pod rules) and the `ebpf` mode, each case
+//! `iptables` mode (Istio's in-pod rules), the `nftables` mode (Istio's
+//! nftables tables) and the `ebpf` mode, each case
 //! observing what the app and ztunnel (the double, which records what
 //! ztunnel reads) see, with addresses named by role (`pod.v4`, `remote.v6`,
 //! ...) and ephemeral ports as `ephemeral`, so that the two modes' values
-//! compare. Every observation must equal the case's expected value in both
-//! modes, except those listed in [`DIFFERENCES`], where each mode must show
+//! compare. Every observation must equal the case's expected value in every
+//! mode, except those listed in [`DIFFERENCES`], where each mode must show
 //! its own documented value; the table of docs/parity.md ("Where the modes
 //! differ") lists the same differences with their reasons.
 
@@ -840,7 +841,7 @@ fn expected_in(mode: RedirectMode, case: &Case) -> BTreeMap<&'static str, String
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn both_modes_give_ztunnel_and_the_apps_the_same_observations() {
+async fn every_mode_gives_ztunnel_and_the_apps_the_same_observations() {
     // Every listed difference names a case of the table.
     for d in DIFFERENCES {
         assert!(
@@ -850,11 +851,13 @@ async fn both_modes_give_ztunnel_and_the_apps_the_same_observations() {
         );
     }
     let iptables = observe(RedirectMode::Iptables).await;
+    let nftables = observe(RedirectMode::Nftables).await;
     let ebpf = observe(RedirectMode::Ebpf).await;
     let mut mismatches = Vec::new();
     for (i, case) in CASES.iter().enumerate() {
         for (mode, observed) in [
             (RedirectMode::Iptables, &iptables[i]),
+            (RedirectMode::Nftables, &nftables[i]),
             (RedirectMode::Ebpf, &ebpf[i]),
         ] {
             let expected = expected_in(mode, case);

@@ -10,6 +10,12 @@
 //! afterwards leaves no map entry behind. `ambpf status --check` finds the
 //! pinned state consistent throughout, names a link directory that belongs
 //! to no pod, and the agent's own check removes it.
+//!
+//! The same in nftables mode, where the pod's tables and the host's probe
+//! sets are the kernel's: open connections survive, new ones stay captured
+//! while no agent runs, the new agent adopts the pod from its record without
+//! duplicating a rule or a member, and once the pod leaves its connections
+//! go direct and neither a member nor a record is left.
 
 use std::{
     io::{Read, Write},
@@ -28,7 +34,7 @@ use ambpf_testbed::{
 use serde_json::Value;
 
 mod common;
-use common::agent::{TempDir, agent_command, serve_echo, wait_for};
+use common::agent::{TempDir, agent_command, nft_json, nft_probe_members, serve_echo, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 const POD_UID: &str = "restart-pod-uid";
@@ -44,7 +50,19 @@ impl Drop for Agent {
 
 /// The agent in the node's namespace with the chart's capabilities only.
 fn spawn_agent(node: &NetnsGuard, pins: &Path, socket: &Path, pods: &Path, cgroup: &Path) -> Agent {
+    spawn_agent_in(node, pins, socket, pods, cgroup, "ebpf")
+}
+
+fn spawn_agent_in(
+    node: &NetnsGuard,
+    pins: &Path,
+    socket: &Path,
+    pods: &Path,
+    cgroup: &Path,
+    mode: &str,
+) -> Agent {
     let mut cmd = agent_command(node, pins, socket, pods, cgroup, "127.0.0.1:0");
+    cmd.args(["--redirect-mode", mode]);
     exec_with_only(&mut cmd, CHART_AGENT_CAPABILITIES).unwrap();
     let agent = Agent(cmd.spawn().unwrap());
     let status = std::fs::read_to_string(format!("/proc/{}/status", agent.0.id())).unwrap();
@@ -306,4 +324,173 @@ fn check(pins: &Path) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), said)
+}
+
+/// The rules of the pod's nftables tables (`nft -j`, without handles and
+/// counters, which a rebuild renumbers and resets).
+fn pod_rules(pod: &NetnsGuard) -> Vec<String> {
+    let listing = nft_json(&pod.path(), &["list", "ruleset"]);
+    let mut rules: Vec<String> = listing["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|o| o.get("rule"))
+        .map(|rule| {
+            let mut rule = rule.clone();
+            rule.as_object_mut().unwrap().remove("handle");
+            if let Some(expr) = rule["expr"].as_array_mut() {
+                expr.retain(|e| e.get("counter").is_none());
+            }
+            rule.to_string()
+        })
+        .collect();
+    rules.sort();
+    rules
+}
+
+/// The node's probe set members (both families) with their comments.
+fn probe_members(node: &NetnsGuard) -> Vec<(String, Option<String>)> {
+    let mut members: Vec<_> = ["istio-inpod-probes-v4", "istio-inpod-probes-v6"]
+        .iter()
+        .flat_map(|set| nft_probe_members(&node.path(), set))
+        .collect();
+    members.sort();
+    members
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_and_restarting_the_nftables_agent_disrupts_nothing_and_leaks_nothing() {
+    let bpffs = BpffsMount::create().unwrap();
+    let pins = bpffs.path().join("ambpf");
+    let cgroup = CgroupGuard::create().unwrap();
+    let cluster = Cluster::create(1).unwrap();
+    let pod = &cluster.pods[0];
+    let dir = std::env::temp_dir().join(format!(
+        "ambpf-restart-nft-{}",
+        ambpf_testbed::unique_name("")
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = TempDir(dir.clone());
+    let (socket, pods_file) = (dir.join("ztunnel.sock"), dir.join("pods.json"));
+    let pods_json = format!(
+        r#"{{"pods": [{{"uid": "{POD_UID}", "name": "web-0", "namespace": "shop", "netns": "{}"}}]}}"#,
+        pod.ns.path().display()
+    );
+    std::fs::write(&pods_file, &pods_json).unwrap();
+    let remote = SocketAddr::new(cluster.remote.addrs.v4.into(), 9000);
+    let app = SocketAddr::new(pod.addrs.v4.into(), 8080);
+    serve_echo(&cluster.remote.ns, remote);
+    serve_echo(&pod.ns, app);
+    let spawn = || {
+        spawn_agent_in(
+            &cluster.node,
+            &pins,
+            &socket,
+            &pods_file,
+            cgroup.path(),
+            "nftables",
+        )
+    };
+    let outbound_proxied = |z: &ZtunnelDouble| {
+        z.proxied()
+            .iter()
+            .filter(|c| c.listener_port == 15001 && c.original_dst == remote)
+            .count()
+    };
+
+    let agent = spawn();
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+    ztunnel
+        .wait_until(
+            |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+    let (mut outbound, mut inbound) = tokio::task::block_in_place(|| {
+        let mut outbound = connect(&pod.ns, remote);
+        let mut inbound = connect(&cluster.remote.ns, app);
+        echo(&mut outbound, b"before");
+        echo(&mut inbound, b"before");
+        (outbound, inbound)
+    });
+    wait_for(
+        || {
+            outbound_proxied(&ztunnel) == 1
+                && ztunnel
+                    .proxied()
+                    .iter()
+                    .any(|c| c.listener_port == 15006 && c.original_dst == app)
+        },
+        "both connections to go through ztunnel",
+    )
+    .await;
+    let (rules, members) = (pod_rules(&pod.ns), probe_members(&cluster.node));
+    assert!(!rules.is_empty());
+    assert_eq!(members.len(), pod.ips().len(), "{members:?}");
+
+    drop(agent);
+    tokio::task::block_in_place(|| {
+        echo(&mut outbound, b"agent dead");
+        echo(&mut inbound, b"agent dead");
+        let mut fresh = connect(&pod.ns, remote);
+        echo(&mut fresh, b"fresh");
+    });
+    wait_for(
+        || outbound_proxied(&ztunnel) == 2,
+        "the new connection to reach ztunnel",
+    )
+    .await;
+
+    let _agent = spawn();
+    ztunnel
+        .wait_until(
+            |s| {
+                s.connections.len() >= 2
+                    && s.connections
+                        .last()
+                        .is_some_and(|c| c.snapshot_sent && c.added.iter().any(|u| u == POD_UID))
+            },
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+    tokio::task::block_in_place(|| {
+        echo(&mut outbound, b"agent back");
+        echo(&mut inbound, b"agent back");
+    });
+    assert_eq!(
+        pod_rules(&pod.ns),
+        rules,
+        "the pod's rules after the restart"
+    );
+    assert_eq!(probe_members(&cluster.node), members);
+    let records = pins.join("nftables/pods");
+    assert_eq!(std::fs::read_dir(&records).unwrap().count(), 1);
+
+    // The pod leaves: its new connections go direct, and nothing of it is
+    // left on the node.
+    std::fs::write(&pods_file, r#"{"pods": []}"#).unwrap();
+    ztunnel
+        .wait_until(|s| !s.workloads.contains_key(POD_UID), PATIENCE)
+        .await
+        .unwrap();
+    wait_for(
+        || probe_members(&cluster.node).is_empty(),
+        "the pod's probe set members to go",
+    )
+    .await;
+    let before = outbound_proxied(&ztunnel);
+    tokio::task::block_in_place(|| {
+        let mut direct = connect(&pod.ns, remote);
+        echo(&mut direct, b"direct");
+    });
+    assert_eq!(
+        outbound_proxied(&ztunnel),
+        before,
+        "{:#?}",
+        ztunnel.proxied()
+    );
+    assert_eq!(std::fs::read_dir(&records).unwrap().count(), 0);
+    ztunnel.shutdown().await;
 }

@@ -1,4 +1,4 @@
-//! Privileged, each in both modes: capture that no enrolled pod owns is
+//! Privileged, each in every mode: capture that no enrolled pod owns is
 //! removed, with real traffic through the `ambpf` agent in a testbed node.
 //!
 //! - Pods leave the mesh while the agent is down, each way a pod can: it is
@@ -24,6 +24,7 @@ use ambpf::{
     redirect::{
         EnrollOptions, PodRedirection, RedirectMode,
         iptables::{self, Family, IptablesBackend, IptablesRedirection, PodRulesFound},
+        nftables::{self, NftablesRedirection},
         podnet, routing, steering,
     },
 };
@@ -36,7 +37,10 @@ use ambpf_testbed::{
 mod common;
 #[macro_use]
 mod modes;
-use common::agent::{AGENT_PATIENCE, Proc, TempDir, agent_command, serve_echo, wait_for};
+use common::agent::{
+    AGENT_PATIENCE, Proc, TempDir, agent_command, nft_probe_members, nft_tables, serve_echo,
+    wait_for,
+};
 
 const APP_PORT: u16 = 8080;
 const REMOTE_PORT: u16 = 9000;
@@ -174,14 +178,22 @@ fn proxied(ztunnel: &ZtunnelDouble, port: u16) -> usize {
 }
 
 /// What of ambpf's capture the pod `i` holds: Istio's chains (every backend
-/// and family), the steering filter, and in iptables mode the policy
-/// routing, which the restarted agent removes with the rules.
+/// and family), Istio's nftables tables, the steering filter, and in the
+/// iptables and nftables modes the policy routing, which the restarted
+/// agent removes with the rules.
 fn capture_left(node: &Node, i: usize) -> Vec<String> {
     let netns = node.netns(i);
     let mut left = Vec::new();
     match iptables::find_pod_rules(&netns).unwrap() {
         PodRulesFound::None => {}
         found => left.push(format!("iptables rules: {found:?}")),
+    }
+    let tables: Vec<String> = nft_tables(&node.cluster.pods[i].ns.path())
+        .into_iter()
+        .filter(|t| nftables::POD_TABLES.contains(&t.as_str()))
+        .collect();
+    if !tables.is_empty() {
+        left.push(format!("nftables tables: {tables:?}"));
     }
     let filters = netns
         .run(|| {
@@ -196,7 +208,7 @@ fn capture_left(node: &Node, i: usize) -> Vec<String> {
     if !filters.is_empty() {
         left.push(format!("steering: {filters:?}"));
     }
-    if node.mode == RedirectMode::Iptables {
+    if node.mode != RedirectMode::Ebpf {
         let status = routing::reply_routing_status(&netns).unwrap();
         if status.ipv4.rule || status.ipv4.route {
             left.push(format!("policy routing: {status:?}"));
@@ -297,7 +309,19 @@ async fn pods_that_left_while_the_agent_was_down_lose_their_capture(mode: Redire
     // Nothing of theirs is left on the node either.
     let kept: Vec<IpAddr> = node.cluster.pods[0].ips().to_vec();
     match mode {
-        RedirectMode::Nftables => unreachable!("this suite runs in the eBPF and iptables modes"),
+        RedirectMode::Nftables => {
+            let host = node.cluster.node.path();
+            for set in [nftables::PROBE_SET_V4, nftables::PROBE_SET_V6] {
+                for (member, owner) in nft_probe_members(&host, set) {
+                    let ip: IpAddr = member.parse().unwrap();
+                    assert!(kept.contains(&ip), "{member} ({owner:?}) in {set}");
+                }
+            }
+            let records = std::fs::read_dir(node.pins.join("nftables/pods"))
+                .unwrap()
+                .count();
+            assert_eq!(records, 1, "only the pod that stays is recorded");
+        }
         RedirectMode::Iptables => {
             let host = Netns::open(&node.cluster.node.path().to_string_lossy()).unwrap();
             for family in Family::ALL {
@@ -328,11 +352,15 @@ async fn the_full_check_removes_capture_no_enrolled_pod_owns(mode: RedirectMode)
     let node = Node::create(mode, 2);
     let _inside = node.cgroup.enter_process().unwrap();
     node.list(&[("enrolled", "shop", 0)]);
-    // Pod 1 holds Istio's rules of an iptables-mode agent that kept no
-    // record of it (an older one, or the node switched modes).
+    // Pod 1 holds Istio's rules of an agent that kept no record of it (an
+    // older one, or the node switched modes): iptables rules, or in
+    // nftables mode that mode's tables.
     {
         let host = Netns::open(&node.cluster.node.path().to_string_lossy()).unwrap();
-        let mut earlier = IptablesRedirection::new(host, IptablesBackend::Auto).unwrap();
+        let mut earlier: Box<dyn PodRedirection> = match mode {
+            RedirectMode::Nftables => Box::new(NftablesRedirection::new(host).unwrap()),
+            _ => Box::new(IptablesRedirection::new(host, IptablesBackend::Auto).unwrap()),
+        };
         let options = EnrollOptions { dns_capture: true };
         earlier.enroll(&node.netns(1), options).unwrap();
     }
@@ -359,5 +387,5 @@ async fn the_full_check_removes_capture_no_enrolled_pod_owns(mode: RedirectMode)
     ztunnel.shutdown().await;
 }
 
-in_both_modes!(pods_that_left_while_the_agent_was_down_lose_their_capture);
-in_both_modes!(the_full_check_removes_capture_no_enrolled_pod_owns);
+in_all_modes!(pods_that_left_while_the_agent_was_down_lose_their_capture);
+in_all_modes!(the_full_check_removes_capture_no_enrolled_pod_owns);

@@ -1,8 +1,8 @@
 //! Privileged: `ambpf uninstall` removes everything ambpf made: the eBPF
 //! pods' reply routing and every pin (which detaches every link), the
 //! iptables mode's in-pod rules in every namespace that has them plus the
-//! host's probe rules and ipsets, and the redirection annotation on the
-//! node's pods.
+//! host's probe rules and ipsets, the nftables mode's tables (in the pods
+//! and on the host), and the redirection annotation on the node's pods.
 //!
 //! The command runs as a subprocess, as on a node, but in a world of the
 //! test's own ([`uninstall_on`]): the test's node namespace is its host, and
@@ -22,6 +22,7 @@ use ambpf::{
     redirect::{
         EnrollOptions, PodRedirection,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
+        nftables::{self, NftablesRedirection},
         routing,
     },
     sources::kube::rules::REDIRECTION_ANNOTATION,
@@ -515,6 +516,135 @@ fn an_nft_host_is_left_with_the_nat_tables_it_had() {
     assert!(before.contains("table ip nat") && before.contains("table ip6 nat"));
     enroll_and_uninstall();
     assert_eq!(nft_ruleset(node), before);
+}
+
+/// Writes `script` into `ns` with `nft -f -`.
+fn nft_apply(ns: &NetnsGuard, script: &str) {
+    let out = ns
+        .run(|| {
+            ambpf_testbed::output_with_stdin(
+                Command::new("nft").args(["-f", "-"]),
+                script.as_bytes(),
+            )
+        })
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// The `inet` tables of `ns`.
+fn nft_tables(ns: &NetnsGuard) -> Vec<String> {
+    let out = ns
+        .run(|| {
+            Command::new("nft")
+                .args(["-j", "list", "tables", "inet"])
+                .output()
+        })
+        .unwrap()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listing: Value = serde_json::from_slice(&out.stdout).unwrap();
+    listing["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|o| o["table"]["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Pods enrolled in nftables mode by an agent that is gone: found by their
+/// tables' comment, in named namespaces and in one only a process holds,
+/// and cleaned with the host table and the records; a neighbour's own
+/// table and Istio's tables of the same names (no ambpf comment) stay.
+#[test]
+fn nftables_pods_are_found_and_cleaned_without_the_agent() {
+    let _serial = serial();
+    let bpffs = BpffsMount::create().unwrap();
+    let pin_root = bpffs.path().join("ambpf");
+    let records = PinLayout::new(pin_root.clone()).nftables_pods_dir();
+    let cluster = Cluster::create(4).unwrap();
+    let [named_pod, held_pod, unenrolled_pod, neighbour] =
+        [0, 1, 2, 3].map(|i| &cluster.pods[i].ns);
+    let istio = NetnsGuard::create("istio").unwrap();
+    {
+        let agent = NftablesRedirection::new(open(&cluster.node)).unwrap();
+        let mut agent = agent.with_records(records.clone());
+        let options = EnrollOptions { dns_capture: true };
+        let keys = [named_pod, held_pod, unenrolled_pod]
+            .map(|pod| agent.enroll(&open(pod), options).unwrap().key());
+        // Unenrolled: the reply path (mangle table, policy routing) and the
+        // nat table's empty base chains stay.
+        assert!(agent.unenroll(keys[2]).unwrap());
+        // The agent goes without removing anything, as a crashed one does.
+    }
+    for pod in [named_pod, held_pod, unenrolled_pod] {
+        assert!(nft_tables(pod).contains(&nftables::MANGLE_TABLE.to_owned()));
+        assert!(routing::reply_routing_status(&open(pod)).unwrap().ipv4.rule);
+    }
+    assert_eq!(nft_tables(&cluster.node), [nftables::NAT_TABLE]);
+    assert!(records.read_dir().unwrap().next().is_some());
+
+    nft_apply(
+        neighbour,
+        "table inet neighbour-fw {\n chain output {\n type filter hook output priority 0;\n \
+         tcp dport 9 drop\n }\n}\n",
+    );
+    // Istio's own node agent's table: the same name, not ambpf's comment.
+    nft_apply(
+        &istio,
+        "table inet istio-ambient-nat {\n chain output {\n type nat hook output priority -100;\n \
+         tcp dport 80 redirect to :15001\n }\n}\n",
+    );
+    let neighbour_before = nft_ruleset(neighbour);
+    let istio_before = nft_ruleset(&istio);
+
+    let named = [named_pod, unenrolled_pod, neighbour, &istio];
+    let out = uninstall_on(&cluster.node, &named, &[held_pod], &pin_root, &[]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    let all = "istio-ambient-nat, istio-ambient-mangle, istio-ambient-raw";
+    for (pod, tables) in [
+        (named_pod, all),
+        (unenrolled_pod, "istio-ambient-nat, istio-ambient-mangle"),
+    ] {
+        let line = format!(
+            "removed the nftables tables ({tables}) and reply routing of {}",
+            pod.path().display()
+        );
+        assert!(text.contains(&line), "{text}");
+    }
+    // The held pod is known by its process only.
+    assert!(
+        text.lines().any(|l| l.starts_with(&format!(
+            "removed the nftables tables ({all}) and reply routing of /proc/"
+        )) && l.ends_with("/ns/net")),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("removed the nftables tables").count(),
+        3,
+        "{text}"
+    );
+    assert!(
+        text.contains("removed the host's nftables table inet istio-ambient-nat"),
+        "{text}"
+    );
+    for pod in [named_pod, held_pod, unenrolled_pod] {
+        assert_eq!(nft_tables(pod), Vec::<String>::new(), "{}", pod.name());
+        let status = routing::reply_routing_status(&open(pod)).unwrap();
+        assert!(!status.ipv4.rule && !status.ipv4.route, "{status:?}");
+    }
+    assert_eq!(nft_tables(&cluster.node), Vec::<String>::new());
+    assert!(!records.exists(), "the records stay");
+    assert_eq!(nft_ruleset(neighbour), neighbour_before);
+    assert_eq!(nft_ruleset(&istio), istio_before);
+
+    // Again: nothing left to remove.
+    let again = uninstall_on(&cluster.node, &named, &[held_pod], &pin_root, &[]);
+    assert!(again.status.success());
+    let text = stdout(&again);
+    assert!(!text.contains("removed the"), "{text}");
+    assert_eq!(nft_ruleset(&istio), istio_before);
 }
 
 #[test]

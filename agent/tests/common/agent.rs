@@ -111,3 +111,51 @@ pub async fn wait_for(mut check: impl FnMut() -> bool, what: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// `nft -j <args>` in the network namespace at `netns`, parsed: how the
+/// tests read the nftables mode's state, with nft's own reader rather than
+/// the agent's.
+pub fn nft_json(netns: &Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args(["nft", "-j"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "nft -j {args:?}: {out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The `inet` tables of the namespace at `netns`.
+pub fn nft_tables(netns: &Path) -> Vec<String> {
+    let listing = nft_json(netns, &["list", "tables", "inet"]);
+    listing["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|o| o["table"]["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The members of the host probe set `set` (`istio-inpod-probes-v4`/`-v6`
+/// of `inet istio-ambient-nat`) in the namespace at `netns`, each with its
+/// comment (the netns cookie of the pod that owns it); none without the
+/// table.
+pub fn nft_probe_members(netns: &Path, set: &str) -> Vec<(String, Option<String>)> {
+    if !nft_tables(netns).iter().any(|t| t == "istio-ambient-nat") {
+        return Vec::new();
+    }
+    let listing = nft_json(netns, &["list", "set", "inet", "istio-ambient-nat", set]);
+    let mut out = Vec::new();
+    for object in listing["nftables"].as_array().unwrap() {
+        for elem in object["set"]["elem"].as_array().into_iter().flatten() {
+            // `{"elem": {"val": ..., "comment": ...}}` with a comment.
+            let (val, comment) = match elem.get("elem") {
+                Some(inner) => (&inner["val"], inner["comment"].as_str()),
+                None => (elem, None),
+            };
+            out.push((val.as_str().unwrap().to_owned(), comment.map(str::to_owned)));
+        }
+    }
+    out
+}

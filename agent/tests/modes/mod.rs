@@ -71,7 +71,7 @@ macro_rules! in_both_modes {
     };
 }
 
-/// As `in_both_modes!`'s first two forms, plus `<name>::nftables`.
+/// As `in_both_modes!`, plus `<name>::nftables`.
 macro_rules! in_all_modes {
     ($name:ident, |$mode:ident, $cgroup:ident| $body:block) => {
         mod $name {
@@ -109,5 +109,30 @@ macro_rules! in_all_modes {
             let mut $f = fixture(mode, cgroup).await;
             $body
         });
+    };
+    ($name:ident) => {
+        mod $name {
+            use super::*;
+
+            async fn run(mode: RedirectMode) {
+                let _serial = crate::modes::SERIAL.lock().await;
+                super::$name(mode).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn ebpf() {
+                run(RedirectMode::Ebpf).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn iptables() {
+                run(RedirectMode::Iptables).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn nftables() {
+                run(RedirectMode::Nftables).await
+            }
+        }
     };
 }

@@ -12,7 +12,7 @@
 //! (cheap, after every pass); [`CheckScope::Full`] also looks inside each
 //! enrolled pod's namespace (that it still exists, its addresses, steering
 //! filters and reply routing) and through the node's other namespaces for
-//! capture that belongs to no enrolled pod, in both modes ([`stray`]). The
+//! capture that belongs to no enrolled pod, in every mode ([`stray`]). The
 //! eBPF mode's checks are in [`ebpf`]; the iptables mode's in
 //! `iptables/probes.rs`.
 
@@ -32,7 +32,9 @@ pub use self::ebpf::{
     PinnedPods, check_pod_netns, check_records, ebpf_state, locate_pods, read_pinned_pods,
     repair_ebpf_state, scan_orphan_steering,
 };
-pub use self::stray::{repair_stray_capture, scan_stray_capture};
+pub use self::stray::{
+    repair_stray_capture, repair_stray_tables, scan_stray_capture, scan_stray_tables,
+};
 use super::PodKey;
 
 /// How far a check looks.
@@ -70,10 +72,10 @@ pub enum ViolationKind {
     SteeringOrphan,
     /// An enrolled pod without its reply routing (rule, route or sysctl).
     RoutingMissing,
-    /// ambpf's in-pod capture rules (Istio's `ISTIO_*` nat and raw chains)
-    /// with its policy routing in a namespace of the node that is no
-    /// enrolled pod's: its connections go to a ztunnel that does not serve
-    /// it.
+    /// ambpf's in-pod capture rules (Istio's `ISTIO_*` nat and raw chains,
+    /// or the nftables mode's tables) with its policy routing in a namespace
+    /// of the node that is no enrolled pod's: its connections go to a
+    /// ztunnel that does not serve it.
     CaptureOrphan,
     /// An enrolled pod without its in-pod rules (iptables mode).
     RulesMissing,

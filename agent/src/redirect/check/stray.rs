@@ -1,8 +1,8 @@
 //! Capture in the node's network namespaces that no enrolled pod is in, in
-//! both modes: what an agent that stopped before removing a pod left behind
-//! (Istio's in-pod rules of the iptables mode, the eBPF mode's steering
-//! filter). It sends the namespace's traffic to a ztunnel that no longer
-//! serves it, so every connection there fails.
+//! every mode: what an agent that stopped before removing a pod left behind
+//! (Istio's in-pod rules of the iptables mode, the nftables mode's tables,
+//! the eBPF mode's steering filter). It sends the namespace's traffic to a
+//! ztunnel that no longer serves it, so every connection there fails.
 //!
 //! - Steering filters are ambpf's when they run the agent's own program, so
 //!   every namespace is looked at for them ([`ViolationKind::SteeringOrphan`]).
@@ -14,7 +14,10 @@
 //!   namespaces holding ambpf's policy rule are read: ambpf writes its
 //!   in-pod rules after that rule and removes them before it. Found capture
 //!   is a [`ViolationKind::CaptureOrphan`], repaired by removing everything
-//!   ambpf writes in a pod (as Istio's `DeleteInpodRules` does).
+//!   ambpf writes in a pod (as Istio's `DeleteInpodRules` does). The
+//!   nftables mode looks for its own tables instead
+//!   ([`scan_stray_tables`]): those with ambpf's comment, the nat table
+//!   only when it holds rules (an opt-out leaves its base chains, empty).
 //!
 //! The reply path alone (policy routing, the mangle chains) is what a pod
 //! unenrolled by a running agent keeps on purpose, for the connections
@@ -34,7 +37,7 @@ use super::{Violation, ViolationKind};
 use crate::{
     netns::Netns,
     redirect::{
-        iptables, podnet,
+        iptables, nftables, podnet,
         routing::{self, ReplyRoutingStatus},
         rtnl::{NetlinkError, Rtnl},
         steering,
@@ -59,6 +62,32 @@ pub fn scan_stray_capture(
     host: Option<&Netns>,
     enrolled: &HashSet<u64>,
     steering_program: Option<u32>,
+) -> Vec<Violation> {
+    scan(host, enrolled, steering_program, PodRules::Iptables)
+}
+
+/// The nftables mode's [`scan_stray_capture`]: every namespace of the node
+/// of `host` that is no enrolled pod's and holds ambpf's in-pod tables.
+pub fn scan_stray_tables(
+    host: &Netns,
+    enrolled: &HashSet<u64>,
+    nft: &nftables::Nft,
+) -> Vec<Violation> {
+    scan(Some(host), enrolled, None, PodRules::Nftables(nft))
+}
+
+/// Which mode's in-pod capture a scan looks for.
+#[derive(Clone, Copy)]
+enum PodRules<'a> {
+    Iptables,
+    Nftables(&'a nftables::Nft),
+}
+
+fn scan(
+    host: Option<&Netns>,
+    enrolled: &HashSet<u64>,
+    steering_program: Option<u32>,
+    rules: PodRules,
 ) -> Vec<Violation> {
     let mut out = Vec::new();
     let host_fd = host.map(|h| h.file().as_raw_fd());
@@ -94,7 +123,7 @@ pub fn scan_stray_capture(
             );
         }
         if visit.on_node {
-            out.extend(check_rules(&netns, visit.cookie));
+            out.extend(check_rules(&netns, visit.cookie, rules));
         }
     }
     out
@@ -184,7 +213,7 @@ fn link_name(link: &LinkMessage) -> String {
 
 /// ambpf's in-pod capture rules in a namespace of the node no pod is
 /// enrolled in, read where ambpf's policy rule is.
-fn check_rules(netns: &Netns, cookie: u64) -> Option<Violation> {
+fn check_rules(netns: &Netns, cookie: u64, rules: PodRules) -> Option<Violation> {
     let routing = match routing::reply_routing_status(netns) {
         Ok(status) => status,
         Err(e) => return Some(unreadable(netns, &e.to_string())),
@@ -192,7 +221,13 @@ fn check_rules(netns: &Netns, cookie: u64) -> Option<Violation> {
     if !has_policy_rule(&routing) {
         return None;
     }
-    let capture = match iptables::find_pod_capture(netns) {
+    let capture = match rules {
+        PodRules::Iptables => iptables::find_pod_capture(netns).map_err(|e| e.to_string()),
+        PodRules::Nftables(nft) => {
+            nftables::find_pod_capture(nft, netns).map_err(|e| e.to_string())
+        }
+    };
+    let capture = match capture {
         Ok(capture) => capture,
         Err(e) => return Some(unreadable(netns, &e.to_string())),
     };
@@ -248,6 +283,26 @@ pub fn repair_stray_capture(violation: &Violation) {
     match remove_capture(path) {
         Ok(()) => info!(
             "repaired: removed ambpf's in-pod rules and policy routing from {}",
+            path.display()
+        ),
+        Err(e) => warn!("repairing {violation}: {e}"),
+    }
+}
+
+/// The nftables mode's [`repair_stray_capture`]: removes ambpf's tables
+/// and policy routing from the namespace a [`ViolationKind::CaptureOrphan`]
+/// names.
+pub fn repair_stray_tables(violation: &Violation, nft: &nftables::Nft) {
+    let Some(path) = &violation.netns else { return };
+    let removed = Netns::open(&path.to_string_lossy())
+        .map_err(|e| e.to_string())
+        .and_then(|netns| {
+            nftables::remove_pod_tables(nft, &netns).map_err(|e| crate::error_chain(&e))
+        });
+    match removed {
+        Ok(tables) => info!(
+            "repaired: removed ambpf's nftables tables ({}) and policy routing from {}",
+            tables.join(", "),
             path.display()
         ),
         Err(e) => warn!("repairing {violation}: {e}"),

@@ -236,6 +236,25 @@ pub fn find_pod_tables(
     Ok((ours, foreign))
 }
 
+/// ambpf's tables in `netns` that capture: the raw table, and the nat
+/// table when it holds rules (an opt-out leaves its base chains empty, so
+/// that NAT stays hooked for the connections it redirected).
+pub fn find_pod_capture(nft: &Nft, netns: &Netns) -> Result<Vec<String>, NftablesError> {
+    let (ours, _) = find_pod_tables(nft, netns)?;
+    let mut capture = Vec::new();
+    for table in ours {
+        let captures = match table {
+            super::NAT_TABLE => nft.has_rules(netns, table)?,
+            super::RAW_TABLE => true,
+            _ => false,
+        };
+        if captures {
+            capture.push(format!("inet {table}"));
+        }
+    }
+    Ok(capture)
+}
+
 /// Removes ambpf's tables from `netns` (others' stay) and its policy
 /// routing, in one transaction; returns the tables it removed.
 pub fn remove_pod_tables(nft: &Nft, netns: &Netns) -> Result<Vec<&'static str>, EnrollError> {

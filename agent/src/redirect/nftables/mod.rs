@@ -55,6 +55,14 @@
 //! chains stay, empty: deleting the last nat chain unhooks NAT from the
 //! namespace, and every connection it redirected would break.
 //!
+//! # Across restarts
+//!
+//! As the iptables mode: each enrolled pod is recorded (`nftables/pods/`
+//! under the pin root), a new agent adopts the records and removes the pods
+//! no source wants, and the full state check finds ambpf's tables in any
+//! namespace of the node that no pod is enrolled in
+//! ([`check::scan_stray_tables`]) and removes them.
+//!
 //! # Refusals
 //!
 //! At start-up, before anything is written: `nft` missing, `nft` built
@@ -73,13 +81,15 @@ use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 use tracing::{info, warn};
 
 pub use self::{
-    host::{find_pod_tables, probe_set_entries, remove_host_table, remove_pod_tables},
+    host::{
+        find_pod_capture, find_pod_tables, probe_set_entries, remove_host_table, remove_pod_tables,
+    },
     rules::{host_script, pod_script},
     tool::Nft,
 };
 use super::{
     CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection, RedirectMode,
-    Violation, ViolationKind,
+    Violation, ViolationKind, check,
     claims::AddressClaims,
     iptables::{IptablesError, keep_netns, records},
     podnet, routing,
@@ -491,12 +501,20 @@ impl PodRedirection for NftablesRedirection {
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }
+            let enrolled = self.pods.keys().chain(self.adopted.keys()).copied();
+            let enrolled = enrolled.collect();
+            out.extend(check::scan_stray_tables(&self.host, &enrolled, &self.nft));
         }
         out
     }
 
     fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
         self.repair_probe_sets(violations);
+        for violation in violations {
+            if violation.kind == ViolationKind::CaptureOrphan {
+                check::repair_stray_tables(violation, &self.nft);
+            }
+        }
         let mut again: Vec<PodKey> = violations
             .iter()
             .filter(|v| {

@@ -105,6 +105,12 @@ impl Nft {
         Ok(table_comment(&text).as_deref() == Some(OWNED_COMMENT))
     }
 
+    /// Whether the `inet` table `name` of `netns` holds any rule.
+    pub fn has_rules(&self, netns: &Netns, name: &str) -> Result<bool, NftablesError> {
+        let listing = self.json(netns, &["list", "table", "inet", name])?;
+        Ok(objects(&listing, "rule").next().is_some())
+    }
+
     /// The elements of the set `set` in the `inet` table `table`, each with
     /// its comment.
     pub fn set_elements(
