@@ -13,6 +13,8 @@ pub mod cli;
 pub mod cni;
 pub mod controller;
 pub mod http;
+pub mod logging;
+pub mod metrics;
 pub mod mounts;
 pub mod netns;
 pub mod observe;

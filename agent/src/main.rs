@@ -1,8 +1,12 @@
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = ambpf::cli::Cli::parse();
+    // The flag was checked by clap; RUST_LOG is checked here.
+    if let Err(e) = ambpf::logging::init(cli.log_format, cli.log_level.as_deref()) {
+        eprintln!("ambpf: error: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     match ambpf::cli::execute(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -3,33 +3,38 @@
 //! - `/healthz`: the agent is running.
 //! - `/readyz`: ready once a ztunnel has acked a full snapshot (as Istio's
 //!   node agent reports ready), 503 before.
-//! - `/metrics`: pods enrolled, ZDS connections, acks, NACKs and timeouts,
-//!   and the redirection counters the kernel programs keep (read from the
-//!   pinned map at scrape time, so they survive agent restarts).
+//! - `/metrics`: a prometheus-client [`Registry`]. The counters and gauges
+//!   the agent keeps (controller, ZDS, CNI endpoint) are registered as
+//!   they are, with the latency histograms ([`crate::metrics`]) and the
+//!   process metrics; what the kernel programs keep in pinned maps
+//!   (redirection counters, per-pod counters, map fill) is read at scrape
+//!   time by [`PinsCollector`], so it survives agent restarts.
 //!
 //! Served by the agent's small HTTP/1.1 responder ([`crate::http`]).
 
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
+    collections::HashMap,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use log::{debug, warn};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
-    metrics::{counter::ConstCounter, gauge::ConstGauge},
+    metrics::{
+        MetricType, counter::ConstCounter, counter::Counter, family::Family, gauge::ConstGauge,
+        gauge::Gauge,
+    },
     registry::Registry,
 };
 use tokio::{io::AsyncWriteExt, net::TcpListener};
+use tracing::{debug, warn};
 
 use crate::{
-    bpf::{PinLayout, inspect},
+    bpf::{PinLayout, inspect, pod_counters::PodCounts},
     cni::CniStats,
-    redirect::{EnrolSteps, ViolationKind},
+    metrics::Labels,
+    redirect::{EnrolSteps, RedirectMode, ViolationKind},
     zds::{ZdsHandle, ZdsStats},
 };
 
@@ -37,35 +42,95 @@ use crate::{
 pub const DEFAULT_HEALTH_LISTEN: &str = "0.0.0.0:8000";
 pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:15014";
 
-/// Counters the controller keeps for metrics.
+/// What the controller counts, registered as it is.
 #[derive(Debug, Default)]
 pub struct ControllerStats {
-    pub pods_enrolled: AtomicU64,
-    pub enroll_failures: AtomicU64,
-    pub pods_removed: AtomicU64,
+    /// Pods whose redirection is in place, by `mode`.
+    pub pods_enrolled: Family<Labels<1>, Gauge>,
+    pub enroll_failures: Counter,
+    pub pods_removed: Counter,
     /// Addresses claimed by two live pods (the newer took it).
-    pub address_conflicts: AtomicU64,
-    /// Violations the state checks found, by [`ViolationKind::index`].
-    pub state_violations: [AtomicU64; ViolationKind::ALL.len()],
-    /// Enrolment time by step ([`EnrolSteps`]): (times, total seconds).
-    pub enrol_steps: std::sync::Mutex<std::collections::BTreeMap<&'static str, (u64, f64)>>,
+    pub address_conflicts: Counter,
+    /// Violations the state checks found, by `kind`.
+    pub state_violations: Family<Labels<1>, Counter>,
     /// `(namespace, name)` of each pod this agent enrolled, by netns cookie:
     /// the labels of the per-pod series.
-    pub pod_names: std::sync::Mutex<std::collections::HashMap<u64, (String, String)>>,
+    pub pod_names: Mutex<HashMap<u64, (String, String)>>,
 }
 
-impl ControllerStats {
-    pub fn record_enrol_steps(&self, steps: &EnrolSteps) {
-        let mut totals = self.enrol_steps.lock().unwrap_or_else(|p| p.into_inner());
-        for (step, took) in &steps.0 {
-            let total = totals.entry(step).or_default();
-            total.0 += 1;
-            total.1 += took.as_secs_f64();
-        }
+/// A redirection mode's `mode` label.
+pub fn mode_name(mode: RedirectMode) -> &'static str {
+    match mode {
+        RedirectMode::Ebpf => "ebpf",
+        RedirectMode::Iptables => "iptables",
+        RedirectMode::Nftables => "nftables",
     }
 }
 
-/// Everything `/metrics` reports, gathered at scrape time.
+impl ControllerStats {
+    pub fn record_enrol_steps(&self, mode: RedirectMode, steps: &EnrolSteps) {
+        let histograms = crate::metrics::histograms();
+        for (step, took) in &steps.0 {
+            histograms.observe_enrol(mode_name(mode), step, *took);
+        }
+    }
+
+    pub fn set_enrolled(&self, mode: RedirectMode, pods: usize) {
+        self.pods_enrolled
+            .get_or_create(&[("mode", mode_name(mode))])
+            .set(pods as i64);
+    }
+
+    pub fn count_violation(&self, kind: ViolationKind) {
+        self.state_violations
+            .get_or_create(&[("kind", kind.as_str())])
+            .inc();
+    }
+
+    /// Violations of `kind` found so far.
+    pub fn violations(&self, kind: ViolationKind) -> u64 {
+        self.state_violations
+            .get_or_create(&[("kind", kind.as_str())])
+            .get()
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        // Every kind from the start, so that an alert on a rate sees zero.
+        for kind in ViolationKind::ALL {
+            let _ = self
+                .state_violations
+                .get_or_create(&[("kind", kind.as_str())]);
+        }
+        registry.register(
+            "pods_enrolled",
+            "Pods whose traffic is redirected to ztunnel, by redirection mode.",
+            self.pods_enrolled.clone(),
+        );
+        registry.register(
+            "pod_enroll_failures",
+            "Attempts to enrol a pod that failed (retried).",
+            self.enroll_failures.clone(),
+        );
+        registry.register(
+            "pods_removed",
+            "Pods removed from the redirection.",
+            self.pods_removed.clone(),
+        );
+        registry.register(
+            "address_conflicts",
+            "Addresses claimed by two live pods at once (the newer pod owns the address).",
+            self.address_conflicts.clone(),
+        );
+        registry.register(
+            "state_violations",
+            "Inconsistencies the agent's state checks found, by kind (each is logged, and \
+             repaired where possible).",
+            self.state_violations.clone(),
+        );
+    }
+}
+
+/// Everything `/metrics` reports.
 #[derive(Debug)]
 pub struct AgentCollector {
     pub zds: ZdsHandle,
@@ -76,214 +141,68 @@ pub struct AgentCollector {
     pub cni: Option<Arc<CniStats>>,
 }
 
-fn counter(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    value: u64,
-) -> Result<(), std::fmt::Error> {
-    let metric = ConstCounter::new(value);
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+/// A registry with every metric: ambpf's prefixed `ambpf_`, the process'
+/// `process_`.
+pub fn registry(collector: AgentCollector) -> Registry {
+    let mut root = Registry::default();
+    root.register_collector(Box::new(crate::metrics::ProcessCollector));
+    let registry = root.sub_registry_with_prefix("ambpf");
+    let info = crate::build_info::current();
+    let build_info = Family::<Labels<3>, Gauge>::default();
+    build_info
+        .get_or_create(&[
+            ("version", info.version),
+            ("git_commit", info.git_commit),
+            ("bpf_object_sha256", info.bpf_object_sha256.as_str()),
+        ])
+        .set(1);
+    registry.register(
+        "build_info",
+        "This agent's build: crate version, git commit and the digest of its BPF object \
+         (always 1).",
+        build_info,
+    );
+    collector.controller.register(registry);
+    collector.zds.stats().register(registry);
+    if let Some(cni) = &collector.cni {
+        cni.register(registry);
+    }
+    crate::metrics::histograms().register(registry);
+    if let Some(pins) = collector.pins {
+        registry.register_collector(Box::new(PinsCollector {
+            pins,
+            controller: collector.controller,
+        }));
+    }
+    root
 }
 
-fn gauge(
-    encoder: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    value: u64,
-) -> Result<(), std::fmt::Error> {
-    let metric = ConstGauge::new(value as i64);
-    metric.encode(encoder.encode_descriptor(name, help, None, metric.metric_type())?)
+/// What the kernel programs keep in the pinned maps, read at each scrape.
+#[derive(Debug)]
+pub struct PinsCollector {
+    pins: PinLayout,
+    controller: Arc<ControllerStats>,
 }
 
-impl Collector for AgentCollector {
+fn family<'a>(
+    encoder: &'a mut DescriptorEncoder,
+    name: &'a str,
+    help: &'a str,
+    metric_type: MetricType,
+) -> Result<prometheus_client::encoding::MetricEncoder<'a>, std::fmt::Error> {
+    encoder.encode_descriptor(name, help, None, metric_type)
+}
+
+impl Collector for PinsCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let zds = self.zds.stats();
-        {
-            let info = crate::build_info::current();
-            let metric = ConstGauge::new(1i64);
-            let help = "This agent's build: crate version, git commit and the digest of its BPF \
-                        object (always 1).";
-            let mut family =
-                encoder.encode_descriptor("build_info", help, None, metric.metric_type())?;
-            metric.encode(family.encode_family(&[
-                ("version", info.version),
-                ("git_commit", info.git_commit),
-                ("bpf_object_sha256", info.bpf_object_sha256.as_str()),
-            ])?)?;
-        }
-        gauge(
-            &mut encoder,
-            "pods_enrolled",
-            "Pods whose traffic is redirected to ztunnel.",
-            get(&self.controller.pods_enrolled),
-        )?;
-        counter(
-            &mut encoder,
-            "pod_enroll_failures",
-            "Attempts to enrol a pod that failed (retried).",
-            get(&self.controller.enroll_failures),
-        )?;
-        counter(
-            &mut encoder,
-            "pods_removed",
-            "Pods removed from the redirection.",
-            get(&self.controller.pods_removed),
-        )?;
-        counter(
-            &mut encoder,
-            "address_conflicts",
-            "Addresses claimed by two live pods at once (the newer pod owns the address).",
-            get(&self.controller.address_conflicts),
-        )?;
-        {
-            let help = "Inconsistencies the agent's state checks found, by kind (each is \
-                        logged, and repaired where possible).";
-            let metric = ConstCounter::new(0u64);
-            let mut family =
-                encoder.encode_descriptor("state_violations", help, None, metric.metric_type())?;
-            for kind in ViolationKind::ALL {
-                let value = get(&self.controller.state_violations[kind.index()]);
-                ConstCounter::new(value)
-                    .encode(family.encode_family(&[("kind", kind.as_str())])?)?;
-            }
-        }
-        {
-            let steps = self
-                .controller
-                .enrol_steps
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
-            for (name, help, value) in [
-                (
-                    "enrol_step_seconds",
-                    "Time spent enrolling pods, by step (divide by ambpf_enrol_steps_total for \
-                     the mean).",
-                    (|&(_, s): &(u64, f64)| ConstCounter::new(s)) as fn(&(u64, f64)) -> _,
-                ),
-                (
-                    "enrol_steps",
-                    "Enrolment steps completed, by step.",
-                    |&(n, _): &(u64, f64)| ConstCounter::new(n as f64),
-                ),
-            ] {
-                let mut family = encoder.encode_descriptor(
-                    name,
-                    help,
-                    None,
-                    ConstCounter::new(0.0).metric_type(),
-                )?;
-                for (step, totals) in &steps {
-                    value(totals).encode(family.encode_family(&[("step", *step)])?)?;
-                }
-            }
-        }
-        gauge(
-            &mut encoder,
-            "zds_connections_active",
-            "ztunnel connections open now.",
-            ZdsStats::get(&zds.connections_active),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_connections",
-            "ztunnel connections accepted.",
-            ZdsStats::get(&zds.connections_accepted),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_snapshots_acked",
-            "Full snapshots ztunnel acked.",
-            ZdsStats::get(&zds.snapshots_acked),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_adds_acked",
-            "AddWorkload requests acked.",
-            ZdsStats::get(&zds.adds_acked),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_dels_acked",
-            "DelWorkload requests acked.",
-            ZdsStats::get(&zds.dels_acked),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_nacks",
-            "Requests ztunnel refused (NACK).",
-            ZdsStats::get(&zds.nacks),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_ack_timeouts",
-            "Requests ztunnel did not answer in time.",
-            ZdsStats::get(&zds.ack_timeouts),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_peer_errors",
-            "ztunnel connections closed on an error.",
-            ZdsStats::get(&zds.peer_errors),
-        )?;
-        counter(
-            &mut encoder,
-            "zds_send_failures",
-            "Pods that could not be sent to ztunnel.",
-            ZdsStats::get(&zds.send_failures),
-        )?;
-
-        if let Some(cni) = &self.cni {
-            for (name, help, value) in [
-                (
-                    "cni_adds_enrolled",
-                    "Pods enrolled before their CNI ADD was answered.",
-                    &cni.enrolled,
-                ),
-                (
-                    "cni_adds_skipped",
-                    "CNI ADDs let through without enrolment (pod not ambient or gone).",
-                    &cni.skipped,
-                ),
-                (
-                    "cni_adds_refused",
-                    "CNI ADDs failed by the agent (the pod's network setup fails and is retried).",
-                    &cni.refused,
-                ),
-                (
-                    "cni_requests_invalid",
-                    "Requests to the CNI endpoint that were not a valid ADD.",
-                    &cni.invalid,
-                ),
-            ] {
-                counter(&mut encoder, name, help, get(value))?;
-            }
-            let help = "Time the agent spent answering CNI ADDs, by phase: decide (ambient or \
-                        not), enrol (waiting for the controller and its enrolment), ztunnel \
-                        (waiting for ztunnel's ack of the pod), answer (request read to \
-                        answer ready). Divide by the ADDs answered for the mean.";
-            let mut family = encoder.encode_descriptor(
-                "cni_add_seconds",
-                help,
-                None,
-                ConstCounter::new(0.0).metric_type(),
-            )?;
-            for phase in crate::cni::AddPhase::ALL {
-                ConstCounter::new(cni.seconds(phase))
-                    .encode(family.encode_family(&[("phase", phase.name())])?)?;
-            }
-        }
-
-        let Some(pins) = &self.pins else {
-            return Ok(());
-        };
+        let pins = &self.pins;
         match inspect::read_counters(pins) {
             Ok(kernel) => {
                 for (name, value) in kernel {
                     let help = "Redirection events counted by the kernel programs.";
-                    counter(&mut encoder, &format!("kernel_{name}"), help, value)?;
+                    let name = format!("kernel_{name}");
+                    let metric = ConstCounter::new(value);
+                    metric.encode(family(&mut encoder, &name, help, MetricType::Counter)?)?;
                 }
             }
             Err(e) => warn!("metrics: reading the kernel counters: {e}"),
@@ -293,19 +212,17 @@ impl Collector for AgentCollector {
                 let help = "Redirected connections whose original destination was missing \
                             when asked for (evicted from the full LRU maps, or never stored), \
                             by reason (docs/operations.md, \"Map capacities\").";
-                let metric = ConstCounter::new(0u64);
-                let mut family = encoder.encode_descriptor(
-                    "origdst_misses",
-                    help,
-                    None,
-                    metric.metric_type(),
-                )?;
+                let mut family = family(&mut encoder, "origdst_misses", help, MetricType::Counter)?;
                 for (miss, value) in misses {
                     ConstCounter::new(value)
                         .encode(family.encode_family(&[("reason", miss.name())])?)?;
                 }
             }
             Err(e) => warn!("metrics: reading the original-destination misses: {e}"),
+        }
+        match inspect::read_maps(pins) {
+            Ok(maps) => encode_map_fill(&mut encoder, &maps)?,
+            Err(e) => warn!("metrics: reading the maps' entries: {e}"),
         }
         match crate::bpf::pod_counters::read(pins) {
             Ok(counters) => {
@@ -322,12 +239,42 @@ impl Collector for AgentCollector {
     }
 }
 
+/// Each hash or LRU map's entries and capacity (`ambpf_map_entries /
+/// ambpf_map_capacity`: how full it is).
+fn encode_map_fill(
+    encoder: &mut DescriptorEncoder,
+    maps: &[inspect::PinnedMap],
+) -> Result<(), std::fmt::Error> {
+    let maps: Vec<_> = maps.iter().filter(|m| m.fills).collect();
+    for (name, help, value) in [
+        (
+            "map_entries",
+            "Entries in each pinned hash or LRU map.",
+            (|m: &inspect::PinnedMap| m.entries) as fn(&inspect::PinnedMap) -> u64,
+        ),
+        (
+            "map_capacity",
+            "Capacity (max_entries) of each pinned hash or LRU map.",
+            |m| u64::from(m.max_entries),
+        ),
+    ] {
+        let mut family = family(encoder, name, help, MetricType::Gauge)?;
+        for map in &maps {
+            ConstGauge::new(value(map) as i64)
+                .encode(family.encode_family(&[("map", map.name.as_str())])?)?;
+        }
+    }
+    Ok(())
+}
+
 /// One series per enrolled pod (and direction) that this agent knows by
-/// name; a pod's series go with its map entry, when it is removed.
+/// name; a pod's series go with its map entry, when it is removed. The
+/// counts are [`crate::bpf::pod_counters::read`]'s, as `ambpf status`
+/// shows them.
 fn encode_pod_counters(
     encoder: &mut DescriptorEncoder,
-    counters: &std::collections::HashMap<u64, crate::bpf::pod_counters::PodCounts>,
-    names: &std::collections::HashMap<u64, (String, String)>,
+    counters: &HashMap<u64, PodCounts>,
+    names: &HashMap<u64, (String, String)>,
 ) -> Result<(), std::fmt::Error> {
     let mut pods: Vec<_> = counters
         .iter()
@@ -357,12 +304,7 @@ fn encode_pod_counters(
         ),
     ];
     for (name, help, series) in families {
-        let mut family = encoder.encode_descriptor(
-            name,
-            help,
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
+        let mut family = family(encoder, name, help, MetricType::Counter)?;
         for ((namespace, pod), counts) in &pods {
             for (direction, value) in series.iter() {
                 let metric = ConstCounter::new(value(counts));
@@ -380,13 +322,6 @@ fn encode_pod_counters(
         }
     }
     Ok(())
-}
-
-/// A registry with every ambpf metric, prefixed `ambpf_`.
-pub fn registry(collector: AgentCollector) -> Registry {
-    let mut registry = Registry::with_prefix("ambpf");
-    registry.register_collector(Box::new(collector));
-    registry
 }
 
 /// Serves `/metrics` from `registry`.
@@ -489,12 +424,13 @@ mod tests {
         let (health_addr, metrics_addr) =
             (health.local_addr().unwrap(), metrics.local_addr().unwrap());
         let controller = Arc::new(ControllerStats::default());
-        controller.pods_enrolled.store(3, Ordering::Relaxed);
-        controller.address_conflicts.store(1, Ordering::Relaxed);
-        controller.state_violations[ViolationKind::AddressMissing.index()]
-            .store(4, Ordering::Relaxed);
+        controller.set_enrolled(RedirectMode::Ebpf, 3);
+        controller.address_conflicts.inc();
+        for _ in 0..4 {
+            controller.count_violation(ViolationKind::AddressMissing);
+        }
         let cni = Arc::new(CniStats::default());
-        cni.skipped.store(2, Ordering::Relaxed);
+        cni.skipped.inc_by(2);
         let registry = Arc::new(registry(AgentCollector {
             zds: zds.clone(),
             controller,
@@ -518,7 +454,10 @@ mod tests {
 
         let body = get(metrics_addr, "/metrics").await;
         assert!(body.starts_with("HTTP/1.1 200"), "{body}");
-        assert!(body.contains("ambpf_pods_enrolled 3"), "{body}");
+        assert!(
+            body.contains(r#"ambpf_pods_enrolled{mode="ebpf"} 3"#),
+            "{body}"
+        );
         assert!(body.contains("ambpf_zds_nacks_total 0"), "{body}");
         assert!(body.contains("ambpf_cni_adds_skipped_total 2"), "{body}");
         assert!(body.contains("ambpf_cni_adds_refused_total 0"), "{body}");

@@ -55,7 +55,7 @@ use std::{
     io::{Read, Write},
     net::{IpAddr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
-    sync::{Arc, Mutex, atomic::Ordering},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -561,14 +561,13 @@ async fn wait_proxied(agent: &Agent, uid: &str, port: u16, original_dst: SocketA
 /// violation: its state checks found nothing to repair.
 fn assert_stats(stats: &ControllerStats, conflicts: u64) {
     assert_eq!(
-        stats.address_conflicts.load(Ordering::Relaxed),
+        stats.address_conflicts.get(),
         conflicts,
         "address conflicts (one per recycled address while both pods live)"
     );
-    let violations: Vec<u64> = stats
-        .state_violations
+    let violations: Vec<u64> = ViolationKind::ALL
         .iter()
-        .map(|v| v.load(Ordering::Relaxed))
+        .map(|kind| stats.violations(*kind))
         .collect();
     assert!(
         violations.iter().all(|v| *v == 0),
@@ -751,8 +750,7 @@ async fn address_change(mut node: Node, _: ()) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let changed = ViolationKind::PodAddressesChanged.index();
-    assert!(stats.state_violations[changed].load(Ordering::Relaxed) >= 1);
+    assert!(stats.violations(ViolationKind::PodAddressesChanged) >= 1);
     node.assert_captured(&agent, 0, X).await;
 }
 

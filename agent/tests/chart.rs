@@ -26,7 +26,10 @@ use clap::{CommandFactory as _, Parser as _, ValueEnum as _};
 use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
-        core::v1::{Container, PodSpec, ResourceRequirements, ServiceAccount, Toleration},
+        core::v1::{
+            ConfigMap, Container, PodSpec, ResourceRequirements, Service, ServiceAccount,
+            Toleration,
+        },
         rbac::v1::{
             ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, RoleRef, Subject,
         },
@@ -62,6 +65,7 @@ struct Values {
     iptables_backend: String,
     dns_capture: bool,
     log_level: String,
+    log_format: String,
     pin_root: PathBuf,
     zds_socket: PathBuf,
     cgroup_root: PathBuf,
@@ -70,6 +74,8 @@ struct Values {
     cni: Cni,
     health: Port,
     metrics: Port,
+    dashboards: Dashboards,
+    service_monitor: ServiceMonitorValues,
     resources: ResourceRequirements,
     node_selector: BTreeMap<String, String>,
     tolerations: Vec<Toleration>,
@@ -103,6 +109,21 @@ struct Maps {
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Dashboards {
+    enabled: bool,
+    namespace: String,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ServiceMonitorValues {
+    enabled: bool,
+    interval: String,
+    labels: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 struct Port {
     port: u16,
@@ -133,6 +154,7 @@ fn every_value_changed() -> Values {
         iptables_backend: "legacy".into(),
         dns_capture: false,
         log_level: "debug,ambpf::zds=trace".into(),
+        log_format: "text".into(),
         pin_root: "/sys/fs/bpf/ambpf-test".into(),
         zds_socket: "/var/run/ztunnel-test/zds.sock".into(),
         cgroup_root: "/sys/fs/cgroup/kubepods.slice".into(),
@@ -151,6 +173,15 @@ fn every_value_changed() -> Values {
         },
         health: Port { port: 18000 },
         metrics: Port { port: 25014 },
+        dashboards: Dashboards {
+            enabled: true,
+            namespace: "monitoring".into(),
+        },
+        service_monitor: ServiceMonitorValues {
+            enabled: true,
+            interval: "15s".into(),
+            labels: [("release".to_owned(), "prometheus".to_owned())].into(),
+        },
         resources: ResourceRequirements {
             requests: quantities(&[("cpu", "100m"), ("memory", "128Mi")]),
             limits: quantities(&[("cpu", "1"), ("memory", "512Mi")]),
@@ -239,6 +270,11 @@ struct Rendered {
     binding: ClusterRoleBinding,
     /// Rendered with the CNI installer only.
     role: Option<(Role, RoleBinding)>,
+    /// `dashboards.enabled`: the Grafana dashboard.
+    dashboard: Option<ConfigMap>,
+    /// `serviceMonitor.enabled`: the headless Service and its ServiceMonitor
+    /// (a CRD, checked untyped).
+    service_monitor: Option<(Service, Value)>,
 }
 
 fn render(values: Option<&Values>) -> Rendered {
@@ -269,6 +305,8 @@ fn render(values: Option<&Values>) -> Rendered {
         );
     }
     let has_role = objects.contains_key("Role");
+    let has_dashboard = objects.contains_key("ConfigMap");
+    let has_monitor = objects.contains_key("ServiceMonitor");
     let mut take = |kind: &str| {
         objects
             .remove(kind)
@@ -280,6 +318,8 @@ fn render(values: Option<&Values>) -> Rendered {
         cluster_role: typed(take("ClusterRole")),
         binding: typed(take("ClusterRoleBinding")),
         role: has_role.then(|| (typed(take("Role")), typed(take("RoleBinding")))),
+        dashboard: has_dashboard.then(|| typed(take("ConfigMap"))),
+        service_monitor: has_monitor.then(|| (typed(take("Service")), take("ServiceMonitor"))),
     };
     assert!(
         objects.is_empty(),
@@ -576,7 +616,9 @@ fn check(values: &Values, rendered: &Rendered) {
 
     // The agent: every value reaches `ambpf run`.
     let agent = container(pod, "agent");
-    let (pin_root, run) = run_args(parse_cli(agent));
+    let cli = parse_cli(agent);
+    let agent_log_format = cli.log_format;
+    let (pin_root, run) = run_args(cli);
     assert_eq!(pin_root, values.pin_root);
     let mode = RedirectMode::from_str(&values.redirect_mode, false).unwrap();
     assert_eq!(run.redirect_mode, mode);
@@ -602,6 +644,13 @@ fn check(values: &Values, rendered: &Rendered) {
         env_value(agent, "RUST_LOG"),
         Some(values.log_level.as_str())
     );
+    let log_format = match values.log_format.as_str() {
+        "json" => ambpf::logging::LogFormat::Json,
+        "text" => ambpf::logging::LogFormat::Text,
+        other => panic!("logFormat {other:?}"),
+    };
+    assert_eq!(agent_log_format, log_format);
+    check_observability(values, rendered);
     // In a cluster the pods come from the API server, not a file.
     assert!(run.pods_file.is_none() && run.pod_source.is_none() && run.kubeconfig.is_none());
     assert!(run.attach.is_empty());
@@ -827,6 +876,78 @@ fn check_binding(
 }
 
 // ---- the tests ----
+
+/// The dashboard ConfigMap and the ServiceMonitor follow their values.
+fn check_observability(values: &Values, rendered: &Rendered) {
+    assert_eq!(rendered.dashboard.is_some(), values.dashboards.enabled);
+    if let Some(dashboard) = &rendered.dashboard {
+        let labels = dashboard.metadata.labels.clone().unwrap_or_default();
+        assert_eq!(
+            labels.get("grafana_dashboard").map(String::as_str),
+            Some("1")
+        );
+        let namespace = match values.dashboards.namespace.as_str() {
+            "" => NAMESPACE,
+            other => other,
+        };
+        assert_eq!(dashboard.metadata.namespace.as_deref(), Some(namespace));
+        // The chart's file, whole.
+        let json = &dashboard.data.as_ref().unwrap()["ambpf.json"];
+        assert_eq!(
+            json.trim_end(),
+            chart_file("dashboards/ambpf.json").trim_end()
+        );
+        serde_json::from_str::<serde_json::Value>(json).expect("the dashboard is JSON");
+    }
+    assert_eq!(
+        rendered.service_monitor.is_some(),
+        values.service_monitor.enabled
+    );
+    if let Some((service, monitor)) = &rendered.service_monitor {
+        let daemonset = &rendered.daemonset;
+        let pod_labels = daemonset
+            .spec
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .labels
+            .clone()
+            .unwrap();
+        let spec = service.spec.as_ref().unwrap();
+        for (key, value) in spec.selector.iter().flatten() {
+            assert_eq!(pod_labels.get(key), Some(value), "Service selector {key}");
+        }
+        let port = &spec.ports.as_ref().unwrap()[0];
+        assert_eq!(port.name.as_deref(), Some("metrics"));
+        assert_eq!(port.port, i32::from(values.metrics.port));
+        // The ServiceMonitor selects the Service by its labels, on the named port.
+        let service_labels = service.metadata.labels.clone().unwrap();
+        let selector = &monitor["spec"]["selector"]["matchLabels"];
+        for (key, value) in selector.as_mapping().unwrap() {
+            assert_eq!(
+                service_labels
+                    .get(key.as_str().unwrap())
+                    .map(String::as_str),
+                value.as_str(),
+                "ServiceMonitor selector"
+            );
+        }
+        let endpoint = &monitor["spec"]["endpoints"][0];
+        assert_eq!(endpoint["port"].as_str(), Some("metrics"));
+        assert_eq!(endpoint["path"].as_str(), Some("/metrics"));
+        assert_eq!(
+            endpoint["interval"].as_str(),
+            Some(values.service_monitor.interval.as_str())
+        );
+        for (key, value) in &values.service_monitor.labels {
+            assert_eq!(
+                monitor["metadata"]["labels"][key.as_str()].as_str(),
+                Some(value.as_str())
+            );
+        }
+    }
+}
 
 #[test]
 fn helm_lint_strict_passes() {

@@ -172,7 +172,7 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         "{error}"
     );
     assert!(!zds.workloads().contains_key("pod-2-uid"));
-    let count = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let count = |c: &prometheus_client::metrics::counter::Counter| c.get();
     assert_eq!(
         [&stats.enrolled, &stats.skipped, &stats.refused].map(count),
         [1, 0, 1],

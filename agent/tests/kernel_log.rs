@@ -1,6 +1,7 @@
-//! Privileged: aya-log records written by the kernel programs reach the
-//! agent's `log` logger. A test binary of its own, since it installs the
-//! process-wide logger.
+//! Privileged: aya-log records written by the kernel programs (`log`
+//! records) reach the agent's `tracing` output through its log bridge, as
+//! JSON lines. A test binary of its own, since it installs the process-wide
+//! subscriber.
 
 use std::{
     net::{SocketAddr, UdpSocket},
@@ -14,24 +15,35 @@ use ambpf::{
 };
 use ambpf_testbed::{BpffsMount, PodAndNode};
 
-struct Capture(Mutex<Vec<String>>);
+/// Every byte the subscriber writes.
+struct Capture(Mutex<Vec<u8>>);
 
-impl log::Log for Capture {
-    fn enabled(&self, _: &log::Metadata) -> bool {
-        true
+impl std::io::Write for &'static Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
     }
-    fn log(&self, record: &log::Record) {
-        self.0.lock().unwrap().push(format!("{}", record.args()));
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
-    fn flush(&self) {}
 }
 
 static CAPTURE: Capture = Capture(Mutex::new(Vec::new()));
 
+fn lines() -> Vec<String> {
+    String::from_utf8_lossy(&CAPTURE.0.lock().unwrap())
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kernel_log_records_reach_the_agent_log() {
-    log::set_logger(&CAPTURE).unwrap();
-    log::set_max_level(log::LevelFilter::Trace);
+    ambpf::logging::init_with_writer(
+        ambpf::logging::LogFormat::Json,
+        ambpf::logging::parse_filter("trace").unwrap(),
+        || &CAPTURE,
+    );
 
     let bpffs = BpffsMount::create().unwrap();
     let pn = PodAndNode::create().unwrap();
@@ -51,19 +63,16 @@ async fn kernel_log_records_reach_the_agent_log() {
 
     let expected = format!("first packet on ifindex {} egress", attachment.ifindex);
     for _ in 0..100 {
-        if CAPTURE
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|line| line.contains(&expected))
-        {
+        // A JSON line whose message is the kernel's record.
+        if lines().iter().any(|line| {
+            serde_json::from_str::<serde_json::Value>(line)
+                .ok()
+                .and_then(|v| v.get("message")?.as_str().map(|m| m.contains(&expected)))
+                .unwrap_or(false)
+        }) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    panic!(
-        "no kernel log record {expected:?}; got {:?}",
-        CAPTURE.0.lock().unwrap()
-    );
+    panic!("no kernel log record {expected:?}; got {:?}", lines());
 }

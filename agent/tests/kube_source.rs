@@ -45,7 +45,12 @@ const NODE: &str = "node-1";
 type Pods = watch::Receiver<Arc<SourcePods>>;
 
 fn init_logging() {
-    let _ = env_logger::builder().is_test(true).try_init();
+    let filter = ambpf::logging::filter(None).unwrap();
+    ambpf::logging::init_with_writer(
+        ambpf::logging::LogFormat::Text,
+        filter,
+        tracing_subscriber::fmt::TestWriter::new,
+    );
 }
 
 fn client(server: &ApiServer) -> kube::Client {

@@ -56,6 +56,13 @@ fn error(code: u32, msg: &str, details: impl ToString) -> CniError {
 }
 
 fn main() {
+    // stdout carries the CNI result; log lines go to stderr, the runtime's
+    // log, filtered by RUST_LOG (a bad filter falls back to `info`: the
+    // plugin must still answer the runtime).
+    let filter = ambpf::logging::filter(None)
+        .or_else(|_| ambpf::logging::filter(Some("info")))
+        .expect("`info` is a valid filter");
+    ambpf::logging::init_with_writer(ambpf::logging::LogFormat::Text, filter, std::io::stderr);
     let mut stdin = Vec::new();
     let command = std::env::var("CNI_COMMAND").unwrap_or_default();
     // VERSION needs no configuration, the rest may carry one.
@@ -73,7 +80,7 @@ fn main() {
         Ok(Some(output)) => println!("{output}"),
         Ok(None) => {}
         Err(e) => {
-            eprintln!("ambpf-cni: {}: {}", e.msg, e.details);
+            tracing::error!(code = e.code, "ambpf-cni: {}: {}", e.msg, e.details);
             let out = json!({
                 "cniVersion": version,
                 "code": e.code,
@@ -168,10 +175,17 @@ fn add(config: &Value) -> Result<Value, CniError> {
         netns,
         ips,
     };
+    let span = tracing::info_span!(
+        "cni_add",
+        pod = %ambpf::logging::PodName(&request.pod_namespace, &request.pod_name),
+        uid = %request.pod_uid,
+        netns = %request.netns,
+    );
+    let _entered = span.enter();
     match post(&PathBuf::from(socket), &request, timeout)? {
         CmdAddReply::Enrolled => {}
         // The pod starts without redirection, by the agent's decision.
-        CmdAddReply::Skipped { reason } => eprintln!("ambpf-cni: {reason}"),
+        CmdAddReply::Skipped { reason } => tracing::info!("ambpf-cni: {reason}"),
     }
     Ok(result)
 }

@@ -186,14 +186,14 @@ pub async fn log_misses(
         let now = match read_misses(&pins) {
             Ok(now) => now,
             Err(e) => {
-                log::warn!("reading the original-destination miss counters: {e}");
+                tracing::warn!("reading the original-destination miss counters: {e}");
                 continue;
             }
         };
         // Misses from before this agent started were logged by an earlier one.
         if let Some(before) = &last {
             for message in miss_messages(before, &now, capacities) {
-                log::warn!("{message}");
+                tracing::warn!("{message}");
             }
         }
         last = Some(now);

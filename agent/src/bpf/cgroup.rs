@@ -14,7 +14,7 @@ use std::{
 
 use ambpf_common::programs;
 use aya::programs::Program;
-use log::info;
+use tracing::info;
 
 use super::{
     Dataplane, PinLayout,

@@ -115,6 +115,10 @@ pub struct PinnedMap {
     /// Entries in use (an array's are all its slots).
     pub entries: u64,
     pub pin: PathBuf,
+    /// A hash or LRU map, whose entries come and go (not an array, whose
+    /// slots are all in use, nor a ring buffer, sized in bytes).
+    #[serde(skip)]
+    pub fills: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -192,25 +196,7 @@ pub fn check_pin_root(pins: &PinLayout) -> Result<(), InspectError> {
 /// are errors.
 pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
     check_pin_root(pins)?;
-    let mut maps_out = Vec::new();
-    for name in maps::PINNED.iter().chain([&super::pod_names::MAP_NAME]) {
-        let path = pins.map(name);
-        if !path.exists() {
-            continue;
-        }
-        let data = open_map(&path)?;
-        let info = data.info().map_err(|source| InspectError::Map {
-            path: path.clone(),
-            cause: source,
-        })?;
-        maps_out.push(PinnedMap {
-            name: info.name_as_str().unwrap_or(name).to_owned(),
-            id: info.id(),
-            max_entries: info.max_entries(),
-            entries: count_entries(&info, data),
-            pin: path,
-        });
-    }
+    let maps_out = read_maps(pins)?;
     let recorded = crate::build_info::recorded(pins).map_err(|source| InspectError::Io {
         path: pins.root().join("object"),
         cause: source,
@@ -259,6 +245,40 @@ fn count_entries(info: &aya::maps::MapInfo, data: MapData) -> u64 {
         Ok(MapType::Array | MapType::PerCpuArray) => u64::from(info.max_entries()),
         _ => count_keys(&data, info.key_size() as usize),
     }
+}
+
+/// Every pinned map with its entries and capacity (`ambpf status` and
+/// `/metrics`' map fill).
+pub fn read_maps(pins: &PinLayout) -> Result<Vec<PinnedMap>, InspectError> {
+    let mut maps_out = Vec::new();
+    for name in maps::PINNED.iter().chain([&super::pod_names::MAP_NAME]) {
+        let path = pins.map(name);
+        if !path.exists() {
+            continue;
+        }
+        let data = open_map(&path)?;
+        let info = data.info().map_err(|source| InspectError::Map {
+            path: path.clone(),
+            cause: source,
+        })?;
+        maps_out.push(PinnedMap {
+            name: info.name_as_str().unwrap_or(name).to_owned(),
+            id: info.id(),
+            max_entries: info.max_entries(),
+            fills: fills(&info),
+            entries: count_entries(&info, data),
+            pin: path,
+        });
+    }
+    Ok(maps_out)
+}
+
+fn fills(info: &aya::maps::MapInfo) -> bool {
+    use aya::maps::MapType;
+    matches!(
+        info.map_type(),
+        Ok(MapType::Hash | MapType::LruHash | MapType::PerCpuHash | MapType::LruPerCpuHash)
+    )
 }
 
 /// BPF_MAP_GET_NEXT_KEY from the start until the end.

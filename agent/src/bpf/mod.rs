@@ -21,7 +21,7 @@ use aya::{
     Ebpf, EbpfLoader,
     programs::{Program, SchedClassifier, SkLookup},
 };
-use log::{debug, warn};
+use tracing::{debug, warn};
 
 pub use capacity::Capacities;
 pub use inbound::{InboundAssign, InboundPath};

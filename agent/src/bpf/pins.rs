@@ -153,7 +153,7 @@ impl PinRootLock {
         let dir = match Flock::lock(dir, FlockArg::LockExclusiveNonblock) {
             Ok(locked) => locked,
             Err((dir, nix::errno::Errno::EWOULDBLOCK)) => {
-                log::warn!(
+                tracing::warn!(
                     "another ambpf agent is using {}; waiting for it to exit",
                     pins.root.display()
                 );

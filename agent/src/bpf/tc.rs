@@ -8,7 +8,7 @@ use aya::programs::{
     links::{FdLink, LinkError, PinnedLink},
     tc::{SchedClassifierLink, TcAttachOptions},
 };
-use log::info;
+use tracing::info;
 
 use super::{Dataplane, PinLayout};
 use crate::netns::{Netns, NetnsError};

@@ -2,7 +2,7 @@
 //! shutdown whether to leave it (an upgrade) or remove it (an uninstall).
 
 use anyhow::{Context as _, Result};
-use log::info;
+use tracing::info;
 
 use super::{CniInstallArgs, run::shutdown_signal};
 use crate::sources;
@@ -53,7 +53,7 @@ pub(super) fn cni_install(args: CniInstallArgs) -> Result<()> {
                     "on shutdown ambpf-cni stays chained if this pod's DaemonSet is still \
                      there, and is removed if it is gone or being deleted"
                 ),
-                Err(why) => log::warn!("on shutdown ambpf-cni will stay chained: {why}"),
+                Err(why) => tracing::warn!("on shutdown ambpf-cni will stay chained: {why}"),
             }
             tokio::select! {
                 () = keep_installed(config.clone(), every) => {}
@@ -89,7 +89,7 @@ fn on_shutdown(
             Ok(())
         }
         ShutdownAction::Undecided { why } => {
-            log::warn!(
+            tracing::warn!(
                 "stopping: ambpf-cni stays chained in {conf_dir}, since it cannot be told whether \
                  ambpf is being removed from this node: {why}. While no ambpf agent runs, new pods \
                  on this node fail to start. If ambpf is being removed, {by_hand}"
@@ -109,7 +109,7 @@ fn on_shutdown(
                 return Ok(());
             }
             for error in &done.errors {
-                log::error!("removing ambpf-cni: {error}");
+                tracing::error!("removing ambpf-cni: {error}");
             }
             anyhow::bail!("ambpf-cni could not be removed completely: {by_hand}")
         }

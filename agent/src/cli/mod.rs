@@ -29,6 +29,15 @@ pub struct Cli {
     #[arg(long, global = true, env = "AMBPF_PIN_ROOT", default_value = bpf::DEFAULT_PIN_ROOT)]
     pub pin_root: PathBuf,
 
+    /// Log line format: `text`, or `json` (one object per line).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    pub log_format: crate::logging::LogFormat,
+
+    /// Log filter in RUST_LOG syntax, e.g. `info,ambpf::zds=debug` (default:
+    /// RUST_LOG, else `info`).
+    #[arg(long, global = true, value_name = "FILTER", value_parser = crate::logging::check_filter)]
+    pub log_level: Option<String>,
+
     #[command(subcommand)]
     pub command: Command,
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
-use log::info;
+use tracing::info;
 
 use super::{PodSource, RunArgs, parse_attach};
 use crate::{
@@ -90,7 +90,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                         }
                     }
                     Err(e) if !targets.is_empty() => {
-                        log::warn!("--attach: running without the interface counters: {e}")
+                        tracing::warn!("--attach: running without the interface counters: {e}")
                     }
                     Err(_) => {}
                 }
@@ -163,7 +163,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 );
                 kube_source = Some(started);
             }
-            _ => log::warn!("no pod source (give --pods-file, or run in a cluster): no pods enrol"),
+            _ => tracing::warn!(
+                "no pod source (give --pods-file, or run in a cluster): no pods enrol"
+            ),
         }
         // Program every current pod before ztunnel can connect, so that its
         // first snapshot is complete (and restarts reconcile pinned state).
@@ -293,7 +295,7 @@ fn raise_fd_limit() {
         {
             limit.rlim_cur = limit.rlim_max;
             if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
-                log::warn!(
+                tracing::warn!(
                     "cannot raise the open-file limit to {}: {}",
                     limit.rlim_max,
                     std::io::Error::last_os_error()

@@ -15,8 +15,8 @@ use std::{
     time::Duration,
 };
 
-use log::{info, warn};
 use serde_json::{Value, json};
+use tracing::{info, warn};
 
 use super::PLUGIN_TYPE;
 

@@ -26,25 +26,25 @@ pub mod selection;
 pub mod server;
 pub mod shutdown;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::metrics::counter::Counter;
 
 use serde::{Deserialize, Serialize};
 
-/// What the endpoint answered, for metrics.
+/// What the endpoint answered, for metrics (registered as they are,
+/// [`CniStats::register`]); the time it took goes to
+/// `ambpf_cni_add_duration_seconds`.
 #[derive(Debug, Default)]
 pub struct CniStats {
     /// Pods enrolled before their ADD was answered.
-    pub enrolled: AtomicU64,
+    pub enrolled: Counter,
     /// Pods let start without enrolment (not ambient, or deleted meanwhile).
-    pub skipped: AtomicU64,
+    pub skipped: Counter,
     /// ADDs failed by the agent: enrolment failed or timed out, ztunnel did
     /// not take the pod, the API server could not say whether the pod is
     /// ambient, shutting down.
-    pub refused: AtomicU64,
+    pub refused: Counter,
     /// Requests that were not a valid ADD.
-    pub invalid: AtomicU64,
-    /// Time spent answering valid ADDs, by [`AddPhase`], in nanoseconds.
-    pub phase_nanos: [AtomicU64; AddPhase::ALL.len()],
+    pub invalid: Counter,
 }
 
 /// Where the agent's time answering one ADD goes.
@@ -91,18 +91,39 @@ impl CniStats {
             Err(status) if (400..500).contains(&status) => &self.invalid,
             Err(_) => &self.refused,
         };
-        counter.fetch_add(1, Ordering::Relaxed);
+        counter.inc();
     }
 
-    /// Adds `took` to `phase`'s total.
+    /// Observes `took` in `phase`'s histogram.
     pub fn time(&self, phase: AddPhase, took: std::time::Duration) {
-        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        self.phase_nanos[phase as usize].fetch_add(nanos, Ordering::Relaxed);
+        crate::metrics::histograms().observe_cni_add(phase.name(), took);
     }
 
-    /// `phase`'s total, in seconds.
-    pub fn seconds(&self, phase: AddPhase) -> f64 {
-        self.phase_nanos[phase as usize].load(Ordering::Relaxed) as f64 / 1e9
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        for (name, help, counter) in [
+            (
+                "cni_adds_enrolled",
+                "Pods enrolled before their CNI ADD was answered.",
+                &self.enrolled,
+            ),
+            (
+                "cni_adds_skipped",
+                "CNI ADDs let through without enrolment (pod not ambient or gone).",
+                &self.skipped,
+            ),
+            (
+                "cni_adds_refused",
+                "CNI ADDs failed by the agent (the pod's network setup fails and is retried).",
+                &self.refused,
+            ),
+            (
+                "cni_requests_invalid",
+                "Requests to the CNI endpoint that were not a valid ADD.",
+                &self.invalid,
+            ),
+        ] {
+            registry.register(name, help, counter.clone());
+        }
     }
 }
 

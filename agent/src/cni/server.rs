@@ -20,13 +20,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use log::{debug, info, warn};
 use tokio::{
     io::AsyncWriteExt,
     net::{UnixListener, UnixStream},
     sync::{mpsc, oneshot, watch},
     task::JoinSet,
 };
+use tracing::{Instrument as _, debug, info, warn};
 
 use super::{
     AddError, AddPhase, CmdAdd, CmdAddReply, CniStats,
@@ -161,10 +161,14 @@ async fn respond(request: &crate::http::Request, endpoint: &Endpoint) -> Answer 
     }
     let pod = format!("{}/{} ({})", add.pod_namespace, add.pod_name, add.pod_uid);
     let deadline = tokio::time::Instant::now() + ADD_BUDGET;
-    match add_pod(&add, &pod, endpoint, deadline).await {
+    let span = crate::pod_span!("cni_add", add.pod_namespace, add.pod_name, add.pod_uid);
+    match add_pod(&add, &pod, endpoint, deadline)
+        .instrument(span.clone())
+        .await
+    {
         Ok(reply) => Ok(reply),
         Err(e) => {
-            warn!("CNI add of pod {pod} failed: {e}");
+            span.in_scope(|| warn!("CNI add of pod {pod} failed: {e}"));
             Err((e.status(), format!("pod {pod} not enrolled: {e}\n")))
         }
     }
@@ -364,7 +368,7 @@ mod tests {
         assert!(garbage.starts_with("HTTP/1.1 400"), "{garbage}");
         let get = post(&path, "GET /cmdadd HTTP/1.1\r\n\r\n").await;
         assert!(get.starts_with("HTTP/1.1 405"), "{get}");
-        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let get = |c: &prometheus_client::metrics::counter::Counter| c.get();
         assert_eq!(
             [
                 &stats.enrolled,

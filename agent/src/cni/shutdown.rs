@@ -38,8 +38,8 @@ use kube::{
     Api, Client,
     runtime::{WatchStreamExt as _, watcher},
 };
-use log::{info, warn};
 use tokio::task::JoinHandle;
+use tracing::{info, warn};
 
 use crate::sources::kube::{Lenient, api_error};
 

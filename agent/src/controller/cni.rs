@@ -12,8 +12,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use log::{info, warn};
 use tokio::sync::{mpsc, oneshot};
+use tracing::{info, warn};
 
 use super::{Controller, PodSpec, SourcePods};
 use crate::{cni::AddError, netns::Netns};

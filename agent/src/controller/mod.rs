@@ -31,10 +31,8 @@ use std::{
     time::Duration,
 };
 
-use log::{info, warn};
 use tokio::sync::watch;
-
-use std::sync::atomic::Ordering;
+use tracing::{info, warn};
 
 use crate::{
     netns::Netns,
@@ -218,6 +216,8 @@ impl Controller {
     /// Enrols one pod, or keeps it as it is, recording the outcome in `pass`.
     fn program(&mut self, pod: &PodSpec, pass: &mut Pass) {
         let uid = &pod.workload.uid;
+        let span = crate::pod_span!("enrol", pod.workload.namespace, pod.workload.name, uid);
+        let _entered = span.enter();
         let options = EnrollOptions {
             dns_capture: pod.dns_capture.unwrap_or(true) && self.node_dns_capture,
         };
@@ -231,6 +231,7 @@ impl Controller {
                 // would leave it enrolled in this table, so never enrolled
                 // again.
                 if let Some(current) = self.enrolled.get(uid) {
+                    span.record("netns_cookie", current.key.netns_cookie);
                     info!(
                         "pod {} ({uid}): cannot open {} ({e}); keeping its redirection",
                         current.name,
@@ -248,6 +249,8 @@ impl Controller {
             && current.netns.inode() == netns.inode()
             && current.options == options
         {
+            span.record("netns_cookie", current.key.netns_cookie);
+            crate::metrics::histograms().pod_handled(uid, false);
             pass.wanted_cookies.insert(current.key.netns_cookie);
             current.workload = pod.workload.clone();
             pass.ready.push(pod.workload.clone());
@@ -263,7 +266,9 @@ impl Controller {
         let name = format!("{}/{}", pod.workload.namespace, pod.workload.name);
         match self.redirection.enroll(&netns, options) {
             Ok(done) => {
-                self.stats.record_enrol_steps(&done.steps);
+                span.record("netns_cookie", done.netns_cookie);
+                self.stats
+                    .record_enrol_steps(self.redirection.mode(), &done.steps);
                 self.report_conflicts(&name, uid, &done);
                 let identity = crate::bpf::pod_names::PodIdentity {
                     namespace: pod.workload.namespace.clone(),
@@ -282,6 +287,7 @@ impl Controller {
                     workload: pod.workload.clone(),
                 };
                 self.enrolled.insert(uid.clone(), enrolled);
+                crate::metrics::histograms().pod_handled(uid, true);
                 pass.report.enrolled += 1;
                 pass.ready.push(pod.workload.clone());
             }
@@ -310,6 +316,8 @@ impl Controller {
         let mut forgotten = HashSet::new();
         for uid in gone.iter().filter(|uid| self.deleted.contains(*uid)) {
             let key = self.enrolled[uid].key;
+            let span = self.remove_span(uid, key);
+            let _entered = span.enter();
             forgotten.insert(key);
             match self.redirection.forget_deleted(key) {
                 Ok(true) => removed += 1,
@@ -336,19 +344,29 @@ impl Controller {
         stale.sort_unstable();
         stale.dedup();
         for key in stale {
+            let span = match self.enrolled.iter().find(|(_, e)| e.key == key) {
+                Some((uid, _)) => self.remove_span(uid, key),
+                None => tracing::info_span!("remove", netns_cookie = key.netns_cookie),
+            };
+            let _entered = span.enter();
             match self.redirection.unenroll(key) {
                 Ok(true) => removed += 1,
                 Ok(false) => {}
                 Err(e) => warn!("removing the pod with {key}: {e}"),
             }
         }
-        self.stats
-            .pods_removed
-            .fetch_add(removed as u64, Ordering::Relaxed);
+        self.stats.pods_removed.inc_by(removed as u64);
         for uid in gone {
             self.enrolled.remove(&uid);
         }
         removed
+    }
+
+    /// The span of a removal of one of this agent's pods.
+    fn remove_span(&self, uid: &str, key: PodKey) -> tracing::Span {
+        let name = &self.enrolled[uid].name;
+        let (namespace, name) = name.split_once('/').unwrap_or(("", name));
+        crate::pod_span!("remove", namespace, name, uid, key.netns_cookie)
     }
 
     /// Reports the programmed pods and gives ztunnel exactly the pods whose
@@ -368,18 +386,20 @@ impl Controller {
                 changed
             });
         }
+        self.zds.set_netns_cookies(
+            self.enrolled
+                .iter()
+                .map(|(uid, e)| (uid.clone(), e.key.netns_cookie))
+                .collect(),
+        );
         self.zds.replace_all(ready.iter().cloned());
     }
 
     /// Updates the metrics after a pass.
     fn record_pass(&mut self, report: &PassReport) {
         let stats = &self.stats;
-        stats
-            .pods_enrolled
-            .store(self.enrolled.len() as u64, Ordering::Relaxed);
-        stats
-            .enroll_failures
-            .fetch_add(report.failed.len() as u64, Ordering::Relaxed);
+        stats.set_enrolled(self.redirection.mode(), self.enrolled.len());
+        stats.enroll_failures.inc_by(report.failed.len() as u64);
         *stats.pod_names.lock().unwrap_or_else(|e| e.into_inner()) = self
             .enrolled
             .values()
@@ -419,7 +439,7 @@ impl Controller {
                     continue;
                 }
             };
-            self.stats.address_conflicts.fetch_add(1, Ordering::Relaxed);
+            self.stats.address_conflicts.inc();
             warn!(
                 "address {} is claimed by two live pods: {winner} owns it (the newer pod), \
                  {loser} loses it until it is gone",
@@ -435,19 +455,37 @@ impl Controller {
     pub fn check_state(&mut self, scope: CheckScope) -> Vec<Violation> {
         let known: Vec<(PodKey, &Netns)> =
             self.enrolled.values().map(|e| (e.key, &e.netns)).collect();
+        let started = std::time::Instant::now();
         let violations = self.redirection.check(&known, scope);
+        let scope_name = match scope {
+            CheckScope::Records => "records",
+            CheckScope::Full => "full",
+        };
+        crate::metrics::histograms().observe_state_check(scope_name, started.elapsed());
         if violations.is_empty() {
             return violations;
         }
         for violation in &violations {
-            warn!("state check: {violation}");
-            self.stats.state_violations[violation.kind.index()].fetch_add(1, Ordering::Relaxed);
+            let pod = violation
+                .pod
+                .and_then(|key| self.enrolled.iter().find(|(_, e)| e.key == key));
+            let span = match pod {
+                Some((uid, e)) => {
+                    let (namespace, name) = e.name.split_once('/').unwrap_or(("", &e.name));
+                    crate::pod_span!("check", namespace, name, uid, e.key.netns_cookie)
+                }
+                None => tracing::Span::none(),
+            };
+            span.in_scope(|| warn!("state check: {violation}"));
+            self.stats.count_violation(violation.kind);
         }
         let again = self.redirection.repair(&violations);
         self.enrolled.retain(|uid, e| {
             let forget = again.contains(&e.key);
             if forget {
-                info!("pod {} ({uid}): enrolling it again to repair it", e.name);
+                let (namespace, name) = e.name.split_once('/').unwrap_or(("", &e.name));
+                let span = crate::pod_span!("repair", namespace, name, uid, e.key.netns_cookie);
+                span.in_scope(|| info!("enrolling it again to repair it"));
             }
             !forget
         });

@@ -24,7 +24,7 @@ use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf, time::Instant};
 
 use ambpf_common::{IpKey, PodConfig, maps, pod_flags, programs};
 use aya::maps::{HashMap, MapData};
-use log::{info, warn};
+use tracing::{info, warn};
 
 use super::{
     CheckScope, PodKey, Violation,
@@ -196,6 +196,8 @@ impl Dataplane {
         steps.rest("enter netns", visit.elapsed());
         let maps_started = Instant::now();
         let cookie = net.netns_cookie;
+        // The rest of the enrolment's lines carry the cookie.
+        tracing::Span::current().record("netns_cookie", cookie);
         let mut config = PodConfig {
             netns_cookie: cookie,
             netns_inode: netns.inode(),
@@ -484,7 +486,7 @@ impl Dataplane {
         self.remove_inbound_link(cookie)?;
         if let Err(e) = crate::bpf::pod_names::remove(self.pins(), cookie) {
             // A stale name is harmless: cookies are never reused.
-            log::warn!("pod with {pod}: forgetting its name: {e}");
+            tracing::warn!("pod with {pod}: forgetting its name: {e}");
         }
         if found.is_some() {
             info!("removed pod with {pod}");

@@ -4,7 +4,7 @@ use std::{net::IpAddr, path::Path};
 
 use ambpf_common::{IpKey, NodeConfig, maps};
 use aya::maps::{Array, HashMap};
-use log::warn;
+use tracing::warn;
 
 use super::ebpf::{EnrollError, ip_key};
 use crate::bpf::{Dataplane, cgroup::CgroupError};

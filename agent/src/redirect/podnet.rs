@@ -83,7 +83,11 @@ pub enum PodNetError {
 /// global addresses.
 pub fn inspect(netns: &Netns) -> Result<PodNetwork, PodNetError> {
     let path = netns.path();
-    netns.run(|| inspect_here(path))?
+    let net = netns.run(|| inspect_here(path))??;
+    // From here on, the lines of the pod's span (an enrolment) carry its
+    // cookie.
+    tracing::Span::current().record("netns_cookie", net.netns_cookie);
+    Ok(net)
 }
 
 /// The cookie of `netns` (see [`SO_NETNS_COOKIE`]).

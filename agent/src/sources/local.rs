@@ -22,8 +22,8 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use log::{info, warn};
 use serde::Deserialize;
+use tracing::{info, warn};
 
 use std::sync::Arc;
 

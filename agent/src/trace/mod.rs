@@ -60,7 +60,7 @@ fn pod_names(pins: &PinLayout) -> HashMap<u64, String> {
             .map(|(cookie, pod)| (cookie, format!("{}/{}", pod.namespace, pod.name)))
             .collect(),
         Err(e) => {
-            log::warn!("pods' names unreadable, showing netns cookies: {e}");
+            tracing::warn!("pods' names unreadable, showing netns cookies: {e}");
             HashMap::new()
         }
     }

@@ -25,9 +25,9 @@ use std::{
 };
 
 use ambpf_proto::{MAX_MESSAGE_LEN, Message as _, ZTUNNEL_READ_BUFFER, zds};
-use log::{debug, info, warn};
 use tokio::time::{Instant, sleep_until, timeout};
 use tokio_seqpacket::{UnixSeqpacket, ancillary::AncillaryMessageWriter};
+use tracing::{Instrument as _, debug, info, warn};
 
 use super::{NetnsSource, Shared, Workload, WorkloadSet, ZdsStats};
 
@@ -177,10 +177,12 @@ impl Connection<'_> {
             match workload.netns.open() {
                 Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
-                    warn!(
-                        "ZDS: cannot open the netns of pod {}/{} ({e}); sending Keep so ztunnel keeps its proxy",
-                        workload.namespace, workload.name
-                    );
+                    self.pod_span(workload).in_scope(|| {
+                        warn!(
+                            "ZDS: cannot open the netns of pod {}/{} ({e}); sending Keep so ztunnel keeps its proxy",
+                            workload.namespace, workload.name
+                        )
+                    });
                     ZdsStats::bump(&self.shared.stats.keeps_sent);
                     match self
                         .request(&zds::WorkloadRequest::keep(&workload.uid), None)
@@ -227,11 +229,22 @@ impl Connection<'_> {
             .cloned()
             .collect();
         for uid in gone {
-            match self.request(&zds::WorkloadRequest::del(&uid), None).await? {
+            let span =
+                tracing::info_span!("zds_del", uid = %uid, netns_cookie = tracing::field::Empty);
+            if let Some(cookie) = self.shared.netns_cookie(&uid) {
+                span.record("netns_cookie", cookie);
+            }
+            let outcome = self
+                .request(&zds::WorkloadRequest::del(&uid), None)
+                .instrument(span.clone())
+                .await?;
+            match outcome {
                 Outcome::Acked => ZdsStats::bump(&self.shared.stats.dels_acked),
                 Outcome::Nacked(why) => {
                     ZdsStats::bump(&self.shared.stats.nacks);
-                    warn!("ZDS connection {}: Del of {uid} NACKed: {why}", self.id);
+                    span.in_scope(|| {
+                        warn!("ZDS connection {}: Del of {uid} NACKed: {why}", self.id)
+                    });
                 }
             }
             self.sent.remove(&uid);
@@ -255,10 +268,12 @@ impl Connection<'_> {
                 Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
                     ZdsStats::bump(&self.shared.stats.send_failures);
-                    warn!(
-                        "ZDS: cannot open the netns of pod {}/{}: {e}",
-                        workload.namespace, workload.name
-                    );
+                    self.pod_span(workload).in_scope(|| {
+                        warn!(
+                            "ZDS: cannot open the netns of pod {}/{}: {e}",
+                            workload.namespace, workload.name
+                        )
+                    });
                     self.shared.not_sent(&workload.uid, e.to_string());
                     self.schedule_retry(&workload.uid);
                 }
@@ -267,8 +282,30 @@ impl Connection<'_> {
         Ok(())
     }
 
+    /// The span of a request about `workload`.
+    fn pod_span(&self, workload: &Workload) -> tracing::Span {
+        let cookie = self.shared.netns_cookie(&workload.uid);
+        let span = crate::pod_span!("zds_add", workload.namespace, workload.name, workload.uid);
+        if let Some(cookie) = cookie {
+            span.record("netns_cookie", cookie);
+        }
+        span
+    }
+
     /// Sends an Add with the pod's netns fd and records the result.
     async fn add(
+        &mut self,
+        workload: &Workload,
+        netns: std::fs::File,
+        inode: u64,
+    ) -> Result<(), ConnError> {
+        let span = self.pod_span(workload);
+        self.add_in_span(workload, netns, inode)
+            .instrument(span)
+            .await
+    }
+
+    async fn add_in_span(
         &mut self,
         workload: &Workload,
         netns: std::fs::File,
@@ -361,6 +398,7 @@ impl Connection<'_> {
                 self.socket.send(&bytes).await?;
             }
         }
+        let sent = std::time::Instant::now();
         let after = self.shared.config.ack_timeout;
         let mut buf = [0u8; ZTUNNEL_READ_BUFFER];
         let len = match timeout(after, self.recv(&mut buf, "awaiting an ack")).await {
@@ -373,6 +411,7 @@ impl Connection<'_> {
                 });
             }
         };
+        crate::metrics::histograms().observe_zds_ack(message_name(request), sent.elapsed());
         let response =
             zds::WorkloadResponse::decode(&buf[..len]).map_err(|source| ConnError::Garbage {
                 what: "response",
@@ -394,6 +433,18 @@ impl Connection<'_> {
             return Err(ConnError::ClosedDuring(during));
         }
         Ok(info.bytes_read())
+    }
+}
+
+/// The `message` label of a request's ack time.
+fn message_name(request: &zds::WorkloadRequest) -> &'static str {
+    use zds::workload_request::Payload;
+    match &request.payload {
+        Some(Payload::Add(_)) => "add",
+        Some(Payload::Del(_)) => "del",
+        Some(Payload::Keep(_)) => "keep",
+        Some(Payload::SnapshotSent(_)) => "snapshot_sent",
+        None => "empty",
     }
 }
 

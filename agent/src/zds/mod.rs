@@ -20,18 +20,16 @@ pub mod listener;
 mod workload;
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::{BTreeMap, HashMap, VecDeque},
     path::PathBuf,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex, atomic::AtomicU64},
     time::Duration,
 };
 
-use log::{info, warn};
+use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
 use tokio::sync::watch;
 use tokio_seqpacket::UnixSeqpacketListener;
+use tracing::{info, warn};
 
 pub use hold::{HoldWait, NotHeld};
 pub use listener::{DEFAULT_SOCKET, ListenError};
@@ -84,29 +82,95 @@ impl Default for ZdsConfig {
     }
 }
 
-/// Counters for metrics and tests.
+/// Counters for metrics and tests: registered as they are
+/// ([`ZdsStats::register`]).
 #[derive(Debug, Default)]
 pub struct ZdsStats {
-    pub connections_accepted: AtomicU64,
-    pub connections_active: AtomicU64,
-    pub snapshots_acked: AtomicU64,
-    pub adds_acked: AtomicU64,
-    pub dels_acked: AtomicU64,
-    pub keeps_sent: AtomicU64,
-    pub nacks: AtomicU64,
-    pub ack_timeouts: AtomicU64,
-    pub peer_errors: AtomicU64,
+    pub connections_accepted: Counter,
+    pub connections_active: Gauge<u64, AtomicU64>,
+    pub snapshots_acked: Counter,
+    pub adds_acked: Counter,
+    pub dels_acked: Counter,
+    pub keeps_sent: Counter,
+    pub nacks: Counter,
+    pub ack_timeouts: Counter,
+    pub peer_errors: Counter,
     /// Pods that could not be sent at all (netns gone, message too large).
-    pub send_failures: AtomicU64,
+    pub send_failures: Counter,
+}
+
+/// A counter or gauge of [`ZdsStats`], read as a number.
+pub trait StatValue {
+    fn value(&self) -> u64;
+}
+
+impl StatValue for Counter {
+    fn value(&self) -> u64 {
+        self.get()
+    }
+}
+
+impl StatValue for Gauge<u64, AtomicU64> {
+    fn value(&self) -> u64 {
+        self.get()
+    }
 }
 
 impl ZdsStats {
-    pub fn get(counter: &AtomicU64) -> u64 {
-        counter.load(Ordering::Relaxed)
+    pub fn get(stat: &impl StatValue) -> u64 {
+        stat.value()
     }
 
-    fn bump(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
+    fn bump(counter: &Counter) {
+        counter.inc();
+    }
+
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "zds_connections_active",
+            "ztunnel connections open now.",
+            self.connections_active.clone(),
+        );
+        for (name, help, counter) in [
+            (
+                "zds_connections",
+                "ztunnel connections accepted.",
+                &self.connections_accepted,
+            ),
+            (
+                "zds_snapshots_acked",
+                "Full snapshots ztunnel acked.",
+                &self.snapshots_acked,
+            ),
+            (
+                "zds_adds_acked",
+                "AddWorkload requests acked.",
+                &self.adds_acked,
+            ),
+            (
+                "zds_dels_acked",
+                "DelWorkload requests acked.",
+                &self.dels_acked,
+            ),
+            ("zds_nacks", "Requests ztunnel refused (NACK).", &self.nacks),
+            (
+                "zds_ack_timeouts",
+                "Requests ztunnel did not answer in time.",
+                &self.ack_timeouts,
+            ),
+            (
+                "zds_peer_errors",
+                "ztunnel connections closed on an error.",
+                &self.peer_errors,
+            ),
+            (
+                "zds_send_failures",
+                "Pods that could not be sent to ztunnel.",
+                &self.send_failures,
+            ),
+        ] {
+            registry.register(name, help, counter.clone());
+        }
     }
 }
 
@@ -131,6 +195,9 @@ struct Shared {
     /// Snapshots acked so far, for readiness.
     snapshots: watch::Sender<u64>,
     stats: ZdsStats,
+    /// The desired pods' netns cookies by UID, as the redirection read
+    /// them: the `netns_cookie` of ZDS log lines.
+    netns_cookies: Mutex<HashMap<String, u64>>,
 }
 
 /// The handle pod sources use to say which pods ztunnel should have.
@@ -161,6 +228,7 @@ impl ZdsHandle {
                 closed: Mutex::new(VecDeque::new()),
                 snapshots: watch::Sender::new(0),
                 stats: ZdsStats::default(),
+                netns_cookies: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -192,6 +260,15 @@ impl ZdsHandle {
             Arc::make_mut(set).remove(uid);
             true
         });
+    }
+
+    /// Records the pods' netns cookies (by UID), for log lines.
+    pub fn set_netns_cookies(&self, cookies: HashMap<String, u64>) {
+        *self
+            .shared
+            .netns_cookies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = cookies;
     }
 
     /// Replaces the whole set (a source's full resync).
@@ -279,6 +356,14 @@ impl ZdsHandle {
 }
 
 impl Shared {
+    fn netns_cookie(&self, uid: &str) -> Option<u64> {
+        self.netns_cookies
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(uid)
+            .copied()
+    }
+
     fn register(&self, id: u64) {
         let mut count = 0;
         self.live.send_modify(|live| {
@@ -287,9 +372,7 @@ impl Shared {
         });
         self.newest.send_replace(id);
         ZdsStats::bump(&self.stats.connections_accepted);
-        self.stats
-            .connections_active
-            .store(count as u64, Ordering::Relaxed);
+        self.stats.connections_active.set(count as u64);
         info!("ZDS connection {id} accepted ({count} live)");
     }
 
@@ -314,9 +397,7 @@ impl Shared {
         });
         self.newest
             .send_if_modified(|current| std::mem::replace(current, newest) != newest);
-        self.stats
-            .connections_active
-            .store(count as u64, Ordering::Relaxed);
+        self.stats.connections_active.set(count as u64);
         self.settle_ztunnel_pods();
     }
 

@@ -64,7 +64,7 @@ impl Server {
         self.task.abort();
     }
 
-    pub fn stat(&self, counter: impl Fn(&ZdsStats) -> &std::sync::atomic::AtomicU64) -> u64 {
+    pub fn stat<S: ambpf::zds::StatValue>(&self, counter: impl Fn(&ZdsStats) -> &S) -> u64 {
         ZdsStats::get(counter(self.handle.stats()))
     }
 }

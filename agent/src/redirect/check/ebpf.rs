@@ -9,7 +9,7 @@ use std::{
 
 use ambpf_common::{IpKey, PodConfig, maps, programs};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use log::{info, warn};
+use tracing::{info, warn};
 
 use super::{CheckScope, Violation, ViolationKind, key_of};
 use crate::{

@@ -26,12 +26,12 @@
 
 use std::{collections::HashSet, os::fd::AsRawFd as _, path::Path};
 
-use log::{info, warn};
 use netlink_packet_route::{
     RouteNetlinkMessage,
     link::{LinkAttribute, LinkFlags, LinkMessage},
     nsid::{NsidAttribute, NsidMessage},
 };
+use tracing::{info, warn};
 
 use super::{Violation, ViolationKind};
 use crate::{

@@ -117,7 +117,7 @@ use std::{
     path::PathBuf,
 };
 
-use log::{info, warn};
+use tracing::{info, warn};
 
 #[cfg(test)]
 pub(in crate::redirect) use self::tools::PROCESSES_STARTED;

@@ -11,7 +11,7 @@
 
 use std::net::IpAddr;
 
-use log::{info, warn};
+use tracing::{info, warn};
 
 use super::{
     Family, IptablesError, IptablesRedirection, PodKey,

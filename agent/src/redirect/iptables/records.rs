@@ -19,7 +19,7 @@ use std::{
     path::PathBuf,
 };
 
-use log::{info, warn};
+use tracing::{info, warn};
 
 use super::{IptablesRedirection, PodKey, node::remove_pod_rules};
 use crate::{

@@ -31,9 +31,9 @@ use kube::{
     api::{ListParams, Patch, PatchParams},
     runtime::reflector::Store,
 };
-use log::{debug, info, warn};
 use serde_json::json;
 use tokio::sync::{Notify, watch};
+use tracing::{debug, info, warn};
 
 use super::{
     Lenient,

@@ -197,12 +197,19 @@ impl Engine {
 
 /// Whether an event changes the caches (the store swaps in a relist only at
 /// `InitDone`); marks the stream synced at `InitDone`.
-fn on_event<K>(
+fn on_event<K: k8s_openapi::Resource>(
     what: &str,
     event: WatchResult<K>,
     synced: &mut bool,
     health: &mut StreamHealth,
 ) -> bool {
+    // A pod's first event starts its `kube_event_to_programmed` clock.
+    if let Ok(watcher::Event::Apply(object)) = &event
+        && let Some(uid) = &k8s_openapi::Metadata::metadata(object).uid
+        && what == "pods"
+    {
+        crate::metrics::histograms().kube_pod_event(uid);
+    }
     match event {
         Ok(watcher::Event::InitDone) => {
             health.ok(what);

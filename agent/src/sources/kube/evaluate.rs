@@ -9,7 +9,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use log::{debug, info, warn};
+use tracing::{debug, info, warn};
 
 use super::{Lenient, PodQuery, rules};
 use crate::{

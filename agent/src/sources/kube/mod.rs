@@ -53,11 +53,11 @@ use kube::{
         watcher,
     },
 };
-use log::{debug, info, warn};
 use tokio::{
     sync::{Notify, oneshot, watch},
     task::JoinHandle,
 };
+use tracing::{debug, info, warn};
 
 use self::{engine::Engine, evaluate::Notes};
 pub use self::{
