@@ -64,6 +64,9 @@ pub(super) fn summarize_snapshots(
 pub(super) type RatiosByBaseline =
     std::collections::BTreeMap<String, std::collections::BTreeMap<&'static str, f64>>;
 
+/// A named figure and how to read it for a mode.
+type Figure<'a> = (&'static str, Box<dyn Fn(&str) -> Option<f64> + 'a>);
+
 /// eBPF mode over each Istio backend, and over the faster of them figure by
 /// figure (`faster`: every figure here is lower-is-better), for each named
 /// figure; snapshot figures from the steady runs.
@@ -77,7 +80,7 @@ pub(super) fn ratios(churn: &[ChurnSummary], snapshot: &[SnapshotSummary]) -> Ra
             .find(|s| s.mode.name() == mode && s.runs == "steady")
             .map(f)
     };
-    let figures: [(&'static str, Box<dyn Fn(&str) -> Option<f64> + '_>); 13] = [
+    let figures: [Figure<'_>; 13] = [
         (
             "churn_add_p50",
             Box::new(move |m| c(m, |s| s.add_ms.median)),
