@@ -141,8 +141,9 @@ enum Cmd {
     /// cached in `target/fresh/`), the host's rustup toolchains, a clone of
     /// the committed HEAD, pure cgroup v2. Needs root, mmdebstrap and podman.
     Fresh {
-        /// Minutes the container may take, both commands included.
-        #[arg(long, default_value_t = 40)]
+        /// Minutes the container may take, both commands included (a loaded
+        /// 2-vCPU machine has taken 47).
+        #[arg(long, default_value_t = 80)]
         timeout: u64,
         /// Keep the container's root and the clone's build after a pass.
         #[arg(long)]
