@@ -51,10 +51,10 @@ pub fn render(status: &inspect::Status, wide: bool) -> Result<String, fmt::Error
         (None, None) => {}
     }
     let inbound = match status.inbound {
-        crate::bpf::InboundPath::TcAssign => "bpf_sk_assign from the pods' tc filters",
-        crate::bpf::InboundPath::SkLookup => "each pod's sk_lookup link (links/pods)",
+        crate::bpf::InboundPath::TcAssign => "bpf_sk_assign in the pods' tc filters",
+        crate::bpf::InboundPath::SkLookup => "bpf_sk_assign in each pod's sk_lookup link",
     };
-    writeln!(f, "inbound: {} ({inbound})", status.inbound)?;
+    writeln!(f, "inbound: {}, {inbound}", status.inbound)?;
 
     let pods: Vec<String> = status
         .pods
@@ -308,7 +308,7 @@ mod tests {
         assert_eq!(text.matches("(none)").count(), 4, "{text}");
         assert!(text.contains("shop/web-0"), "{text}");
         assert!(text.contains("eth0 steered"), "{text}");
-        assert!(text.contains("\ninbound: sk-lookup ("), "{text}");
+        assert!(text.contains("\ninbound: sk-lookup, "), "{text}");
         assert!(!text.contains("4144"), "the cookie is for -o wide:\n{text}");
         assert!(
             text.contains(

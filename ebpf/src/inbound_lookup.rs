@@ -87,7 +87,7 @@ pub fn ambpf_inbound(ctx: SkLookupContext) -> u32 {
             ..SockAddr::default()
         },
     };
-    let Some(netns) = (unsafe { INBOUND_SYNS.get(&tuple) }).copied() else {
+    let Some(netns) = (unsafe { INBOUND_SYNS.get(tuple) }).copied() else {
         return SK_PASS;
     };
     // A retransmitted SYN is recorded again by the steering program.

@@ -53,7 +53,14 @@ pub const KERNELS: &[Kernel] = &[
 ];
 
 /// The privileged redirection suites (test targets of the agent).
-pub const SUITES: &[&str] = &["redirect", "parity", "restart", "address_reuse", "cni"];
+pub const SUITES: &[&str] = &[
+    "redirect",
+    "parity",
+    "inbound_sk_lookup",
+    "restart",
+    "address_reuse",
+    "cni",
+];
 
 /// What a guest runs besides the suites.
 const DEMO: &str = "demo";

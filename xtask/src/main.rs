@@ -125,8 +125,8 @@ enum Cmd {
         /// `5.10`, `6.1`, `6.12` or `all`.
         #[arg(long, default_value = "all")]
         kernel: String,
-        /// Only these suites (repeatable): redirect, parity, restart,
-        /// address_reuse, cni, demo. Default: all.
+        /// Only these suites (repeatable): redirect, parity,
+        /// inbound_sk_lookup, restart, address_reuse, cni, demo. Default: all.
         #[arg(long)]
         suite: Vec<String>,
         /// Minutes each guest may take, boot included.

@@ -45,12 +45,14 @@ impl InboundAssign {
     /// (the library's loads; tests force a path with it).
     pub const ENV: &'static str = "AMBPF_INBOUND_ASSIGN";
 
-    /// The choice `AMBPF_INBOUND_ASSIGN` names (`auto` when unset).
+    /// The choice `AMBPF_INBOUND_ASSIGN` names (`auto` when unset or empty).
     pub fn from_env() -> Result<Self, String> {
         use clap::ValueEnum as _;
         match std::env::var(Self::ENV) {
-            Ok(value) => Self::from_str(&value, true).map_err(|e| format!("{}: {e}", Self::ENV)),
-            Err(_) => Ok(Self::Auto),
+            Ok(value) if !value.is_empty() => {
+                Self::from_str(&value, true).map_err(|e| format!("{}={value}: {e}", Self::ENV))
+            }
+            _ => Ok(Self::Auto),
         }
     }
 }

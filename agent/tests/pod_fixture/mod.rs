@@ -15,7 +15,7 @@ use std::{
 };
 
 use ambpf::{
-    bpf::{Dataplane, PinLayout},
+    bpf::{Capacities, Dataplane, InboundAssign, PinLayout},
     netns::Netns,
     redirect::{
         EnrollOptions, PodRedirection, RedirectMode,
@@ -231,11 +231,27 @@ pub fn node_redirection(
     Option<BpffsMount>,
     Option<IptablesBackend>,
 ) {
+    let inbound = InboundAssign::from_env().unwrap();
+    node_redirection_with(mode, cluster, cgroup, inbound)
+}
+
+/// [`node_redirection`] on the eBPF mode's inbound path `inbound`.
+pub fn node_redirection_with(
+    mode: RedirectMode,
+    cluster: &Cluster,
+    cgroup: Option<&CgroupGuard>,
+    inbound: InboundAssign,
+) -> (
+    Box<dyn PodRedirection>,
+    Option<BpffsMount>,
+    Option<IptablesBackend>,
+) {
     match mode {
         RedirectMode::Ebpf => {
             let bpffs = BpffsMount::create().unwrap();
+            let pins = PinLayout::new(bpffs.path().join("ambpf"));
             let mut dataplane =
-                Dataplane::load(PinLayout::new(bpffs.path().join("ambpf"))).unwrap();
+                Dataplane::load_inbound(pins, Capacities::default(), inbound).unwrap();
             let cgroup = cgroup.expect("eBPF mode needs a cgroup").path();
             dataplane
                 .serve_node(cgroup, true, &cluster.node_addresses())
@@ -258,9 +274,20 @@ pub fn node_redirection(
 }
 
 /// `cgroup`: the cgroup this process is in, for the eBPF mode's programs.
+/// The eBPF mode takes the inbound path `AMBPF_INBOUND_ASSIGN` names.
 pub async fn fixture(mode: RedirectMode, cgroup: Option<&CgroupGuard>) -> Fixture {
+    fixture_with(mode, cgroup, InboundAssign::from_env().unwrap()).await
+}
+
+/// [`fixture`] on the eBPF mode's inbound path `inbound`.
+pub async fn fixture_with(
+    mode: RedirectMode,
+    cgroup: Option<&CgroupGuard>,
+    inbound: InboundAssign,
+) -> Fixture {
     let cluster = Cluster::create(2).unwrap();
-    let (mut redirection, bpffs, iptables_backend) = node_redirection(mode, &cluster, cgroup);
+    let (mut redirection, bpffs, iptables_backend) =
+        node_redirection_with(mode, &cluster, cgroup, inbound);
     assert_eq!(redirection.mode(), mode);
 
     let pod = &cluster.pods[0];
