@@ -68,6 +68,9 @@ const POD_UID: &str = "3f0c2a9e-demo-pod-1";
 const APP_PORT: u16 = 8080;
 const REMOTE_PORT: u16 = 9000;
 const PATIENCE: Duration = Duration::from_secs(30);
+/// How long the agent may take to serve ZDS: loading the programs takes far
+/// longer under an emulated CPU (`cargo xtask kernels`) than on a host.
+const AGENT_START: Duration = Duration::from_secs(180);
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
@@ -210,6 +213,18 @@ async fn demo(
     agent: &mut Child,
 ) -> Result<(), Error> {
     let pod = &cluster.pods[0];
+    // The double is started once the agent serves ZDS: its reconnect backoff
+    // would otherwise have grown to seconds while a slow agent loads.
+    let started = Instant::now() + AGENT_START;
+    while !socket.exists() {
+        if let Some(exit) = agent.try_wait()? {
+            return Err(format!("the agent exited: {exit}").into());
+        }
+        if Instant::now() > started || STOP.load(Ordering::SeqCst) {
+            return Err(format!("the agent did not serve ZDS within {AGENT_START:?}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     println!("== starting the ztunnel double on {}", socket.display());
     let ztunnel = ZtunnelDouble::connect_with_retry(socket, ZtunnelConfig::default());
     let deadline = Instant::now() + PATIENCE;
