@@ -718,6 +718,10 @@ pub struct Report<C: Serialize, R: Serialize> {
     /// Seconds since the Unix epoch when the suite started.
     pub started_unix: u64,
     pub duration_s: f64,
+    /// The source the run was built from: `git describe --always --dirty`
+    /// of the working directory (`cargo xtask bench` runs from the
+    /// workspace), `None` outside a git checkout.
+    pub commit: Option<String>,
     pub machine: Machine,
     /// The suite's parameters.
     pub config: C,
@@ -729,6 +733,7 @@ pub struct SuiteRun {
     suite: &'static str,
     started_unix: u64,
     started: Instant,
+    commit: Option<String>,
     pub machine: Machine,
 }
 
@@ -736,11 +741,16 @@ impl SuiteRun {
     /// Starts the clock and describes the machine (printed to stderr).
     pub fn start(suite: &'static str) -> Self {
         let machine = Machine::collect();
-        eprintln!("{suite}: {machine}");
+        let commit = source_commit();
+        eprintln!(
+            "{suite}: {machine}; source {}",
+            commit.as_deref().unwrap_or("unknown")
+        );
         Self {
             suite,
             started_unix: unix_now(),
             started: Instant::now(),
+            commit,
             machine,
         }
     }
@@ -759,6 +769,7 @@ impl SuiteRun {
             suite: self.suite.to_owned(),
             started_unix: self.started_unix,
             duration_s: self.started.elapsed().as_secs_f64(),
+            commit: self.commit,
             machine: self.machine,
             config,
             results,
@@ -769,6 +780,16 @@ impl SuiteRun {
         println!("wrote {}", out.display());
         Ok(())
     }
+}
+
+/// `git describe --always --dirty --abbrev=12` here, if this is a checkout.
+fn source_commit() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .output()
+        .ok()?;
+    let commit = String::from_utf8(out.stdout).ok()?;
+    (out.status.success() && !commit.trim().is_empty()).then(|| commit.trim().to_owned())
 }
 
 /// Seconds since the Unix epoch.
