@@ -30,8 +30,7 @@ macro_rules! on_sk_lookup {
         let cgroup = CgroupGuard::create().unwrap();
         let _inside = cgroup.enter_process().unwrap();
         #[allow(unused_mut)]
-        let mut $f =
-            fixture_with(RedirectMode::Ebpf, Some(&cgroup), InboundAssign::SkLookup).await;
+        let mut $f = fixture_with(RedirectMode::Ebpf, Some(&cgroup), InboundAssign::SkLookup).await;
         $body
     }};
 }
@@ -137,11 +136,11 @@ async fn a_link_left_for_a_pod_no_longer_enrolled_is_an_orphan_and_removed() {
         let netns = f.pod_netns();
         // A second link, pinned as for a pod that is gone.
         let stray = inbound::link_pin(&pins, pod.netns_cookie + 1_000_000);
-        let program = ambpf::bpf::sys::obj_get(&pins.program(ambpf_common::programs::INBOUND_LOOKUP))
-            .unwrap();
+        let program =
+            ambpf::bpf::sys::obj_get(&pins.program(ambpf_common::programs::INBOUND_LOOKUP))
+                .unwrap();
         use std::os::fd::AsFd as _;
-        inbound::attach_link(&stray, program.as_fd(), netns.file().as_fd(), netns.inode())
-            .unwrap();
+        inbound::attach_link(&stray, program.as_fd(), netns.file().as_fd(), netns.inode()).unwrap();
         let found = f.redirection.check(&[(pod, &netns)], CheckScope::Records);
         assert_eq!(found.len(), 1, "{found:#?}");
         assert_eq!(found[0].kind, ViolationKind::SteeringOrphan);

@@ -91,7 +91,7 @@ pub fn ambpf_inbound(ctx: SkLookupContext) -> u32 {
         return SK_PASS;
     };
     // A retransmitted SYN is recorded again by the steering program.
-    let _ = INBOUND_SYNS.remove(&tuple);
+    let _ = INBOUND_SYNS.remove(tuple);
     match INBOUND_LISTENERS.redirect_sk_lookup(&ctx, netns, 0) {
         Ok(()) => SK_PASS,
         // Steered, and the listener gone since: never to the app. The

@@ -73,9 +73,10 @@ pub fn read_pinned_pods(pins: &PinLayout) -> Result<PinnedPods, ReadError> {
     let inbound_program = inbound::pinned_program(pins);
     let linked = |dir: &Path| {
         inbound_program.is_some()
-            && dir.file_name().and_then(|n| n.to_str()?.parse::<u64>().ok()).is_some_and(
-                |cookie| pods.iter().any(|pod| pod.netns_cookie == cookie),
-            )
+            && dir
+                .file_name()
+                .and_then(|n| n.to_str()?.parse::<u64>().ok())
+                .is_some_and(|cookie| pods.iter().any(|pod| pod.netns_cookie == cookie))
     };
     let addresses = entries::<IpKey>(&pins.map(maps::PODS_BY_IP))?;
     let root = pins.pod_links_root();
