@@ -237,6 +237,27 @@ pub(crate) fn addresses_changed(
     )
 }
 
+/// The pods that a netfilter mode (iptables, nftables) repairs by enrolling
+/// them again: their rules or reply routing are missing, or their addresses
+/// changed. Each once, in order.
+pub(crate) fn pods_to_enrol_again(violations: &[Violation]) -> Vec<PodKey> {
+    let mut again: Vec<PodKey> = violations
+        .iter()
+        .filter(|v| {
+            matches!(
+                v.kind,
+                ViolationKind::RulesMissing
+                    | ViolationKind::RoutingMissing
+                    | ViolationKind::PodAddressesChanged
+            )
+        })
+        .filter_map(|v| v.pod)
+        .collect();
+    again.sort_unstable();
+    again.dedup();
+    again
+}
+
 pub(crate) fn key_of(pod: &PodConfig) -> PodKey {
     PodKey {
         netns_cookie: pod.netns_cookie,

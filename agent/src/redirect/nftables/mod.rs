@@ -515,20 +515,6 @@ impl PodRedirection for NftablesRedirection {
                 check::repair_stray_tables(violation, &self.nft);
             }
         }
-        let mut again: Vec<PodKey> = violations
-            .iter()
-            .filter(|v| {
-                matches!(
-                    v.kind,
-                    ViolationKind::RulesMissing
-                        | ViolationKind::RoutingMissing
-                        | ViolationKind::PodAddressesChanged
-                )
-            })
-            .filter_map(|v| v.pod)
-            .collect();
-        again.sort_unstable();
-        again.dedup();
-        again
+        check::pods_to_enrol_again(violations)
     }
 }
