@@ -48,7 +48,7 @@ pub struct EnrollOptions {
 
 /// How long each step of one pod's enrolment took, in order (e.g.
 /// `inspect`, `routing`, `steering`, `maps`): the agent sums them per step
-/// for `/metrics` (`ambpf_enrol_step_seconds_total`), and the `enroll`
+/// for `/metrics` (`ambpf_enrol_duration_seconds{mode,step}`), and the `enroll`
 /// benchmark prints the breakdown.
 #[derive(Clone, Debug, Default)]
 pub struct EnrolSteps(pub Vec<(&'static str, std::time::Duration)>);

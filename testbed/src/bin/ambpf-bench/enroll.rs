@@ -26,7 +26,7 @@
 //! CPU time over each phase (schedstat) is the steadier figure.
 //!
 //! After the enrolment the agent's `/metrics` gives where its time went, per
-//! step (`ambpf_enrol_step_seconds_total`: namespace inspection, reply
+//! step (`ambpf_enrol_duration_seconds{mode,step}`: namespace inspection, reply
 //! routing, steering filter, map writes; iptables mode: inspection, rules).
 
 use std::collections::BTreeMap;

@@ -75,7 +75,7 @@ struct ModeResult {
     added_p50_ms: f64,
     added_p99_ms: f64,
     /// The agent's own mean time per measured ADD, by phase
-    /// (`ambpf_cni_add_seconds_total`): how much of what is added happens
+    /// (`ambpf_cni_add_duration_seconds_sum`): how much of what is added happens
     /// between the plugin's request and the agent's answer.
     agent_ms_per_add: BTreeMap<String, f64>,
     samples_ms: Vec<f64>,
@@ -180,17 +180,7 @@ impl Lane {
         if self.agent.is_none() {
             return Ok(BTreeMap::new());
         }
-        let metrics = agent_metrics(&self.node.netns)?;
-        let mut times = labelled_series(&metrics, "ambpf_cni_add_seconds_total", "phase");
-        let adds = ["enrolled", "skipped", "refused"]
-            .iter()
-            .filter_map(|outcome| {
-                let line = format!("ambpf_cni_adds_{outcome}_total ");
-                metrics.lines().find_map(|l| l.strip_prefix(line.as_str()))
-            })
-            .filter_map(|v| v.trim().parse::<f64>().ok())
-            .sum();
-        times.insert("adds".to_owned(), adds);
+        let mut times = parse_cni_times(&agent_metrics(&self.node.netns)?);
         // Everything the agent does for a round (one ADD each), not only
         // the ADD: the source's passes, the annotation, the removal.
         if let Some(agent) = &self.agent {
@@ -236,6 +226,23 @@ impl Lane {
         }
         Ok(elapsed)
     }
+}
+
+/// The agent's CNI ADD time so far, in seconds by phase
+/// (`ambpf_cni_add_duration_seconds_sum{phase}`), and the ADDs answered
+/// (`adds`: enrolled, skipped or refused).
+fn parse_cni_times(metrics: &str) -> BTreeMap<String, f64> {
+    let mut times = labelled_series(metrics, "ambpf_cni_add_duration_seconds_sum", "phase");
+    let adds = ["enrolled", "skipped", "refused"]
+        .iter()
+        .filter_map(|outcome| {
+            let line = format!("ambpf_cni_adds_{outcome}_total ");
+            metrics.lines().find_map(|l| l.strip_prefix(line.as_str()))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum();
+    times.insert("adds".to_owned(), adds);
+    times
 }
 
 pub(super) async fn run(args: PodstartArgs) -> Result<()> {
@@ -394,5 +401,28 @@ fn print_table(results: &[ModeResult], pods: usize) {
             r.node,
             phases.join(", ")
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cni_times_are_read_from_the_agents_metrics() {
+        // The agent's registry (`ambpf::observe::registry`) encoded after
+        // three ADDs: two enrolled, one skipped (decided only).
+        let metrics = include_str!("testdata/cni-metrics.txt");
+        let times = parse_cni_times(metrics);
+        let close = |key: &str, want: f64| {
+            let got = times[key];
+            assert!((got - want).abs() < 1e-9, "{key}: {got} != {want}");
+        };
+        close("decide", 0.0023);
+        close("enrol", 0.0055);
+        close("ztunnel", 0.0117);
+        close("answer", 0.0206);
+        close("adds", 3.0);
+        assert_eq!(times.len(), 5, "{times:?}");
     }
 }
