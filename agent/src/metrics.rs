@@ -153,29 +153,29 @@ impl Histograms {
             "cni_add_duration_seconds",
             "Time the agent spent answering CNI ADDs, by phase: decide (ambient or not), \
              enrol (waiting for the controller and its enrolment), ztunnel (waiting for \
-             ztunnel's ack of the pod), answer (request read to answer ready).",
+             ztunnel's ack of the pod), answer (request read to answer ready)",
             self.cni_add.clone(),
         );
         registry.register(
             "enrol_duration_seconds",
-            "Time each enrolment step took, by redirection mode and step.",
+            "Time each enrolment step took, by redirection mode and step",
             self.enrol.clone(),
         );
         registry.register(
             "zds_ack_duration_seconds",
-            "Time from a ZDS request to ztunnel's answer (ack or NACK), by message.",
+            "Time from a ZDS request to ztunnel's answer (ack or NACK), by message",
             self.zds_ack.clone(),
         );
         registry.register(
             "state_check_duration_seconds",
             "Time one state check took, by scope (records: maps and pins; full: also \
-             inside every enrolled pod's namespace).",
+             inside every enrolled pod's namespace)",
             self.state_check.clone(),
         );
         registry.register(
             "kube_event_to_programmed_seconds",
             "Time from a pod's first watch event to its redirection in place (its sandbox's \
-             creation and addresses included).",
+             creation and addresses included)",
             self.kube_event_to_programmed.clone(),
         );
     }

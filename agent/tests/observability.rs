@@ -326,7 +326,19 @@ async fn a_real_agent_logs_pod_fields_as_json_and_exports_a_valid_exposition() {
         .ns
         .run(|| TcpStream::connect_timeout(&remote, std::time::Duration::from_secs(5)));
 
-    let text = tokio::task::block_in_place(|| scrape(&cluster.node));
+    // The maps' entries are counted every 15 s (off the scrape): wait for
+    // a count after the enrolment.
+    let mut text = tokio::task::block_in_place(|| scrape(&cluster.node));
+    let moved = |text: &str| {
+        let after = Exposition::parse(text);
+        after.sum("ambpf_map_entries", "map=\"ambpf_pods\"")
+            > before.sum("ambpf_map_entries", "map=\"ambpf_pods\"")
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !moved(&text) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        text = tokio::task::block_in_place(|| scrape(&cluster.node));
+    }
     let after = Exposition::parse(&text);
     for (name, having) in [
         ("ambpf_enrol_duration_seconds_count", "mode=\"ebpf\""),

@@ -174,9 +174,23 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         if kube_source.is_some() {
             controller.report_programmed(programmed_tx);
         }
+        let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
+        // Served from the runtime's workers while this thread programs the
+        // initial pods: liveness probes and scrapes answer through a long
+        // first pass (iptables mode takes seconds per hundred pods).
+        let registry = observe::registry(observe::AgentCollector {
+            zds: zds.clone(),
+            controller: controller.stats(),
+            pins: kernel_pins,
+            cni: args.cni_socket.is_some().then(|| cni_stats.clone()),
+        });
+        tokio::spawn(observe::serve_metrics(
+            metrics,
+            std::sync::Arc::new(registry),
+        ));
+        tokio::spawn(observe::serve_health(health, zds.clone()));
         let first = controller.apply(&pods_rx.borrow().ambient);
         controller.check_state(crate::redirect::CheckScope::Records);
-        let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
         let (cni_shutdown, cni_shutdown_rx) = tokio::sync::watch::channel(false);
         let mut cni_server = None;
         let cni_requests = match &args.cni_socket {
@@ -206,17 +220,6 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // pod list decoded) frees far more than the agent keeps.
         release_free_memory();
         tokio::spawn(release_free_memory_periodically());
-        let registry = observe::registry(observe::AgentCollector {
-            zds: zds.clone(),
-            controller: controller.stats(),
-            pins: kernel_pins,
-            cni: args.cni_socket.is_some().then_some(cni_stats),
-        });
-        tokio::spawn(observe::serve_metrics(
-            metrics,
-            std::sync::Arc::new(registry),
-        ));
-        tokio::spawn(observe::serve_health(health, zds.clone()));
         // Its own thread: passes block (namespaces entered, iptables-restore
         // run) while ZDS, the CNI endpoint and the probes must answer.
         let _controller = controller.spawn(pods_rx, cni_requests)?;

@@ -103,22 +103,22 @@ impl CniStats {
         for (name, help, counter) in [
             (
                 "cni_adds_enrolled",
-                "Pods enrolled before their CNI ADD was answered.",
+                "Pods enrolled before their CNI ADD was answered",
                 &self.enrolled,
             ),
             (
                 "cni_adds_skipped",
-                "CNI ADDs let through without enrolment (pod not ambient or gone).",
+                "CNI ADDs let through without enrolment (pod not ambient or gone)",
                 &self.skipped,
             ),
             (
                 "cni_adds_refused",
-                "CNI ADDs failed by the agent (the pod's network setup fails and is retried).",
+                "CNI ADDs failed by the agent (the pod's network setup fails and is retried)",
                 &self.refused,
             ),
             (
                 "cni_requests_invalid",
-                "Requests to the CNI endpoint that were not a valid ADD.",
+                "Requests to the CNI endpoint that were not a valid ADD",
                 &self.invalid,
             ),
         ] {

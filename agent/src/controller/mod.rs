@@ -287,6 +287,9 @@ impl Controller {
                     workload: pod.workload.clone(),
                 };
                 self.enrolled.insert(uid.clone(), enrolled);
+                // Per pod, so that the gauge climbs through a long pass.
+                self.stats
+                    .set_enrolled(self.redirection.mode(), self.enrolled.len());
                 crate::metrics::histograms().pod_handled(uid, true);
                 pass.report.enrolled += 1;
                 pass.ready.push(pod.workload.clone());

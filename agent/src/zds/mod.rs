@@ -128,44 +128,44 @@ impl ZdsStats {
     pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
         registry.register(
             "zds_connections_active",
-            "ztunnel connections open now.",
+            "ztunnel connections open now",
             self.connections_active.clone(),
         );
         for (name, help, counter) in [
             (
                 "zds_connections",
-                "ztunnel connections accepted.",
+                "ztunnel connections accepted",
                 &self.connections_accepted,
             ),
             (
                 "zds_snapshots_acked",
-                "Full snapshots ztunnel acked.",
+                "Full snapshots ztunnel acked",
                 &self.snapshots_acked,
             ),
             (
                 "zds_adds_acked",
-                "AddWorkload requests acked.",
+                "AddWorkload requests acked",
                 &self.adds_acked,
             ),
             (
                 "zds_dels_acked",
-                "DelWorkload requests acked.",
+                "DelWorkload requests acked",
                 &self.dels_acked,
             ),
-            ("zds_nacks", "Requests ztunnel refused (NACK).", &self.nacks),
+            ("zds_nacks", "Requests ztunnel refused (NACK)", &self.nacks),
             (
                 "zds_ack_timeouts",
-                "Requests ztunnel did not answer in time.",
+                "Requests ztunnel did not answer in time",
                 &self.ack_timeouts,
             ),
             (
                 "zds_peer_errors",
-                "ztunnel connections closed on an error.",
+                "ztunnel connections closed on an error",
                 &self.peer_errors,
             ),
             (
                 "zds_send_failures",
-                "Pods that could not be sent to ztunnel.",
+                "Pods that could not be sent to ztunnel",
                 &self.send_failures,
             ),
         ] {
