@@ -33,6 +33,7 @@ const FONT: &str = "sans-serif";
 struct Figure {
     suite: &'static str,
     file: &'static str,
+    height: u32,
     draw: fn(&Value, &Area<'_>) -> Result<()>,
 }
 
@@ -40,19 +41,30 @@ const FIGURES: &[Figure] = &[
     Figure {
         suite: "enroll",
         file: "enroll-time.svg",
+        height: HEIGHT,
         draw: draw_enroll,
     },
     Figure {
         suite: "redirect",
         file: "redirect-rate.svg",
+        height: HEIGHT,
         draw: draw_redirect,
     },
     Figure {
         suite: "podstart",
         file: "podstart-latency.svg",
+        height: HEIGHT,
         draw: draw_podstart,
     },
+    Figure {
+        suite: "control",
+        file: "dashboard.svg",
+        height: 820,
+        draw: dashboard::draw,
+    },
 ];
+
+mod dashboard;
 
 /// The suites whose results the figures read (what `--from` copies).
 pub fn suites() -> impl Iterator<Item = &'static str> {
@@ -134,9 +146,9 @@ fn read_report(path: &Path, suite: &str) -> Result<Value> {
 }
 
 fn draw_figure(figure: &Figure, report: &Value, out: &Path) -> Result<()> {
-    let root = SVGBackend::new(out, (WIDTH, HEIGHT)).into_drawing_area();
+    let root = SVGBackend::new(out, (WIDTH, figure.height)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
-    let (chart, caption) = root.split_vertically(HEIGHT - CAPTION_HEIGHT);
+    let (chart, caption) = root.split_vertically(figure.height - CAPTION_HEIGHT);
     (figure.draw)(report, &chart)?;
     let lines = caption_lines(figure.suite, report);
     for (i, line) in lines.iter().enumerate() {
@@ -222,6 +234,16 @@ fn bench_command(suite: &str, config: &Value) -> String {
         "podstart" => {
             push("pods", number("pods"));
             push("warmup", number("warmup"));
+        }
+        "control" => {
+            push("churn", number("churn"));
+            push("snapshot", number("snapshot"));
+            push("runs", number("runs"));
+            let modes = config["modes"].as_array().map(|modes| {
+                let names: Vec<&str> = modes.iter().filter_map(Value::as_str).collect();
+                names.join(",")
+            });
+            push("modes", modes);
         }
         _ => {}
     }

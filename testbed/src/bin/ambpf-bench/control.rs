@@ -51,6 +51,15 @@ const TIMEOUT: Duration = Duration::from_secs(120);
 /// and a snapshot of 1,000 pods waits for all of them at once.
 const TIMEOUT_PER_POD: Duration = Duration::from_millis(250);
 
+/// How often the snapshot's scraper asks for `/metrics` (Prometheus asks
+/// every 15 to 60 s; this is to time the endpoint through the enrolment).
+const SCRAPE_INTERVAL: Duration = Duration::from_millis(100);
+/// How long the snapshot scrapes with every pod enrolled, then (eBPF
+/// mode) with full original-destination maps: longer than the agent's
+/// 15 s between counts of their entries.
+const SCRAPE_ENROLLED: Duration = Duration::from_secs(2);
+const SCRAPE_FULL_MAPS: Duration = Duration::from_secs(17);
+
 /// The bound on a wait for `pods` pods at once.
 fn timeout_for(pods: usize) -> Duration {
     TIMEOUT + TIMEOUT_PER_POD * u32::try_from(pods).unwrap_or(u32::MAX)
@@ -124,6 +133,8 @@ struct Snapshot {
     /// The agent's CPU from spawn to done (all threads, clock ticks).
     agent_cpu_ms: f64,
     memory: Memory,
+    /// `/metrics` through the enrolment and after.
+    scrapes: ScrapeFigures,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -149,6 +160,7 @@ struct SnapshotSummary {
     agent_cpu_ms: Stats,
     vm_rss_kib: u64,
     vm_hwm_kib: u64,
+    scrape: ScrapeSummary,
 }
 
 pub(super) async fn run(args: ControlArgs) -> Result<()> {
@@ -179,6 +191,8 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
 
     let mut churns = Vec::new();
     let mut snapshots = Vec::new();
+    // The last eBPF snapshot's recorded series (the docs' dashboard figure).
+    let mut scrape_series = None;
     for run in 0..args.runs {
         for mode in redirect::rotated(&modes, run) {
             let world = World::create(args.churn).await?;
@@ -200,9 +214,14 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
 
             let world = World::create(args.snapshot).await?;
             let env = world.env(&agent, &work, &cgroup);
-            let snapshot = snapshot(&env, &world.pods, mode, run)
+            let (snapshot, series) = snapshot(&env, &world.pods, mode, run)
                 .await
                 .with_context(|| format!("snapshot run {}, {}", run + 1, mode.name()))?;
+            if !series.scrapes.is_empty() {
+                scrape_series = Some(
+                    json!({ "mode": mode, "run": run, "pods": snapshot.pods, "scrape_interval_ms": ms(SCRAPE_INTERVAL), "record_every_ms": 500, "series": series }),
+                );
+            }
             eprintln!(
                 "control: snapshot {} pods run {} {:<8} programmed {:.0} ms, ztunnel {:.0} ms, annotated {:.0} ms, cpu {:.0} ms, RSS {} KiB (anon {}, file {}), HWM {} KiB",
                 snapshot.pods,
@@ -217,6 +236,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
                 snapshot.memory.rss_file_kib,
                 snapshot.memory.vm_hwm_kib,
             );
+            print_scrapes(&snapshot);
             snapshots.push(snapshot);
         }
     }
@@ -240,6 +260,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
             "ratios_ebpf_over": ratios,
             "churn_samples": churns,
             "snapshot_samples": snapshots,
+            "scrape_series": scrape_series,
         }),
     )?;
     Ok(())
@@ -253,3 +274,6 @@ use measure::*;
 
 mod report;
 use report::*;
+
+mod scrape;
+use scrape::*;

@@ -164,7 +164,7 @@ pub(super) async fn snapshot(
     pods: &[BenchPod],
     mode: Mode,
     run: usize,
-) -> Result<Snapshot> {
+) -> Result<(Snapshot, ScrapeSeries)> {
     let n = pods.len();
     let patches_before = env.server.patches().len();
     for pod in pods {
@@ -179,6 +179,12 @@ pub(super) async fn snapshot(
     let spawned = Instant::now();
     let mut agent = spawn_kube_agent(env, mode, &socket, &log)?;
     let pid = agent.pid();
+    let scraper = Scraper::start(
+        &env.cluster.node.path(),
+        spawned,
+        SCRAPE_INTERVAL,
+        mode == Mode::Ebpf,
+    )?;
     until("the ZDS socket", timeout_for(n), &mut agent, None, || {
         socket_exists(&socket)
     })
@@ -206,12 +212,26 @@ pub(super) async fn snapshot(
         },
     )
     .await?;
+    let enrolled = Instant::now();
     let agent_cpu = bench::cpu_time(pid)?.total();
     let memory = bench::memory(pid)?;
     if mode == Mode::Ebpf {
         let listed = agent.status_pods()?;
         ensure!(listed == n, "ambpf status lists {listed} pods, not {n}");
     }
+    // Scrapes with every pod's series; then (eBPF) with full maps, for
+    // longer than the agent's count of their entries takes to come round.
+    tokio::time::sleep(SCRAPE_ENROLLED).await;
+    let filled = match mode {
+        Mode::Ebpf => {
+            fill_orig_maps(&agent.pin_root)?;
+            let filled = Instant::now();
+            tokio::time::sleep(SCRAPE_FULL_MAPS).await;
+            Some(filled)
+        }
+        _ => None,
+    };
+    let removing = Instant::now();
     // Remove them through the API before stopping (iptables rules stay in
     // the pods' namespaces otherwise).
     for pod in pods {
@@ -225,16 +245,21 @@ pub(super) async fn snapshot(
         || double.inspect(|s| s.workloads.is_empty()),
     )
     .await?;
+    let (scrapes, series) = figures(scraper, spawned, enrolled, filled, removing)?;
     double.shutdown().await;
     agent.stop()?;
-    Ok(Snapshot {
-        mode,
-        run,
-        pods: n,
-        programmed_ms: ms(programmed),
-        ztunnel_ms: at_ztunnel.map_or(f64::NAN, ms),
-        annotated_ms: annotated.map_or(f64::NAN, ms),
-        agent_cpu_ms: ms(agent_cpu),
-        memory,
-    })
+    Ok((
+        Snapshot {
+            mode,
+            run,
+            pods: n,
+            programmed_ms: ms(programmed),
+            ztunnel_ms: at_ztunnel.map_or(f64::NAN, ms),
+            annotated_ms: annotated.map_or(f64::NAN, ms),
+            agent_cpu_ms: ms(agent_cpu),
+            memory,
+            scrapes,
+        },
+        series,
+    ))
 }

@@ -52,6 +52,7 @@ pub(super) fn summarize_snapshots(
                     agent_cpu_ms: stats(|s| s.agent_cpu_ms)?,
                     vm_rss_kib: of.iter().map(|s| s.memory.vm_rss_kib).max()?,
                     vm_hwm_kib: of.iter().map(|s| s.memory.vm_hwm_kib).max()?,
+                    scrape: ScrapeSummary::of(&of),
                 })
             })();
             out.extend(summary);
@@ -220,6 +221,7 @@ pub(super) fn print_tables(
         ]);
     }
     print!("{table}");
+    print_scrape_table(snapshot);
     let ratios = ratios(churn, snapshot);
     println!();
     println!(
@@ -241,4 +243,106 @@ pub(super) fn print_tables(
     }
     print!("{table}");
     ratios
+}
+
+/// A group of snapshots' scrape times (ms): the worst over the runs, and
+/// the median of the runs' medians.
+#[derive(Clone, Debug, Default, Serialize)]
+pub(super) struct ScrapeSummary {
+    pub(super) during_enrolment_p99: Option<f64>,
+    pub(super) during_enrolment_max: Option<f64>,
+    pub(super) during_enrolment_count: usize,
+    pub(super) enrolled_median: Option<f64>,
+    pub(super) enrolled_max: Option<f64>,
+    pub(super) full_maps_median: Option<f64>,
+    pub(super) full_maps_max: Option<f64>,
+    pub(super) lines: usize,
+}
+
+impl ScrapeSummary {
+    fn of(snapshots: &[&Snapshot]) -> Self {
+        let worst = |f: fn(&ScrapeFigures) -> Option<f64>| {
+            snapshots
+                .iter()
+                .filter_map(|s| f(&s.scrapes))
+                .reduce(f64::max)
+        };
+        let median = |f: fn(&ScrapeFigures) -> Option<f64>| {
+            let medians: Vec<f64> = snapshots.iter().filter_map(|s| f(&s.scrapes)).collect();
+            Stats::of(&medians).map(|s| s.median)
+        };
+        Self {
+            during_enrolment_p99: worst(|s| s.during_enrolment_ms.map(|s| s.p99)),
+            during_enrolment_max: worst(|s| s.during_enrolment_ms.map(|s| s.max)),
+            during_enrolment_count: snapshots
+                .iter()
+                .filter_map(|s| s.scrapes.during_enrolment_ms.map(|s| s.count))
+                .sum(),
+            enrolled_median: median(|s| s.enrolled_ms.map(|s| s.median)),
+            enrolled_max: worst(|s| s.enrolled_ms.map(|s| s.max)),
+            full_maps_median: median(|s| s.full_maps_ms.map(|s| s.median)),
+            full_maps_max: worst(|s| s.full_maps_ms.map(|s| s.max)),
+            lines: snapshots.iter().map(|s| s.scrapes.lines).max().unwrap_or(0),
+        }
+    }
+}
+
+/// One snapshot's scrapes, as it ends.
+pub(super) fn print_scrapes(snapshot: &Snapshot) {
+    let s = &snapshot.scrapes;
+    let stats = |st: &Option<Stats>| {
+        st.map_or("-".to_owned(), |st| {
+            format!(
+                "median {:.1} p99 {:.1} max {:.1} ms ({})",
+                st.median, st.p99, st.max, st.count
+            )
+        })
+    };
+    eprintln!(
+        "control:   /metrics: first answer {:.0} ms after spawn; during enrolment {}; enrolled ({} lines) {}; full maps {}; map fill reported {:?}",
+        s.first_answer_ms.unwrap_or(f64::NAN),
+        stats(&s.during_enrolment_ms),
+        s.lines,
+        stats(&s.enrolled_ms),
+        stats(&s.full_maps_ms),
+        s.map_fill_reported,
+    );
+}
+
+/// The snapshot's `/metrics` table.
+pub(super) fn print_scrape_table(snapshot: &[SnapshotSummary]) {
+    let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
+    println!();
+    println!(
+        "/metrics during and after the snapshot (ms, connect to last byte; worst over the runs, \
+         median of the runs' medians)"
+    );
+    let mut table = Table::new([
+        "runs",
+        "mode",
+        "enrolling p99",
+        "enrolling max",
+        "(scrapes)",
+        "enrolled median",
+        "enrolled max",
+        "full maps median",
+        "full maps max",
+        "lines",
+    ]);
+    for s in snapshot {
+        let c = &s.scrape;
+        table.row([
+            s.runs.to_owned(),
+            s.mode.name().to_owned(),
+            f(c.during_enrolment_p99),
+            f(c.during_enrolment_max),
+            c.during_enrolment_count.to_string(),
+            f(c.enrolled_median),
+            f(c.enrolled_max),
+            f(c.full_maps_median),
+            f(c.full_maps_max),
+            c.lines.to_string(),
+        ]);
+    }
+    print!("{table}");
 }
