@@ -1,7 +1,7 @@
 //! The nftables redirection end to end. Privileged: real namespaces, real
 //! `nft`.
 
-use std::{os::unix::fs::PermissionsExt, path::PathBuf, process::Command};
+use std::{path::PathBuf, process::Command};
 
 use ambpf_testbed::{NetnsGuard, PodAndNode};
 
@@ -254,12 +254,26 @@ fn a_host_with_another_tools_probe_table_is_refused() {
 fn fake_nft(dir: &std::path::Path, body: &str) -> PathBuf {
     let real = crate::redirect::iptables::find_binary("nft").unwrap();
     let path = dir.join("nft");
-    std::fs::write(
-        &path,
-        format!("#!/bin/sh\nREAL={}\n{body}\n", real.display()),
-    )
-    .unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Written by a child process, never opened for writing here: a fork by
+    // another test thread while this process held the file open would keep
+    // it open for writing, and exec'ing it would fail with ETXTBSY.
+    let script = format!("#!/bin/sh\nREAL={}\n{body}\n", real.display());
+    let mut writer = Command::new("sh")
+        .args(["-c", "cat > \"$1\" && chmod 755 \"$1\"", "sh"])
+        .arg(&path)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write as _;
+        let mut stdin = writer.stdin.take().unwrap();
+        stdin.write_all(script.as_bytes()).unwrap();
+    }
+    assert!(
+        writer.wait().unwrap().success(),
+        "writing {}",
+        path.display()
+    );
     path
 }
 
