@@ -40,8 +40,8 @@ fn bpftool_prints_pinned_map_entries_with_named_fields() {
 
     // Every pinned map with a key and value was created with BTF for them
     // (a ring buffer has neither: its records are read by `ambpf trace`; a
-    // sockhash's values are socket references, which the kernel takes no BTF
-    // for and bpftool does not print).
+    // sockhash's values are socket references, the sk-lookup path's
+    // listeners, with no fields to name).
     for name in maps::PINNED {
         let show = bpftool(&["map", "show", "pinned"], &pins.map(name));
         if show["type"] == "ringbuf" || show["type"] == "sockhash" {
