@@ -32,6 +32,9 @@ use std::{
 
 use crate::{Addrs, Link, NetnsGuard};
 
+mod pod_link;
+pub use pod_link::PodLinkKind;
+
 #[derive(Debug)]
 pub struct Pod {
     pub ns: NetnsGuard,
@@ -457,7 +460,7 @@ mod tests {
 
     /// The remote client reaches pod `i` at each of its addresses, through
     /// the node, and the pod's replies find their way back.
-    fn assert_reachable(cluster: &Cluster, i: usize) {
+    pub(super) fn assert_reachable(cluster: &Cluster, i: usize) {
         let pod = &cluster.pods[i];
         let listener = pod
             .ns
