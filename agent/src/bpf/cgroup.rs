@@ -14,7 +14,7 @@ use std::{
 
 use ambpf_common::programs;
 use aya::programs::Program;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{
     Dataplane, PinLayout,
@@ -102,6 +102,9 @@ impl Dataplane {
         } else {
             &[]
         };
+        // Whether this kernel put the links created here ahead of the
+        // hooks' other programs (unknown until one is created).
+        let mut ordered = None;
         for &(program, hook) in HOOKS.iter().chain(guard) {
             let pin = links_dir.join(program);
             let attach_err = |source| CgroupError::Attach {
@@ -113,8 +116,13 @@ impl Dataplane {
             match sys::obj_get(&pin) {
                 Ok(link) => sys::link_update(link.as_fd(), prog_fd.as_fd()).map_err(attach_err)?,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    let link = sys::cgroup_link_create(prog_fd.as_fd(), dir.as_fd(), hook)
-                        .map_err(attach_err)?;
+                    let link = if hook.answers_the_app() {
+                        // Appended: after what others attached before.
+                        sys::cgroup_link_create(prog_fd.as_fd(), dir.as_fd(), hook)
+                    } else {
+                        create_link_first(prog_fd.as_fd(), dir.as_fd(), hook, &mut ordered)
+                    }
+                    .map_err(attach_err)?;
                     // Once pinned, the link outlives this process; the fd can go.
                     sys::obj_pin(&link, &pin).map_err(|source| CgroupError::Pin {
                         program,
@@ -140,8 +148,40 @@ impl Dataplane {
                 ", with the raw-socket guard"
             }
         );
+        if ordered == Some(false) {
+            warn!(
+                "this kernel cannot order cgroup programs (Linux 6.16 on can): ambpf's socket \
+                 programs run after those attached to cgroup {} before them",
+                cgroup.display()
+            );
+        }
+        super::foreign::log_cgroup_warnings(cgroup, &links_dir);
         Ok(())
     }
+}
+
+/// Creates a cgroup link that runs ahead of the hook's other programs, so
+/// that a socket load balancer attached earlier (Cilium's, Calico's) sees
+/// the connection after ambpf has recorded its original destination; on a
+/// kernel without ordered cgroup attachment, one that runs after them.
+/// `ordered` remembers which, so that the flag is tried once.
+fn create_link_first(
+    program: std::os::fd::BorrowedFd<'_>,
+    cgroup: std::os::fd::BorrowedFd<'_>,
+    hook: CgroupHook,
+    ordered: &mut Option<bool>,
+) -> io::Result<std::os::fd::OwnedFd> {
+    if *ordered != Some(false) {
+        match sys::cgroup_link_create_first(program, cgroup, hook) {
+            Ok(link) => {
+                *ordered = Some(true);
+                return Ok(link);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => *ordered = Some(false),
+            Err(e) => return Err(e),
+        }
+    }
+    sys::cgroup_link_create(program, cgroup, hook)
 }
 
 /// Detaches the socket programs from the cgroup with inode `cgroup_inode` by

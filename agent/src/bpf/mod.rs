@@ -6,6 +6,7 @@ pub mod capacity;
 pub mod cgroup;
 pub mod compat;
 pub mod features;
+pub mod foreign;
 pub mod inbound;
 pub mod inspect;
 pub mod object;

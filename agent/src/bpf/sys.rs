@@ -16,6 +16,8 @@ const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
+const BPF_PROG_QUERY: libc::c_long = 16;
 const BPF_PROG_LOAD: libc::c_long = 5;
 
 /// enum bpf_prog_type: a TC classifier.
@@ -39,6 +41,41 @@ pub enum CgroupHook {
     Getsockopt = 21,
     Inet4Getpeername = 29,
     Inet6Getpeername = 30,
+}
+
+impl CgroupHook {
+    /// The hooks that rewrite what the app is told (the peer's address,
+    /// the sender of a datagram, a socket option) rather than where a
+    /// connection goes: ambpf's answer must come after other owners'
+    /// programs there, as its redirection must come before them elsewhere.
+    pub const fn answers_the_app(self) -> bool {
+        matches!(
+            self,
+            CgroupHook::Inet4Getpeername
+                | CgroupHook::Inet6Getpeername
+                | CgroupHook::Udp4Recvmsg
+                | CgroupHook::Udp6Recvmsg
+                | CgroupHook::Getsockopt
+        )
+    }
+
+    /// The kernel's name of the attach type, as bpftool prints it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CgroupHook::InetEgress => "cgroup_inet_egress",
+            CgroupHook::InetSockCreate => "cgroup_inet_sock_create",
+            CgroupHook::SockOps => "cgroup_sock_ops",
+            CgroupHook::Inet4Connect => "cgroup_inet4_connect",
+            CgroupHook::Inet6Connect => "cgroup_inet6_connect",
+            CgroupHook::Udp4Sendmsg => "cgroup_udp4_sendmsg",
+            CgroupHook::Udp6Sendmsg => "cgroup_udp6_sendmsg",
+            CgroupHook::Udp4Recvmsg => "cgroup_udp4_recvmsg",
+            CgroupHook::Udp6Recvmsg => "cgroup_udp6_recvmsg",
+            CgroupHook::Getsockopt => "cgroup_getsockopt",
+            CgroupHook::Inet4Getpeername => "cgroup_inet4_getpeername",
+            CgroupHook::Inet6Getpeername => "cgroup_inet6_getpeername",
+        }
+    }
 }
 
 /// The largest bpf_attr prefix used here; the kernel accepts a shorter
@@ -81,6 +118,93 @@ pub fn cgroup_link_create(
     let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
     // SAFETY: the kernel returned a new link fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_F_BEFORE (link_create flags): attach ahead of the program named
+/// by the relative fd or id, or of every program when none is named.
+const F_BEFORE: u32 = 1 << 3;
+
+/// [`cgroup_link_create`] ahead of every program already attached to the
+/// hook of `cgroup`, so that ours runs first there. Kernels without
+/// ordered cgroup attachment (the mprog API for cgroups, Linux 6.16) refuse
+/// the flag with `EINVAL`.
+pub fn cgroup_link_create_first(
+    program: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    hook: CgroupHook,
+) -> io::Result<OwnedFd> {
+    let mut attr = Attr::default();
+    attr.words[0] = program.as_raw_fd() as u32; // prog_fd
+    attr.words[1] = cgroup.as_raw_fd() as u32; // target_fd
+    attr.words[2] = hook as u32; // attach_type
+    attr.words[3] = F_BEFORE; // flags; cgroup.relative_fd (word 4) 0: before all
+    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: the kernel returned a new link fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// BPF_F_QUERY_EFFECTIVE: every program that runs for the cgroup, its
+/// ancestors' included, in the order they run.
+pub const F_QUERY_EFFECTIVE: u32 = 1;
+
+/// BPF_PROG_QUERY: the ids of the programs on `attach_type` of `target` (a
+/// cgroup fd, or an ifindex of the calling thread's namespace for TCX), in
+/// the order they run.
+pub fn prog_query(target: u32, attach_type: u32, query_flags: u32) -> io::Result<Vec<u32>> {
+    let mut ids = vec![0u32; 64];
+    loop {
+        let mut attr = Attr::default();
+        attr.words[0] = target; // target_fd / target_ifindex
+        attr.words[1] = attach_type;
+        attr.words[2] = query_flags;
+        let ptr = ids.as_mut_ptr() as u64;
+        attr.words[4] = ptr as u32; // prog_ids (u64 at byte 16)
+        attr.words[5] = (ptr >> 32) as u32;
+        attr.words[6] = ids.len() as u32; // prog_cnt: in, the room; out, the count
+        match bpf(BPF_PROG_QUERY, &mut attr) {
+            Ok(_) => {
+                ids.truncate(attr.words[6] as usize);
+                return Ok(ids);
+            }
+            // More programs than room: the kernel said how many.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                ids = vec![0; attr.words[6] as usize + 16];
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// What `BPF_OBJ_GET_INFO_BY_FD` tells of a program found by id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProgInfo {
+    pub prog_type: u32,
+    /// The name given at load (at most 15 bytes).
+    pub name: String,
+}
+
+/// The type and name of the program with id `id`.
+pub fn prog_info_by_id(id: u32) -> io::Result<ProgInfo> {
+    let mut attr = Attr::default();
+    attr.words[0] = id; // prog_id
+    let fd = bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)?;
+    // SAFETY: the kernel returned a new program fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // struct bpf_prog_info: type at byte 0, name[16] at byte 64.
+    let mut info = [0u8; 80];
+    let mut attr = Attr::default();
+    attr.words[0] = fd.as_raw_fd() as u32; // bpf_fd
+    attr.words[1] = info.len() as u32; // info_len
+    let ptr = info.as_mut_ptr() as u64;
+    attr.words[2] = ptr as u32;
+    attr.words[3] = (ptr >> 32) as u32;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    let name = &info[64..80];
+    let len = name.iter().position(|b| *b == 0).unwrap_or(name.len());
+    Ok(ProgInfo {
+        prog_type: u32::from_ne_bytes(info[..4].try_into().expect("4 bytes")),
+        name: String::from_utf8_lossy(&name[..len]).into_owned(),
+    })
 }
 
 /// enum bpf_map_type: a hash map.

@@ -72,7 +72,10 @@ pub enum Command {
         /// points at the enrolled pod that owns the address and whose
         /// namespace exists, every enrolled pod has its address entries,
         /// steering links and reply routing, and no link belongs to no pod.
-        /// Prints each violation; exits non-zero if there is any.
+        /// Prints each violation; exits non-zero if there is any. Lists
+        /// other owners' programs on ambpf's cgroup hooks and the pods'
+        /// interfaces in run order, and warns (without failing) where one
+        /// runs before ambpf's redirection or after its answer to the app.
         #[arg(long)]
         check: bool,
     },
@@ -427,13 +430,28 @@ fn parse_attach(spec: &str) -> Result<(&str, &str)> {
 fn status_check(pins: &PinLayout, json: bool) -> Result<()> {
     let violations =
         crate::redirect::check::ebpf_state(pins, &[], crate::redirect::CheckScope::Full);
+    // Other owners' programs warn, as a foreign build does in `status`;
+    // only violations fail the check.
+    let programs = bpf::foreign::scan(pins);
     if json {
-        println!("{}", serde_json::to_string_pretty(&violations)?);
-    } else if violations.is_empty() {
-        println!("pinned state under {} is consistent", pins.root().display());
+        let report = serde_json::json!({
+            "violations": violations,
+            "other_programs": programs,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
+        if violations.is_empty() {
+            println!("pinned state under {} is consistent", pins.root().display());
+        }
         for violation in &violations {
             println!("{violation}");
+        }
+        print!("{}", bpf::foreign::render(&programs));
+        for warning in &programs.warnings {
+            eprintln!("warning: {warning}");
+        }
+        for what in &programs.unreadable {
+            eprintln!("warning: could not list the programs on {what}");
         }
     }
     if !violations.is_empty() {

@@ -1,0 +1,627 @@
+//! Other owners' programs on the hooks ambpf uses: a socket load balancer
+//! (Cilium's or Calico's) in the cgroup's connect, sendmsg, recvmsg and
+//! getpeername hooks, tc filters and TCX programs on the pods' interfaces.
+//!
+//! Order decides whether both work. Cgroup programs of one hook run in
+//! turn, those of a descendant cgroup before an ancestor's: ambpf's connect
+//! and sendmsg must run before a load balancer's, or it records the backend
+//! the balancer chose instead of the service address, and ztunnel gets that
+//! as the original destination; its getpeername and recvmsg must run after,
+//! or another program may rewrite the address ambpf answers the app. On the
+//! pods' interfaces, TCX programs run before every `clsact` filter, so one
+//! that returns a verdict rather than `TCX_NEXT` keeps SYNs from ambpf's
+//! steering filter.
+//!
+//! [`scan`] lists them in run order, marking ambpf's own, for `ambpf status
+//! --check`; [`Warning`]s name each that runs where it can break capture.
+
+use std::{
+    collections::HashSet,
+    fmt,
+    fs::File,
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
+};
+
+use netlink_packet_route::{
+    RouteNetlinkMessage,
+    tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
+};
+use serde::Serialize;
+use tracing::warn;
+
+use super::{
+    PinLayout,
+    cgroup::{HOOKS, RAW_GUARD_HOOKS},
+    sys::{self, CgroupHook},
+};
+use crate::redirect::{
+    podnet,
+    rtnl::{NetlinkError, Rtnl},
+    steering,
+};
+
+/// Whose a program is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Owner {
+    Ambpf,
+    Other,
+}
+
+/// One program on a hook.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HookProgram {
+    pub id: u32,
+    pub name: String,
+    pub owner: Owner,
+}
+
+/// The programs of one cgroup hook.
+#[derive(Clone, Debug, Serialize)]
+pub struct CgroupHookPrograms {
+    pub hook: &'static str,
+    /// Every program that runs for sockets of ambpf's cgroup, in the order
+    /// they run (its ancestors' after its own).
+    pub effective: Vec<HookProgram>,
+    /// Programs attached to cgroups below ambpf's: they run before ambpf's
+    /// for the sockets there.
+    pub below: Vec<(PathBuf, Vec<HookProgram>)>,
+}
+
+/// The programs on one hook of a pod's interface, in the order they run.
+#[derive(Clone, Debug, Serialize)]
+pub struct IfaceHookPrograms {
+    pub netns_inode: u64,
+    pub iface: String,
+    pub ifindex: u32,
+    /// `tcx_ingress`, `tc_ingress` (`clsact` filters), `tcx_egress`,
+    /// `tc_egress`.
+    pub hook: &'static str,
+    pub programs: Vec<IfaceProgram>,
+}
+
+/// A program on an interface; a `clsact` filter has a priority and handle.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct IfaceProgram {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<u32>,
+    pub name: String,
+    pub owner: Owner,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub priority: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handle: Option<u32>,
+}
+
+/// Another owner's program that runs where it can break capture.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Warning {
+    pub hook: String,
+    pub program_id: Option<u32>,
+    pub program_name: String,
+    pub detail: String,
+}
+
+impl fmt::Display for Warning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.hook, self.detail)
+    }
+}
+
+/// What [`scan`] found.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Programs {
+    /// ambpf's cgroup (`None` where no socket program of ambpf's is pinned,
+    /// or its cgroup is gone).
+    pub cgroup: Option<PathBuf>,
+    pub cgroup_hooks: Vec<CgroupHookPrograms>,
+    pub interfaces: Vec<IfaceHookPrograms>,
+    pub warnings: Vec<Warning>,
+    /// What could not be read, each naming what.
+    pub unreadable: Vec<String>,
+}
+
+/// Cgroups below ambpf's looked at, at most: a node has a few per pod.
+const MOST_CGROUPS_BELOW: usize = 20_000;
+
+/// The ids of the programs in ambpf's cgroup links pinned in `links_dir`.
+fn own_cgroup_programs(links_dir: &Path) -> HashSet<u32> {
+    use std::os::fd::AsFd as _;
+    HOOKS
+        .iter()
+        .chain(RAW_GUARD_HOOKS)
+        .filter_map(|(program, _)| sys::obj_get(&links_dir.join(program)).ok())
+        .filter_map(|link| sys::link_info(link.as_fd()).ok())
+        .map(|info| info.prog_id)
+        .collect()
+}
+
+fn hook_program(id: u32, own: &HashSet<u32>) -> HookProgram {
+    HookProgram {
+        id,
+        name: sys::prog_info_by_id(id).map_or_else(|_| "?".to_owned(), |info| info.name),
+        owner: if own.contains(&id) {
+            Owner::Ambpf
+        } else {
+            Owner::Other
+        },
+    }
+}
+
+/// Every cgroup below `cgroup`, breadth first, at most
+/// [`MOST_CGROUPS_BELOW`].
+fn cgroups_below(cgroup: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut next = 0;
+    let mut dirs = vec![cgroup.to_owned()];
+    while next < dirs.len() && out.len() < MOST_CGROUPS_BELOW {
+        let Ok(entries) = std::fs::read_dir(&dirs[next]) else {
+            next += 1;
+            continue;
+        };
+        next += 1;
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                out.push(entry.path());
+                dirs.push(entry.path());
+            }
+        }
+    }
+    out
+}
+
+/// The programs on each of ambpf's cgroup hooks of `cgroup`, ambpf's own
+/// being those in the links pinned in `links_dir`.
+pub fn cgroup_hooks(
+    cgroup: &Path,
+    links_dir: &Path,
+) -> Result<Vec<CgroupHookPrograms>, std::io::Error> {
+    let own = own_cgroup_programs(links_dir);
+    let dir = File::open(cgroup)?;
+    let below: Vec<(PathBuf, File)> = cgroups_below(cgroup)
+        .into_iter()
+        .filter_map(|path| File::open(&path).ok().map(|f| (path, f)))
+        .collect();
+    let mut out = Vec::new();
+    for &(_, hook) in HOOKS.iter().chain(RAW_GUARD_HOOKS) {
+        let target = dir.as_raw_fd() as u32;
+        let effective = sys::prog_query(target, hook as u32, sys::F_QUERY_EFFECTIVE)?
+            .into_iter()
+            .map(|id| hook_program(id, &own))
+            .collect();
+        let below = below
+            .iter()
+            .filter_map(|(path, file)| {
+                let ids = sys::prog_query(file.as_raw_fd() as u32, hook as u32, 0).ok()?;
+                (!ids.is_empty()).then(|| {
+                    let programs = ids.into_iter().map(|id| hook_program(id, &own)).collect();
+                    (path.clone(), programs)
+                })
+            })
+            .collect();
+        out.push(CgroupHookPrograms {
+            hook: hook.name(),
+            effective,
+            below,
+        });
+    }
+    Ok(out)
+}
+
+fn cgroup_hook(name: &str) -> Option<CgroupHook> {
+    HOOKS
+        .iter()
+        .chain(RAW_GUARD_HOOKS)
+        .map(|(_, hook)| *hook)
+        .find(|hook| hook.name() == name)
+}
+
+/// Other owners' cgroup programs that run where they break capture: before
+/// ambpf's on the hooks that redirect, after it on those that answer the
+/// app ([`CgroupHook::answers_the_app`]). A hook without ambpf's program
+/// says nothing (the state check names that).
+pub fn cgroup_warnings(cgroup: &Path, hooks: &[CgroupHookPrograms]) -> Vec<Warning> {
+    let mut out = Vec::new();
+    for hooked in hooks {
+        let Some(hook) = cgroup_hook(hooked.hook) else {
+            continue;
+        };
+        let Some(ours) = hooked.effective.iter().position(|p| p.owner == Owner::Ambpf) else {
+            continue;
+        };
+        let warn = |p: &HookProgram, detail: String| Warning {
+            hook: hook.name().to_owned(),
+            program_id: Some(p.id),
+            program_name: p.name.clone(),
+            detail,
+        };
+        let ambpf_name = &hooked.effective[ours].name;
+        let (others, when) = if hook.answers_the_app() {
+            (&hooked.effective[ours + 1..], "after")
+        } else {
+            (&hooked.effective[..ours], "before")
+        };
+        let harm = if hook.answers_the_app() {
+            "it may rewrite the address ambpf answers the app"
+        } else {
+            "a socket load balancer there rewrites the destination first, and ztunnel gets \
+             the backend, not the service address, as the original destination"
+        };
+        for p in others.iter().filter(|p| p.owner == Owner::Other) {
+            let detail = format!(
+                "program {} {} of another owner runs {when} ambpf's {ambpf_name} for sockets of \
+                 cgroup {}: {harm}",
+                p.id,
+                p.name,
+                cgroup.display()
+            );
+            out.push(warn(p, detail));
+        }
+        if hook.answers_the_app() {
+            continue;
+        }
+        for (path, programs) in &hooked.below {
+            for p in programs.iter().filter(|p| p.owner == Owner::Other) {
+                let detail = format!(
+                    "program {} {} of another owner is attached to cgroup {}, below ambpf's \
+                     ({}), so it runs before ambpf's {ambpf_name} for the sockets there: {harm}",
+                    p.id,
+                    p.name,
+                    path.display(),
+                    cgroup.display()
+                );
+                out.push(warn(p, detail));
+            }
+        }
+    }
+    out
+}
+
+/// Logs [`cgroup_warnings`] of ambpf's cgroup `cgroup` (the agent, once
+/// its socket programs are attached).
+pub fn log_cgroup_warnings(cgroup: &Path, links_dir: &Path) {
+    match cgroup_hooks(cgroup, links_dir) {
+        Ok(hooks) => {
+            for warning in cgroup_warnings(cgroup, &hooks) {
+                warn!("other eBPF programs: {warning}");
+            }
+        }
+        Err(e) => warn!(
+            "listing the programs on cgroup {}'s hooks: {e}",
+            cgroup.display()
+        ),
+    }
+}
+
+/// The cgroup with inode `inode` under the cgroup2 mount, looked for
+/// breadth first.
+fn cgroup_by_inode(inode: u64) -> Option<PathBuf> {
+    let root = crate::mounts::cgroup2_mount().ok()?;
+    if root.metadata().ok()?.ino() == inode {
+        return Some(root);
+    }
+    cgroups_below(&root)
+        .into_iter()
+        .find(|path| path.metadata().is_ok_and(|m| m.ino() == inode))
+}
+
+/// ambpf's cgroup (the first with links pinned under `pins`) and the
+/// directory of its links.
+fn pinned_cgroup(pins: &PinLayout) -> Option<(PathBuf, PathBuf)> {
+    let dir = pins.root().join("links/cgroup");
+    std::fs::read_dir(dir).ok()?.flatten().find_map(|entry| {
+        let inode: u64 = entry.file_name().to_str()?.parse().ok()?;
+        Some((cgroup_by_inode(inode)?, entry.path()))
+    })
+}
+
+/// The `clsact` filters on one direction of `ifindex`, in the order they
+/// run (the kernel lists them by priority).
+fn clsact_filters(
+    rtnl: &mut Rtnl,
+    ifindex: u32,
+    minor: u16,
+) -> Result<Vec<IfaceProgram>, NetlinkError> {
+    let mut query = TcMessage::default();
+    query.header.index = ifindex as i32;
+    query.header.parent = TcHandle {
+        major: 0xffff,
+        minor,
+    };
+    let msgs = match rtnl.dump(RouteNetlinkMessage::GetTrafficFilter(query)) {
+        Ok(msgs) => msgs,
+        // No qdisc on the interface: no filter.
+        Err(e) if matches!(e.errno(), Some(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT)) => {
+            return Ok(Vec::new());
+        }
+        Err(e) => return Err(e),
+    };
+    let ingress = minor == TcHandle::MIN_INGRESS;
+    Ok(msgs
+        .into_iter()
+        .filter_map(|msg| match msg {
+            RouteNetlinkMessage::NewTrafficFilter(f) => Some(f),
+            _ => None,
+        })
+        // Each priority is listed once without a handle, then its filters.
+        .filter(|f| u32::from(f.header.handle) != 0)
+        .map(|f| {
+            let priority = (f.header.info >> 16) as u16;
+            let handle = u32::from(f.header.handle);
+            let mut program = IfaceProgram {
+                id: None,
+                name: String::new(),
+                owner: Owner::Other,
+                priority: Some(priority),
+                handle: Some(handle),
+            };
+            for attr in &f.attributes {
+                match attr {
+                    TcAttribute::Kind(kind) if program.name.is_empty() => {
+                        program.name.clone_from(kind)
+                    }
+                    TcAttribute::Options(options) => {
+                        for option in options {
+                            match option {
+                                TcOption::Bpf(TcFilterBpfOption::ProgName(name)) => {
+                                    name.split(':')
+                                        .next()
+                                        .unwrap_or(name)
+                                        .clone_into(&mut program.name);
+                                }
+                                TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => {
+                                    program.id = Some(*id)
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if ingress
+                && priority == steering::PRIORITY
+                && handle == steering::HANDLE
+                && program.name == ambpf_common::programs::POD_INGRESS
+            {
+                program.owner = Owner::Ambpf;
+            }
+            program
+        })
+        .collect())
+}
+
+/// `enum bpf_attach_type`: BPF_TCX_INGRESS, BPF_TCX_EGRESS.
+const TCX_INGRESS: u32 = 46;
+const TCX_EGRESS: u32 = 47;
+
+/// The TCX programs on `attach_type` of `ifindex` in the calling thread's
+/// namespace; none on a kernel without TCX.
+fn tcx_programs(ifindex: u32, attach_type: u32, own: &HashSet<u32>) -> Vec<IfaceProgram> {
+    sys::prog_query(ifindex, attach_type, 0)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|id| {
+            let program = hook_program(id, own);
+            IfaceProgram {
+                id: Some(id),
+                name: program.name,
+                owner: program.owner,
+                priority: None,
+                handle: None,
+            }
+        })
+        .collect()
+}
+
+/// The programs on every hook of every interface in the calling thread's
+/// namespace, `own_tcx` being the ids of ambpf's TCX programs.
+fn iface_hooks(
+    netns_inode: u64,
+    own_tcx: &HashSet<u32>,
+) -> Result<Vec<IfaceHookPrograms>, NetlinkError> {
+    let mut rtnl = Rtnl::open()?;
+    let mut out = Vec::new();
+    for iface in podnet::interfaces(&mut rtnl)? {
+        let hooks = [
+            ("tcx_ingress", tcx_programs(iface.index, TCX_INGRESS, own_tcx)),
+            (
+                "tc_ingress",
+                clsact_filters(&mut rtnl, iface.index, TcHandle::MIN_INGRESS)?,
+            ),
+            ("tcx_egress", tcx_programs(iface.index, TCX_EGRESS, own_tcx)),
+            (
+                "tc_egress",
+                clsact_filters(&mut rtnl, iface.index, TcHandle::MIN_EGRESS)?,
+            ),
+        ];
+        for (hook, programs) in hooks {
+            out.push(IfaceHookPrograms {
+                netns_inode,
+                iface: iface.name.clone(),
+                ifindex: iface.index,
+                hook,
+                programs,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Other owners' programs on a pod's interface that run before ambpf's
+/// steering filter: TCX ingress programs (before every `clsact` filter),
+/// and `clsact` ingress filters listed ahead of ambpf's.
+pub fn iface_warnings(hooks: &[IfaceHookPrograms]) -> Vec<Warning> {
+    let mut out = Vec::new();
+    for hooked in hooks {
+        let foreign = hooked.programs.iter().filter(|p| p.owner == Owner::Other);
+        let (ahead, why): (Vec<&IfaceProgram>, &str) = match hooked.hook {
+            "tcx_ingress" => (
+                foreign.collect(),
+                "TCX programs run before every clsact filter: SYNs reach ambpf's steering \
+                 filter only while it returns TCX_NEXT",
+            ),
+            "tc_ingress" => {
+                let Some(ours) = hooked.programs.iter().position(|p| p.owner == Owner::Ambpf)
+                else {
+                    continue;
+                };
+                (
+                    hooked.programs[..ours]
+                        .iter()
+                        .filter(|p| p.owner == Owner::Other)
+                        .collect(),
+                    "SYNs reach ambpf's steering filter only while it returns TC_ACT_UNSPEC",
+                )
+            }
+            _ => continue,
+        };
+        for p in ahead {
+            out.push(Warning {
+                hook: hooked.hook.to_owned(),
+                program_id: p.id,
+                program_name: p.name.clone(),
+                detail: format!(
+                    "program {} {} of another owner runs before ambpf's steering filter on {} \
+                     (netns inode {}): {why}",
+                    p.id.map_or_else(|| "?".to_owned(), |id| id.to_string()),
+                    p.name,
+                    hooked.iface,
+                    hooked.netns_inode
+                ),
+            });
+        }
+    }
+    out
+}
+
+/// Every program on the hooks ambpf uses under `pins`: its cgroup's, and
+/// those of the enrolled pods' interfaces.
+pub fn scan(pins: &PinLayout) -> Programs {
+    let mut found = Programs::default();
+    if let Some((cgroup, links_dir)) = pinned_cgroup(pins) {
+        match cgroup_hooks(&cgroup, &links_dir) {
+            Ok(hooks) => {
+                found.warnings = cgroup_warnings(&cgroup, &hooks);
+                found.cgroup_hooks = hooks;
+            }
+            Err(e) => found
+                .unreadable
+                .push(format!("the hooks of cgroup {}: {e}", cgroup.display())),
+        }
+        found.cgroup = Some(cgroup);
+    }
+    let own_tcx: HashSet<u32> = super::inspect::read_tc_links(pins)
+        .map(|links| links.into_iter().map(|l| l.program_id).collect())
+        .unwrap_or_default();
+    let pods = match crate::redirect::check::read_pinned_pods(pins) {
+        Ok(pinned) => pinned.pods,
+        Err(e) => {
+            found.unreadable.push(e.to_string());
+            Vec::new()
+        }
+    };
+    for (_, netns) in crate::redirect::check::locate_pods(&pods, &[]) {
+        let Some(netns) = netns else { continue };
+        match netns.run(|| iface_hooks(netns.inode(), &own_tcx)) {
+            Ok(Ok(hooks)) => found.interfaces.extend(hooks),
+            Ok(Err(e)) => found.unreadable.push(format!(
+                "the interfaces of netns {}: {e}",
+                netns.path().display()
+            )),
+            Err(e) => found.unreadable.push(e.to_string()),
+        }
+    }
+    found
+        .interfaces
+        .sort_by_key(|h| (h.netns_inode, h.ifindex));
+    found.warnings.extend(iface_warnings(&found.interfaces));
+    found
+}
+
+/// Logs [`scan`]'s warnings (the agent, at each full state check).
+pub fn log_warnings(pins: &PinLayout) {
+    let found = scan(pins);
+    for warning in &found.warnings {
+        warn!("other eBPF programs: {warning}");
+    }
+    for what in &found.unreadable {
+        warn!("listing other eBPF programs: {what}");
+    }
+}
+
+/// [`Programs`] as `ambpf status --check` prints them: each hook's
+/// programs in run order, ambpf's marked `*`; hooks with no other owner's
+/// program are left out.
+pub fn render(found: &Programs) -> String {
+    let show = |id: Option<u32>, name: &str, owner: Owner| {
+        let mark = if owner == Owner::Ambpf { "*" } else { "" };
+        let id = id.map_or_else(|| "?".to_owned(), |id| id.to_string());
+        format!("{mark}{id} {name}")
+    };
+    let mut rows = Vec::new();
+    let cgroup = found
+        .cgroup
+        .as_deref()
+        .map_or_else(|| "-".to_owned(), |c| c.display().to_string());
+    for hooked in &found.cgroup_hooks {
+        let shared = hooked.effective.iter().any(|p| p.owner == Owner::Other)
+            || !hooked.below.is_empty();
+        if !shared {
+            continue;
+        }
+        let programs: Vec<String> = hooked
+            .effective
+            .iter()
+            .map(|p| show(Some(p.id), &p.name, p.owner))
+            .collect();
+        rows.push(format!(
+            "cgroup {cgroup} {:<26} {}",
+            hooked.hook,
+            programs.join(", ")
+        ));
+        for (path, programs) in &hooked.below {
+            let programs: Vec<String> = programs
+                .iter()
+                .map(|p| show(Some(p.id), &p.name, p.owner))
+                .collect();
+            rows.push(format!(
+                "  below, first: cgroup {} {}",
+                path.display(),
+                programs.join(", ")
+            ));
+        }
+    }
+    for hooked in &found.interfaces {
+        if !hooked.programs.iter().any(|p| p.owner == Owner::Other) {
+            continue;
+        }
+        let programs: Vec<String> = hooked
+            .programs
+            .iter()
+            .map(|p| {
+                let at = match (p.priority, p.handle) {
+                    (Some(prio), Some(handle)) => format!("prio {prio} handle {handle:#x} "),
+                    _ => String::new(),
+                };
+                format!("{at}{}", show(p.id, &p.name, p.owner))
+            })
+            .collect();
+        rows.push(format!(
+            "netns {} {} {:<11} {}",
+            hooked.netns_inode,
+            hooked.iface,
+            hooked.hook,
+            programs.join(", ")
+        ));
+    }
+    if rows.is_empty() {
+        return "no other owner's program on ambpf's hooks\n".to_owned();
+    }
+    let mut out = "other owners' programs on ambpf's hooks (in run order, * ambpf's):\n".to_owned();
+    for row in rows {
+        out += &format!("  {row}\n");
+    }
+    out
+}
