@@ -665,6 +665,9 @@ impl super::PodRedirection for Dataplane {
     }
 
     fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
+        if scope == CheckScope::Full {
+            crate::bpf::foreign::log_warnings(self.pins());
+        }
         super::check::ebpf_state(self.pins(), pods, scope)
     }
 
