@@ -60,6 +60,7 @@ pub const SUITES: &[&str] = &[
     "restart",
     "address_reuse",
     "cni",
+    "pod_kinds",
 ];
 
 /// What a guest runs besides the suites.

@@ -29,7 +29,7 @@ use tracing::{info, warn};
 use super::{
     CheckScope, PodKey, Violation,
     claims::{AddressClaims, Claim, Release},
-    podnet, routing,
+    link_kind, podnet, routing,
     rtnl::{NetlinkError, Rtnl},
     steering,
 };
@@ -87,6 +87,13 @@ pub enum EnrollError {
         iface: String,
         netns: PathBuf,
         cause: NetlinkError,
+    },
+    #[error("cannot enrol the pod in {netns}: its interface {iface} is {kind}, and {reason}")]
+    UnsteerableInterface {
+        iface: String,
+        netns: PathBuf,
+        kind: String,
+        reason: String,
     },
     #[error("the steering program: {0}")]
     SteeringProgram(String),
@@ -184,6 +191,7 @@ impl Dataplane {
             })?;
             // Addresses first: a pod without any gets nothing installed.
             super::pod_addresses(&net, netns)?;
+            link_kind::refuse_unsteerable(&mut rtnl, path, &net.interfaces)?;
             steps.time("routing", || {
                 routing::install_reply_routing_with(&mut rtnl, path)
             })?;

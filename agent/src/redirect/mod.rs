@@ -16,6 +16,7 @@ pub mod ebpf;
 mod ebpf_node;
 pub use ebpf_node::NodeSetupError;
 pub mod iptables;
+pub mod link_kind;
 pub mod nftables;
 pub mod podnet;
 #[cfg(any(test, feature = "test-support"))]

@@ -285,7 +285,16 @@ pub async fn fixture_with(
     cgroup: Option<&CgroupGuard>,
     inbound: InboundAssign,
 ) -> Fixture {
-    let cluster = Cluster::create(2).unwrap();
+    fixture_in(Cluster::create(2).unwrap(), mode, cgroup, inbound).await
+}
+
+/// [`fixture_with`] on `cluster`, a node with at least two pods.
+pub async fn fixture_in(
+    cluster: Cluster,
+    mode: RedirectMode,
+    cgroup: Option<&CgroupGuard>,
+    inbound: InboundAssign,
+) -> Fixture {
     let (mut redirection, bpffs, iptables_backend) =
         node_redirection_with(mode, &cluster, cgroup, inbound);
     assert_eq!(redirection.mode(), mode);

@@ -1,0 +1,285 @@
+//! Privileged: every redirection mode on pods whose `eth0` is each kind of
+//! link CNI plugins make: veth, netkit (L3 and L2, Cilium 1.16 on), ipvlan
+//! (L2 and L3) and macvlan (bridge), the last three as Multus makes
+//! secondary interfaces: a child of a node device, the node talking to the
+//! pod through a child of its own (testbed `cluster::PodLinkKind`).
+//!
+//! For each kind and mode, with the ztunnel double serving the pod:
+//! outbound TCP reaches ztunnel's 15001 with the original destination,
+//! inbound TCP reaches its 15006 with the original destination as the local
+//! address, a probe from the node's address reaches the app uncaptured, DNS
+//! is answered by ztunnel's DNS proxy, and in eBPF mode the state check
+//! finds a removed steering filter and the repair puts it back.
+//!
+//! Where ambpf's steering cannot serve a kind (netkit in L3 mode carries no
+//! Ethernet header), the eBPF mode refuses the pod with an error naming the
+//! kind, leaves nothing in it, and enrols the next pod.
+//!
+//! A kind this kernel cannot make (no netkit, no ipvlan) is skipped, with
+//! the kernel's answer printed: found by trying to make it.
+
+use std::{
+    io::{Read, Write},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
+};
+
+use ambpf::{
+    bpf::InboundAssign,
+    netns::Netns,
+    redirect::{CheckScope, RedirectMode, ViolationKind, iptables},
+};
+use ambpf_testbed::{
+    CgroupGuard, NetnsGuard,
+    cluster::{Cluster, PodLinkKind},
+    ztunnel::{ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, dns},
+};
+
+mod common;
+#[macro_use]
+mod modes;
+#[macro_use]
+mod pod_fixture;
+use pod_fixture::*;
+
+/// `<kind>::{ebpf, iptables, nftables}`: [`capture_on`] for one kind.
+macro_rules! for_every_mode {
+    ($name:ident, $kind:expr) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn ebpf() {
+                capture_on($kind, RedirectMode::Ebpf).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn iptables() {
+                capture_on($kind, RedirectMode::Iptables).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn nftables() {
+                capture_on($kind, RedirectMode::Nftables).await
+            }
+        }
+    };
+}
+
+for_every_mode!(veth, PodLinkKind::Veth);
+for_every_mode!(netkit_l3, PodLinkKind::NetkitL3);
+for_every_mode!(netkit_l2, PodLinkKind::NetkitL2);
+for_every_mode!(ipvlan_l2, PodLinkKind::IpvlanL2);
+for_every_mode!(ipvlan_l3, PodLinkKind::IpvlanL3);
+for_every_mode!(macvlan, PodLinkKind::Macvlan);
+
+/// Whether ambpf refuses a pod of `kind` in `mode`: the eBPF mode's
+/// steering reads SYNs behind an Ethernet header, which netkit's L3 mode
+/// does not have.
+fn refused(kind: PodLinkKind, mode: RedirectMode) -> bool {
+    mode == RedirectMode::Ebpf && kind == PodLinkKind::NetkitL3
+}
+
+async fn capture_on(kind: PodLinkKind, mode: RedirectMode) {
+    let _serial = modes::SERIAL.lock().await;
+    let cluster = match Cluster::create_with_first_pod(2, kind) {
+        Err(e) if e.kind() == std::io::ErrorKind::Unsupported => {
+            eprintln!("skipped: {kind} in {mode:?} mode: {e}");
+            return;
+        }
+        made => made.unwrap_or_else(|e| panic!("a pod with a {kind} eth0: {e}")),
+    };
+    let cgroup = (mode == RedirectMode::Ebpf).then(|| CgroupGuard::create().unwrap());
+    let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
+    if refused(kind, mode) {
+        refusal(cluster, mode, cgroup.as_ref(), kind);
+        return;
+    }
+    let f = fixture_in(cluster, mode, cgroup.as_ref(), InboundAssign::from_env().unwrap()).await;
+    let case = format!("{kind} in {mode:?} mode");
+    outbound(&f, &case).await;
+    inbound(&f, &case).await;
+    probe(&f, &case);
+    dns_capture(&f, &case);
+    if mode == RedirectMode::Ebpf {
+        steering_repaired(f, &case).await;
+    }
+}
+
+async fn outbound(f: &Fixture, case: &str) {
+    for v6 in [false, true] {
+        let dst = SocketAddr::new(f.remote_ip(v6), PEER_PORT);
+        assert_eq!(echo_once(f.pod(), dst, None, None), dst, "{case}");
+        let conn = f.wait_proxied(15001, dst).await;
+        assert_eq!(conn.outcome, ConnectionOutcome::Proxied, "{case}: {conn:?}");
+        let server = if v6 { &f.remote_v6 } else { &f.remote_v4 };
+        assert_eq!(
+            server.last_peer().unwrap().ip(),
+            f.pod_ip(v6),
+            "{case}: ztunnel's connection left from the pod's address"
+        );
+    }
+}
+
+async fn inbound(f: &Fixture, case: &str) {
+    for v6 in [false, true] {
+        let dst = SocketAddr::new(f.pod_ip(v6), APP_PORT);
+        echo_once(&f.cluster.remote.ns, dst, None, None);
+        // The SYN reached 15006 with the original destination as its
+        // local address.
+        let conn = f.wait_proxied(15006, dst).await;
+        assert_eq!(conn.outcome, ConnectionOutcome::Proxied, "{case}: {conn:?}");
+        assert_eq!(conn.client.ip(), f.remote_ip(v6), "{case}");
+        assert_eq!(f.app.last_peer().unwrap().ip(), f.remote_ip(v6), "{case}");
+    }
+}
+
+/// From the node's own address on the pod's link (the gateway), straight to
+/// the app.
+fn probe(f: &Fixture, case: &str) {
+    let before = f.proxied().len();
+    let node_ip: IpAddr = f.cluster.node_addresses()[2];
+    let app_sees = match f.mode {
+        RedirectMode::Ebpf => node_ip,
+        RedirectMode::Iptables | RedirectMode::Nftables => iptables::PROBE_SNAT_V4.into(),
+    };
+    echo_once(
+        &f.cluster.node,
+        SocketAddr::new(f.pod_ip(false), APP_PORT),
+        None,
+        None,
+    );
+    assert_eq!(f.app.last_peer().unwrap().ip(), app_sees, "{case}");
+    assert_eq!(f.proxied().len(), before, "{case}: a probe went through ztunnel");
+}
+
+/// A query over UDP and one over TCP to a resolver nobody serves, answered
+/// by ztunnel's DNS proxy in the pod.
+fn dns_capture(f: &Fixture, case: &str) {
+    let resolver = SocketAddr::new(f.remote_ip(false), 53);
+    let (udp_answer, tcp_answer) = tokio::task::block_in_place(|| {
+        f.pod()
+            .run(|| {
+                let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+                udp.set_read_timeout(Some(PATIENCE)).unwrap();
+                let query = dns::encode_query(0x0a17, "udp.ambpf.test", dns::TYPE_A).unwrap();
+                udp.send_to(&query, resolver).unwrap();
+                let mut buffer = [0u8; 512];
+                let (len, from) = udp
+                    .recv_from(&mut buffer)
+                    .unwrap_or_else(|e| panic!("{case}: UDP answer from {resolver}: {e}"));
+                assert_eq!(from, resolver, "{case}");
+                let udp_answer = dns::Response::parse(&buffer[..len]).unwrap();
+
+                let mut tcp = TcpStream::connect_timeout(&resolver, PATIENCE)
+                    .unwrap_or_else(|e| panic!("{case}: TCP to {resolver}: {e}"));
+                tcp.set_read_timeout(Some(PATIENCE)).unwrap();
+                let query = dns::encode_query(0x7c90, "tcp.ambpf.test", dns::TYPE_A).unwrap();
+                let mut framed = u16::try_from(query.len()).unwrap().to_be_bytes().to_vec();
+                framed.extend_from_slice(&query);
+                tcp.write_all(&framed).unwrap();
+                let mut len = [0u8; 2];
+                tcp.read_exact(&mut len)
+                    .unwrap_or_else(|e| panic!("{case}: TCP answer from {resolver}: {e}"));
+                let mut body = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                tcp.read_exact(&mut body).unwrap();
+                (udp_answer, dns::Response::parse(&body).unwrap())
+            })
+            .unwrap()
+    });
+    let answer: IpAddr = DEFAULT_DNS_ANSWER_V4.into();
+    assert_eq!(udp_answer.addresses(), [answer], "{case}");
+    assert_eq!(tcp_answer.addresses(), [answer], "{case}");
+    let queries = f.ztunnel.dns_queries();
+    for transport in [DnsTransport::Udp, DnsTransport::Tcp] {
+        let query = queries
+            .iter()
+            .find(|q| q.transport == transport)
+            .unwrap_or_else(|| panic!("{case}: no {transport:?} query: {queries:#?}"));
+        assert_eq!(query.uid, POD_UID, "{case}");
+        assert_eq!(query.server.port(), 15053, "{case}: {query:?}");
+    }
+}
+
+/// ambpf's filter removed from the pod's `eth0` (as a CNI plugin
+/// recreating the qdisc would): the check finds it, the repair re-enrols
+/// the pod, and inbound is captured again.
+async fn steering_repaired(mut f: Fixture, case: &str) {
+    let netns = f.pod_netns();
+    let [pod] = f.redirection.enrolled().unwrap()[..] else {
+        panic!("{case}: one pod is enrolled");
+    };
+    let known = [(pod, &netns)];
+    assert_eq!(f.redirection.check(&known, CheckScope::Full), [], "{case}");
+    tc(
+        f.pod(),
+        &format!(
+            "filter del dev eth0 ingress prio {} handle {:#x} bpf",
+            ambpf::redirect::steering::PRIORITY,
+            ambpf::redirect::steering::HANDLE
+        ),
+    );
+    let found = f.redirection.check(&known, CheckScope::Full);
+    assert_eq!(found.len(), 1, "{case}: {found:#?}");
+    assert_eq!(found[0].kind, ViolationKind::SteeringMissing, "{case}");
+    assert!(found[0].to_string().contains("eth0"), "{case}: {}", found[0]);
+    for again in f.redirection.repair(&found) {
+        assert_eq!(again, pod, "{case}");
+        f.redirection.enroll(&netns, ENROLL).unwrap();
+    }
+    assert_eq!(f.redirection.check(&known, CheckScope::Full), [], "{case}");
+    let dst = SocketAddr::new(f.pod_ip(false), APP_PORT);
+    f.ztunnel.take_proxied();
+    echo_once(&f.cluster.remote.ns, dst, None, None);
+    f.wait_proxied(15006, dst).await;
+}
+
+/// The eBPF mode refuses pod 1, naming its interface's kind and why, with
+/// nothing of ambpf's left in it, and enrols pod 2 all the same.
+fn refusal(cluster: Cluster, mode: RedirectMode, cgroup: Option<&CgroupGuard>, kind: PodLinkKind) {
+    let (mut redirection, _bpffs, _) = node_redirection(mode, &cluster, cgroup);
+    let pod = &cluster.pods[0].ns;
+    let err = redirection
+        .enroll(&Netns::open(pod.name()).unwrap(), ENROLL)
+        .expect_err("a pod ambpf cannot steer is refused")
+        .to_string();
+    for expected in ["eth0", "netkit", "l3", "no Ethernet header", pod.name()] {
+        assert!(err.contains(expected), "{kind}: `{expected}` not in: {err}");
+    }
+    assert!(
+        redirection.enrolled().unwrap().is_empty(),
+        "{kind}: the refused pod is recorded"
+    );
+    let filters = tc(pod, "filter show dev eth0 ingress");
+    assert!(!filters.contains("ambpf"), "{kind}: {filters}");
+    // Nor its reply routing: the rule `fwmark 0x111/0xfff lookup 100`.
+    for family in ["-4", "-6"] {
+        let rules = ip(pod, &format!("{family} rule show"));
+        assert!(!rules.contains("lookup 100"), "{kind}: ambpf's routing left: {rules}");
+    }
+    redirection
+        .enroll(&Netns::open(cluster.pods[1].ns.name()).unwrap(), ENROLL)
+        .unwrap_or_else(|e| panic!("{kind}: the next pod: {e}"));
+    assert_eq!(redirection.enrolled().unwrap().len(), 1);
+}
+
+fn tc(ns: &NetnsGuard, args: &str) -> String {
+    run_in(ns, "tc", args)
+}
+
+fn ip(ns: &NetnsGuard, args: &str) -> String {
+    run_in(ns, "ip", args)
+}
+
+fn run_in(ns: &NetnsGuard, program: &str, args: &str) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns.name(), program])
+        .args(args.split_whitespace())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{program} {args}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
