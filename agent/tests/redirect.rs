@@ -24,7 +24,7 @@ use ambpf::{
     redirect::{
         CheckScope, RedirectMode, ViolationKind,
         iptables::{self, Family},
-        nftables,
+        nftables, routing,
     },
 };
 use ambpf_common::{IpKey, PodConfig, maps};
@@ -562,102 +562,103 @@ in_all_modes!(
     }
 );
 
-in_all_modes!(
-    unenrolling_keeps_open_connections_and_stops_capturing_new_ones,
-    |f| {
-        let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
-        let inbound = SocketAddr::new(f.pod_ip(false), APP_PORT);
-        // Open one connection each way through ztunnel and keep them.
-        let (mut out_conn, mut in_conn) = tokio::task::block_in_place(|| {
-            let out_conn = f
-                .pod()
-                .run(|| TcpStream::connect_timeout(&remote, PATIENCE).unwrap())
-                .unwrap();
-            let in_conn = f
-                .cluster
-                .remote
-                .ns
-                .run(|| TcpStream::connect_timeout(&inbound, PATIENCE).unwrap())
-                .unwrap();
-            (out_conn, in_conn)
-        });
-        f.wait_proxied(15001, remote).await;
-        f.wait_proxied(15006, inbound).await;
+in_all_modes!(unenrolling_stops_capturing_new_connections, |f| {
+    let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
+    let inbound = SocketAddr::new(f.pod_ip(false), APP_PORT);
+    // Open one connection each way through ztunnel and keep them.
+    let (mut out_conn, mut in_conn) = tokio::task::block_in_place(|| {
+        let out_conn = f
+            .pod()
+            .run(|| TcpStream::connect_timeout(&remote, PATIENCE).unwrap())
+            .unwrap();
+        let in_conn = f
+            .cluster
+            .remote
+            .ns
+            .run(|| TcpStream::connect_timeout(&inbound, PATIENCE).unwrap())
+            .unwrap();
+        (out_conn, in_conn)
+    });
+    f.wait_proxied(15001, remote).await;
+    f.wait_proxied(15006, inbound).await;
 
-        let netns = f.pod_netns();
-        let [pod] = f.redirection.enrolled().unwrap()[..] else {
-            panic!("one pod is enrolled");
-        };
-        assert_eq!(pod.netns_inode, netns.inode());
-        assert!(f.redirection.unenroll(pod).unwrap());
-        assert!(
-            f.redirection.enrolled().unwrap().is_empty(),
-            "an entry was left behind"
-        );
-        if f.mode == RedirectMode::Iptables {
-            // The capture rules (nat, raw) and the probe ipset entries are
-            // gone; the reply path (the mangle connmark chains and the policy
-            // routing) stays for the connections ztunnel holds, as the eBPF
-            // mode keeps its reply routing.
-            let node = Netns::open(f.cluster.node.name()).unwrap();
-            for family in Family::ALL {
-                assert_eq!(
-                    f.pod_rules(family).tables_with_istio_chains(),
-                    ["mangle"],
-                    "{family}"
-                );
-                assert!(
-                    iptables::probe_set_members(&node, family)
-                        .unwrap()
-                        .is_empty(),
-                    "{family}"
-                );
-            }
-        }
-        if f.mode == RedirectMode::Nftables {
-            // The same: the nat rules, the raw table and the probe set
-            // members go; the mangle table and the policy routing stay, and
-            // the nat table's empty base chains, which keep NAT hooked for
-            // the connections it redirected.
-            let pod = &f.cluster.pods[0].ns;
-            let nat = nft_listing(pod, &["list", "table", "inet", nftables::NAT_TABLE]);
+    let netns = f.pod_netns();
+    let [pod] = f.redirection.enrolled().unwrap()[..] else {
+        panic!("one pod is enrolled");
+    };
+    assert_eq!(pod.netns_inode, netns.inode());
+    assert!(f.redirection.unenroll(pod).unwrap());
+    assert!(
+        f.redirection.enrolled().unwrap().is_empty(),
+        "an entry was left behind"
+    );
+    if f.mode == RedirectMode::Iptables {
+        // As Istio's `DeleteInpodRules`: every chain of every table, the
+        // policy routing and the probe ipset entries go.
+        let node = Netns::open(f.cluster.node.name()).unwrap();
+        for family in Family::ALL {
             assert!(
-                !nat.contains("redirect to") && !nat.contains("jump"),
-                "{nat}"
+                f.pod_rules(family).tables_with_istio_chains().is_empty(),
+                "{family}"
             );
-            let tables = nft_listing(pod, &["list", "tables"]);
-            assert_eq!(
-                tables,
-                "table inet istio-ambient-nat\ntable inet istio-ambient-mangle\n"
+            assert!(
+                iptables::probe_set_members(&node, family)
+                    .unwrap()
+                    .is_empty(),
+                "{family}"
             );
-            let sets = nft_listing(&f.cluster.node, &["list", "sets"]);
-            assert!(!sets.contains("elements"), "{sets}");
         }
-
-        tokio::task::block_in_place(|| {
-            for conn in [&mut out_conn, &mut in_conn] {
-                conn.set_read_timeout(Some(PATIENCE)).unwrap();
-                conn.write_all(b"still").unwrap();
-                let mut reply = [0u8; 5];
-                conn.read_exact(&mut reply)
-                    .expect("open connection broke on unenrol");
-                assert_eq!(&reply, b"still");
-            }
-        });
-
-        // New connections go direct now.
-        let before = f.proxied().len();
-        echo_once(f.pod(), remote, None, None);
-        echo_once(&f.cluster.remote.ns, inbound, None, None);
-        assert_eq!(f.app.last_peer().unwrap().ip(), f.remote_ip(false));
-        assert_eq!(f.proxied().len(), before);
-
-        // And enrolling again captures them again.
-        f.redirection.enroll(&netns, ENROLL).unwrap();
-        echo_once(f.pod(), remote, None, None);
-        assert!(f.proxied().len() > before);
     }
-);
+    if f.mode == RedirectMode::Nftables {
+        // The same: the three tables and the probe set members go.
+        let pod = &f.cluster.pods[0].ns;
+        assert_eq!(nft_listing(pod, &["list", "tables"]), "");
+        let sets = nft_listing(&f.cluster.node, &["list", "sets"]);
+        assert!(!sets.contains("elements"), "{sets}");
+    }
+    if f.mode != RedirectMode::Ebpf {
+        assert!(!routing::reply_routing_status(&netns).unwrap().ipv4.rule);
+    }
+
+    let survived = tokio::task::block_in_place(|| {
+        [&mut out_conn, &mut in_conn].map(|conn| {
+            conn.set_read_timeout(Some(PATIENCE)).unwrap();
+            let mut reply = [0u8; 5];
+            conn.write_all(b"still")
+                .and_then(|()| conn.read_exact(&mut reply))
+                .map(|()| reply)
+        })
+    });
+    match f.mode {
+        // The eBPF mode keeps its reply routing: both stay open.
+        RedirectMode::Ebpf => {
+            for reply in survived {
+                assert_eq!(&reply.expect("open connection broke on unenrol"), b"still");
+            }
+        }
+        // The baselines do what Istio's `DeleteInpodRules` does: the
+        // NAT and the reply path of ztunnel's connections go with the
+        // rules, and both connections are reset (docs/parity.md).
+        RedirectMode::Iptables | RedirectMode::Nftables => {
+            for reply in survived {
+                let e = reply.expect_err("a connection ztunnel proxied outlived the opt-out");
+                assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+            }
+        }
+    }
+
+    // New connections go direct now.
+    let before = f.proxied().len();
+    echo_once(f.pod(), remote, None, None);
+    echo_once(&f.cluster.remote.ns, inbound, None, None);
+    assert_eq!(f.app.last_peer().unwrap().ip(), f.remote_ip(false));
+    assert_eq!(f.proxied().len(), before);
+
+    // And enrolling again captures them again.
+    f.redirection.enroll(&netns, ENROLL).unwrap();
+    echo_once(f.pod(), remote, None, None);
+    assert!(f.proxied().len() > before);
+});
 
 in_all_modes!(
     dns_to_any_resolver_is_answered_by_ztunnels_dns_proxy_as_if_by_that_resolver,

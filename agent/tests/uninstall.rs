@@ -327,15 +327,16 @@ fn iptables_pods_are_found_and_cleaned_without_the_agent() {
         let options = EnrollOptions { dns_capture: true };
         let keys = [named_pod, held_pod, unenrolled_pod]
             .map(|pod| agent.enroll(&open(pod), options).unwrap().key());
-        // Unenrolled: the reply path (mangle chains, policy routing) stays.
+        // Opted out, as Istio's node agent does: nothing stays in it.
         assert!(agent.unenroll(keys[2]).unwrap());
         // The agent goes without removing anything, as a crashed one does.
         agent.backend()
     };
-    for pod in [named_pod, held_pod, unenrolled_pod] {
+    for pod in [named_pod, held_pod] {
         assert!(!istio_lines(pod).is_empty());
         assert!(routing::reply_routing_status(&open(pod)).unwrap().ipv4.rule);
     }
+    assert!(istio_lines(unenrolled_pod).is_empty());
     assert!(ipsets(&cluster.node).contains(iptables::PROBE_IPSET_V4));
 
     // Rules that are not ambpf's: the neighbour's own, and a sidecar's.
@@ -360,13 +361,15 @@ fn iptables_pods_are_found_and_cleaned_without_the_agent() {
     let out = uninstall_on(&cluster.node, &named, &[held_pod], &pin_root, &[]);
     assert!(out.status.success());
     let text = stdout(&out);
-    for pod in [named_pod, unenrolled_pod] {
-        let line = format!(
-            "removed the iptables rules and reply routing of {}",
-            pod.path().display()
-        );
-        assert!(text.contains(&line), "{text}");
-    }
+    let line = format!(
+        "removed the iptables rules and reply routing of {}",
+        named_pod.path().display()
+    );
+    assert!(text.contains(&line), "{text}");
+    assert!(
+        !text.contains(&unenrolled_pod.path().display().to_string()),
+        "{text}"
+    );
     // The held pod is known by its process only.
     assert!(
         text.lines().any(|l| l
@@ -376,7 +379,7 @@ fn iptables_pods_are_found_and_cleaned_without_the_agent() {
     );
     assert_eq!(
         text.matches("removed the iptables rules").count(),
-        3,
+        2,
         "{text}"
     );
     assert!(text.contains("removed the host probe rules"), "{text}");
@@ -572,15 +575,15 @@ fn nftables_pods_are_found_and_cleaned_without_the_agent() {
         let options = EnrollOptions { dns_capture: true };
         let keys = [named_pod, held_pod, unenrolled_pod]
             .map(|pod| agent.enroll(&open(pod), options).unwrap().key());
-        // Unenrolled: the reply path (mangle table, policy routing) and the
-        // nat table's empty base chains stay.
+        // Opted out, as Istio's node agent does: nothing stays in it.
         assert!(agent.unenroll(keys[2]).unwrap());
         // The agent goes without removing anything, as a crashed one does.
     }
-    for pod in [named_pod, held_pod, unenrolled_pod] {
+    for pod in [named_pod, held_pod] {
         assert!(nft_tables(pod).contains(&nftables::MANGLE_TABLE.to_owned()));
         assert!(routing::reply_routing_status(&open(pod)).unwrap().ipv4.rule);
     }
+    assert_eq!(nft_tables(unenrolled_pod), Vec::<String>::new());
     assert_eq!(nft_tables(&cluster.node), [nftables::NAT_TABLE]);
     assert!(records.read_dir().unwrap().next().is_some());
 
@@ -603,16 +606,15 @@ fn nftables_pods_are_found_and_cleaned_without_the_agent() {
     assert!(out.status.success());
     let text = stdout(&out);
     let all = "istio-ambient-nat, istio-ambient-mangle, istio-ambient-raw";
-    for (pod, tables) in [
-        (named_pod, all),
-        (unenrolled_pod, "istio-ambient-nat, istio-ambient-mangle"),
-    ] {
-        let line = format!(
-            "removed the nftables tables ({tables}) and reply routing of {}",
-            pod.path().display()
-        );
-        assert!(text.contains(&line), "{text}");
-    }
+    let line = format!(
+        "removed the nftables tables ({all}) and reply routing of {}",
+        named_pod.path().display()
+    );
+    assert!(text.contains(&line), "{text}");
+    assert!(
+        !text.contains(&unenrolled_pod.path().display().to_string()),
+        "{text}"
+    );
     // The held pod is known by its process only.
     assert!(
         text.lines().any(|l| l.starts_with(&format!(
@@ -622,7 +624,7 @@ fn nftables_pods_are_found_and_cleaned_without_the_agent() {
     );
     assert_eq!(
         text.matches("removed the nftables tables").count(),
-        3,
+        2,
         "{text}"
     );
     assert!(

@@ -57,7 +57,7 @@
 //! ```
 //!
 //! A pod's addresses join the ipsets before its in-pod rules are written
-//! (a probe is never captured) and leave them first on unenrolment (a reused
+//! (a probe is never captured) and leave them first on opt-out (a reused
 //! address is not SNATed for long).
 //!
 //! # Writing and removing
@@ -70,13 +70,16 @@
 //! enrolling again, with the same or other options, rewrites the set
 //! atomically and never duplicates anything.
 //!
-//! Unenrolling removes the pod's addresses from the ipsets and the capture
-//! rules (nat and raw chains, jumps included), so new connections go direct,
-//! and forgets the pod. As in the eBPF mode, the reply path stays while the
-//! namespace lives (the mangle connmark chains and the policy routing): it
-//! acts only on connections ztunnel made (mark 0x539), and without it the
-//! app's replies on connections ztunnel proxies at that moment would be
-//! routed out of the pod. [`remove_pod_rules`] removes everything, and
+//! Opting a pod out does what Istio's node agent does
+//! (`DeleteInpodRules`): the pod's addresses leave the ipsets, then per
+//! family 18 `iptables` commands, one process each and every failure
+//! ignored (the six jumps `-D`, then `-F` and `-X` of both chains in
+//! mangle, nat and raw; `--wait=30` with the legacy backend only), then the
+//! policy rule and routes go over netlink. Nothing stays, the reply path
+//! included, so connections ztunnel proxies at that moment end, as with
+//! Istio (the eBPF mode keeps them: docs/parity.md). A deleted pod only
+//! loses its ipset members; its namespace dies with its rules.
+//! [`remove_pod_rules`] removes everything in one restore per family, and
 //! [`uninstall_node`] does that for a set of pods and then removes the host
 //! rules and ipsets: [`IptablesRedirection::uninstall`] for the pods it
 //! enrolled, `ambpf uninstall` for every namespace [`find_pod_rules`]
@@ -121,6 +124,7 @@ use tracing::{info, warn};
 
 #[cfg(test)]
 pub(in crate::redirect) use self::tools::PROCESSES_STARTED;
+use self::tools::{FALLBACK_DIRS, Tools, detect_backend};
 pub(in crate::redirect) use self::tools::{find_binary, run_in};
 pub use self::{
     node::{
@@ -129,10 +133,6 @@ pub use self::{
     },
     probes::{ProbeMember, probe_set_entries},
     rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
-};
-use self::{
-    rules::pod_reply_rules,
-    tools::{FALLBACK_DIRS, Tools, detect_backend},
 };
 use super::{
     AddressConflict, CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection,
@@ -181,6 +181,11 @@ impl IptablesBackend {
     /// E.g. `ip6tables-nft-restore`.
     fn binary(self, family: Family, tool: &str) -> String {
         format!("{}-{}-{tool}", family.tables_tool(), self.name())
+    }
+
+    /// E.g. `ip6tables-nft`.
+    fn command(self, family: Family) -> String {
+        format!("{}-{}", family.tables_tool(), self.name())
     }
 }
 
@@ -395,8 +400,9 @@ impl IptablesRedirection {
         Ok(conflicts)
     }
 
-    /// Stops capturing: the probe ipset entries the pod owns, then the nat
-    /// and raw chains.
+    /// Opts the pod out as Istio's node agent does: the probe ipset entries
+    /// the pod owns, then `DeleteInpodRules` (per family its 18 `iptables`
+    /// commands, then the policy rule and routes).
     fn release_pod(&mut self, cookie: u64) -> Result<(), EnrollError> {
         let Some(entry) = self.pods.get(&cookie) else {
             return Ok(());
@@ -405,10 +411,9 @@ impl IptablesRedirection {
         self.release_probe_addresses(cookie, &addresses)?;
         let entry = &self.pods[&cookie];
         for family in self.tools.families.keys().copied() {
-            let owned = pod_rules(family, true);
-            self.tools
-                .apply(&entry.netns, &owned, &pod_reply_rules(family))?;
+            self.tools.delete_inpod_rules(&entry.netns, family);
         }
+        routing::remove_policy_routing(&entry.netns)?;
         Ok(())
     }
 }

@@ -69,19 +69,6 @@ impl RuleSet {
         self.tables.iter().find(|t| t.table == name)
     }
 
-    /// Only the tables named.
-    fn only(&self, names: &[&str]) -> Self {
-        Self {
-            family: self.family,
-            tables: self
-                .tables
-                .iter()
-                .filter(|t| names.contains(&t.table))
-                .cloned()
-                .collect(),
-        }
-    }
-
     pub(super) fn empty(family: Family) -> Self {
         Self {
             family,
@@ -174,9 +161,33 @@ pub fn pod_rules(family: Family, dns_capture: bool) -> RuleSet {
     RuleSet { family, tables }
 }
 
-/// What stays in a pod after unenrolment: the connmark reply path.
-pub(super) fn pod_reply_rules(family: Family) -> RuleSet {
-    pod_rules(family, false).only(&["mangle"])
+/// Istio's `DeleteInpodRules` (`cni/pkg/iptables/iptables.go`,
+/// `executeDeleteCommands`): the arguments of one `iptables` command each,
+/// in Istio's order. The six jumps go first (nat `OUTPUT` before raw, nat
+/// `PREROUTING` last, as Istio lists them), then both chains are flushed in
+/// mangle, nat and raw, then deleted in the same order.
+pub(super) fn istio_delete_commands() -> Vec<Vec<&'static str>> {
+    let (prert, output) = (CHAIN_PREROUTING, CHAIN_OUTPUT);
+    let jumps = [
+        ("mangle", "PREROUTING", prert),
+        ("mangle", "OUTPUT", output),
+        ("nat", "OUTPUT", output),
+        ("raw", "PREROUTING", prert),
+        ("raw", "OUTPUT", output),
+        ("nat", "PREROUTING", prert),
+    ];
+    let mut commands: Vec<Vec<&str>> = jumps
+        .iter()
+        .map(|&(table, from, to)| vec!["-t", table, "-D", from, "-j", to])
+        .collect();
+    for op in ["-F", "-X"] {
+        for table in ["mangle", "nat", "raw"] {
+            for chain in [prert, output] {
+                commands.push(vec!["-t", table, op, chain]);
+            }
+        }
+    }
+    commands
 }
 
 /// The host rule set for `family`: SNAT of host-process TCP to pods in the
@@ -681,10 +692,15 @@ COMMIT
                 .foreign_istio_chains(&owned, &host)
                 .is_empty()
         );
-        // What an unenrolled pod keeps (mangle only) is ambpf's too.
-        let reply_path = render_fresh(&pod_reply_rules(Family::V4));
+        // Part of the set (the mangle chains of an opt-out cut short) is
+        // ambpf's too.
+        let reply_path = "*mangle\n:ISTIO_PRERT - [0:0]\n:ISTIO_OUTPUT - [0:0]\n\
+            -A PREROUTING -j ISTIO_PRERT\n-A OUTPUT -j ISTIO_OUTPUT\n\
+            -A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff\n\
+            -A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark \
+            --nfmask 0xffffffff --ctmask 0xffffffff\nCOMMIT\n";
         assert!(
-            SavedRules::parse(&reply_path)
+            SavedRules::parse(reply_path)
                 .foreign_istio_chains(&owned, &host)
                 .is_empty()
         );
@@ -750,38 +766,39 @@ COMMIT
     }
 
     #[test]
-    fn unenrolling_keeps_only_the_reply_path_and_removal_leaves_nothing() {
+    fn opting_out_runs_istios_delete_commands_in_its_order() {
+        let commands: Vec<String> = istio_delete_commands()
+            .iter()
+            .map(|args| format!("iptables {}", args.join(" ")))
+            .collect();
+        assert_eq!(
+            commands.join("\n"),
+            "\
+iptables -t mangle -D PREROUTING -j ISTIO_PRERT
+iptables -t mangle -D OUTPUT -j ISTIO_OUTPUT
+iptables -t nat -D OUTPUT -j ISTIO_OUTPUT
+iptables -t raw -D PREROUTING -j ISTIO_PRERT
+iptables -t raw -D OUTPUT -j ISTIO_OUTPUT
+iptables -t nat -D PREROUTING -j ISTIO_PRERT
+iptables -t mangle -F ISTIO_PRERT
+iptables -t mangle -F ISTIO_OUTPUT
+iptables -t nat -F ISTIO_PRERT
+iptables -t nat -F ISTIO_OUTPUT
+iptables -t raw -F ISTIO_PRERT
+iptables -t raw -F ISTIO_OUTPUT
+iptables -t mangle -X ISTIO_PRERT
+iptables -t mangle -X ISTIO_OUTPUT
+iptables -t nat -X ISTIO_PRERT
+iptables -t nat -X ISTIO_OUTPUT
+iptables -t raw -X ISTIO_PRERT
+iptables -t raw -X ISTIO_OUTPUT"
+        );
+    }
+
+    #[test]
+    fn removal_leaves_nothing() {
         let saved = SavedRules::parse(SAVED_V4);
         let owned = pod_rules(Family::V4, true);
-        let unenrol = render(&owned, &pod_reply_rules(Family::V4), &saved);
-        assert_eq!(
-            unenrol,
-            "\
-*mangle
-:ISTIO_PRERT - [0:0]
-:ISTIO_OUTPUT - [0:0]
--A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff
--A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
-COMMIT
-*nat
-:ISTIO_PRERT - [0:0]
-:ISTIO_OUTPUT - [0:0]
--D OUTPUT -j ISTIO_OUTPUT
--D PREROUTING -j ISTIO_PRERT
--D PREROUTING -j ISTIO_PRERT
--X ISTIO_PRERT
--X ISTIO_OUTPUT
-COMMIT
-*raw
-:ISTIO_OUTPUT - [0:0]
-:ISTIO_PRERT - [0:0]
--D PREROUTING -j ISTIO_PRERT
--D OUTPUT -j ISTIO_OUTPUT
--X ISTIO_OUTPUT
--X ISTIO_PRERT
-COMMIT
-"
-        );
         let removal = render(&owned, &RuleSet::empty(Family::V4), &saved);
         assert!(removal.starts_with(
             "\

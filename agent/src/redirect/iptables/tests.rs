@@ -129,19 +129,28 @@ fn enrol_reenrol_unenrol_and_remove_with_each_backend() {
         redirection.enroll(&pod, dns(true)).unwrap();
         assert_eq!(everything(&pod), first, "{backend}: DNS capture back on");
 
-        // Unenrol: capture and probe entries gone, the reply path stays.
+        // Opt-out, as Istio's `DeleteInpodRules`: every chain of every
+        // table, the policy routing and the probe entries go.
         assert!(redirection.unenroll(enrolled.key()).unwrap());
         assert!(!redirection.unenroll(enrolled.key()).unwrap());
         assert!(redirection.enrolled().unwrap().is_empty());
         for family in Family::ALL {
             assert!(probe_set_members(&node, family).unwrap().is_empty());
             let saved = redirection.saved_rules(&pod, family).unwrap();
-            assert_eq!(saved.tables_with_istio_chains(), ["mangle"]);
+            assert!(saved.tables_with_istio_chains().is_empty(), "{family}");
         }
-        assert!(routing::reply_routing_status(&pod).unwrap().ipv4.rule);
-        assert_eq!(find_pod_rules(&pod).unwrap(), PodRulesFound::Ambpf);
+        let status = routing::reply_routing_status(&pod).unwrap();
+        assert!(!status.ipv4.rule && !status.ipv4.route, "{status:?}");
+        assert_eq!(find_pod_rules(&pod).unwrap(), PodRulesFound::None);
+
+        // Without DNS capture (no raw chains: Istio's raw commands fail
+        // and are ignored), the opt-out leaves nothing either.
+        let enrolled = redirection.enroll(&pod, dns(false)).unwrap();
+        assert!(redirection.unenroll(enrolled.key()).unwrap());
+        assert!(istio_lines(&everything(&pod)).is_empty());
 
         // Full removal leaves the pod as it was.
+        redirection.enroll(&pod, dns(true)).unwrap();
         remove_pod_rules(&pod).unwrap();
         remove_pod_rules(&pod).unwrap();
         assert!(
@@ -279,8 +288,8 @@ fn a_new_agent_removes_the_pods_that_left_while_none_ran() {
 }
 
 /// Capture in a namespace of the node no pod is enrolled in (an agent that
-/// stopped without a record of it) is a violation the repair removes; the
-/// reply path an unenrolled pod keeps and a sidecar's chains are not.
+/// stopped without a record of it) is a violation the repair removes; an
+/// opted-out pod (nothing left) and a sidecar's chains are not.
 #[test]
 fn the_full_check_removes_capture_no_enrolled_pod_owns() {
     use ambpf_testbed::cluster::Cluster;
@@ -336,8 +345,8 @@ fn the_full_check_removes_capture_no_enrolled_pod_owns() {
         let members = probe_set_entries(&open(&cluster.node), family).unwrap();
         assert_eq!(members.len(), 1, "{family}: {members:?}");
     }
-    // The unenrolled pod's reply path stays, the enrolled pod's capture too.
-    assert!(!istio_lines(&everything(&unenrolled)).is_empty());
+    // The opted-out pod has nothing left; the enrolled pod keeps its capture.
+    assert!(istio_lines(&everything(&unenrolled)).is_empty());
     assert!(!istio_lines(&everything(&sidecar)).is_empty());
     assert!(agent.saved_rules(&enrolled, Family::V4).unwrap().captures());
     assert_eq!(agent.check(&[(key, &enrolled)], CheckScope::Full), []);
@@ -362,11 +371,14 @@ fn a_pod_costs_the_processes_istios_node_agent_runs_for_it() {
     let mut key = None;
     let add = processes_started(|| key = Some(redirection.enroll(&pod, dns(true)).unwrap().key()));
     assert_eq!(add, 2 * families);
-    // Leaving the mesh: the same two per family.
+    // Leaving the mesh: Istio's `DeleteInpodRules`, per family 18
+    // `iptables` commands (six jumps deleted, then both chains flushed and
+    // deleted in mangle, nat and raw); the policy routing and the probe
+    // ipset over netlink.
     let remove = processes_started(|| {
         assert!(redirection.unenroll(key.unwrap()).unwrap());
     });
-    assert_eq!(remove, 2 * families);
+    assert_eq!(remove, 18 * families);
 
     // Deleted: none. The probe ipset member goes, the namespace's rules
     // stay (they die with it), as with Istio.

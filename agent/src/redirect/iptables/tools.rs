@@ -8,9 +8,11 @@ use std::{
     process::{Command, Stdio},
 };
 
+use tracing::debug;
+
 use super::{
     Family, IptablesBackend, IptablesError,
-    rules::{RuleSet, SavedRules, render},
+    rules::{RuleSet, SavedRules, istio_delete_commands, render},
 };
 use crate::netns::Netns;
 
@@ -189,6 +191,8 @@ pub(in crate::redirect) fn run_in(
 pub(super) struct FamilyTools {
     restore: PathBuf,
     save: PathBuf,
+    /// The single-command tool (`iptables-nft`, ...), for Istio's opt-out.
+    tables: PathBuf,
 }
 
 /// Every binary a backend needs, found once.
@@ -221,7 +225,15 @@ impl Tools {
             let restore =
                 require_binary(&backend.binary(family, "restore"), &needed_for, "iptables")?;
             let save = require_binary(&backend.binary(family, "save"), &needed_for, "iptables")?;
-            families.insert(family, FamilyTools { restore, save });
+            let tables = require_binary(&backend.command(family), &needed_for, "iptables")?;
+            families.insert(
+                family,
+                FamilyTools {
+                    restore,
+                    save,
+                    tables,
+                },
+            );
         }
         Ok(Self { backend, families })
     }
@@ -260,13 +272,40 @@ impl Tools {
         if input.is_empty() {
             return Ok(());
         }
-        run_in(
-            netns,
-            &tools.restore,
-            &["--noflush", "--wait"],
-            Some(&input),
-        )?;
+        let args: Vec<&str> = std::iter::once("--noflush")
+            .chain(self.lock_flags().iter().copied())
+            .collect();
+        run_in(netns, &tools.restore, &args, Some(&input))?;
         Ok(())
+    }
+
+    /// The xtables lock flags Istio's node agent passes to a command that
+    /// writes (`executeXTables`): none with nft, which takes no xtables
+    /// lock; `--wait=30` with legacy.
+    fn lock_flags(&self) -> &'static [&'static str] {
+        match self.backend {
+            IptablesBackend::Legacy => &["--wait=30"],
+            IptablesBackend::Nft | IptablesBackend::Auto => &[],
+        }
+    }
+
+    /// Istio's `DeleteInpodRules` for `family` in `netns`: one `iptables`
+    /// process per command ([`istio_delete_commands`]), every failure
+    /// ignored as Istio ignores it (a chain already gone, or never written:
+    /// raw without DNS capture).
+    pub(super) fn delete_inpod_rules(&self, netns: &Netns, family: Family) {
+        let Some(tools) = self.family(family) else {
+            return;
+        };
+        for command in istio_delete_commands() {
+            let args: Vec<&str> = command
+                .into_iter()
+                .chain(self.lock_flags().iter().copied())
+                .collect();
+            if let Err(e) = run_in(netns, &tools.tables, &args, None) {
+                debug!("ignored, as Istio's node agent ignores it: {e}");
+            }
+        }
     }
 }
 

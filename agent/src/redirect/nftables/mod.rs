@@ -48,12 +48,15 @@
 //! A new pod costs one `nft -f -` in its namespace and one on the host (its
 //! addresses' members, both families in one transaction); re-enrolling
 //! with the same addresses costs the pod's one. A deleted pod costs one
-//! host transaction and nothing in its namespace; an opt-out adds one in
-//! the namespace, which removes the capture rules (the nat table's rules,
-//! the raw table) and keeps the reply path (mangle, policy routing) while
-//! the namespace lives, as the iptables mode does. The nat table's base
-//! chains stay, empty: deleting the last nat chain unhooks NAT from the
-//! namespace, and every connection it redirected would break.
+//! host transaction and nothing in its namespace. An opt-out is Istio's
+//! `DeleteInpodRules`: the host transaction for the members, then one in
+//! the namespace deleting its tables (a failure only logged, as Istio
+//! does), then the policy rule and routes over netlink. Nothing stays:
+//! deleting the nat table unhooks NAT from the namespace and the reply path
+//! goes, so connections ztunnel proxies at that moment end, as with Istio.
+//! Istio's transaction names the raw table always and fails whole for a
+//! pod without DNS capture (no raw table), leaving its tables; ambpf names
+//! only the tables the pod has.
 //!
 //! # Across restarts
 //!
@@ -170,6 +173,8 @@ struct PodEntry {
     netns: Netns,
     key: PodKey,
     addresses: Vec<IpAddr>,
+    /// Whether the raw table was written (what the opt-out deletes).
+    dns_capture: bool,
 }
 
 /// Istio's in-pod nftables tables, per pod, plus the host probe SNAT.
@@ -411,12 +416,14 @@ impl PodRedirection for NftablesRedirection {
                     netns,
                     key,
                     addresses: addresses.clone(),
+                    dns_capture: options.dns_capture,
                 };
                 self.pods.insert(cookie, entry);
             }
             None => {
                 if let Some(entry) = self.pods.get_mut(&cookie) {
                     entry.addresses = addresses.clone();
+                    entry.dns_capture = options.dns_capture;
                 }
             }
         }
@@ -446,14 +453,16 @@ impl PodRedirection for NftablesRedirection {
         let addresses = entry.addresses.clone();
         self.release_probe_addresses(cookie, &addresses)?;
         let entry = &self.pods[&cookie];
-        // The capture rules go; the reply path stays for connections
-        // ztunnel proxies at this moment. The nat table keeps its empty
-        // base chains: without a nat chain the kernel unhooks NAT from the
-        // namespace, and the connections it redirected stop being
-        // translated.
-        let mut capture = format!("flush table inet {NAT_TABLE}\n");
-        capture.push_str(&rules::delete_tables(&[RAW_TABLE]));
-        if let Err(e) = self.nft.apply(&entry.netns, &capture) {
+        // Istio's `DeleteInpodRules`: one transaction deleting the tables,
+        // whose failure is only logged, then the policy rule and routes.
+        let script = rules::istio_delete_pod_tables(entry.dns_capture);
+        if let Err(e) = self.nft.apply(&entry.netns, &script) {
+            warn!(
+                "deleting the tables of {}, as Istio's node agent does: {e}",
+                entry.netns.path().display()
+            );
+        }
+        if let Err(e) = routing::remove_policy_routing(&entry.netns) {
             let torn_down = podnet::inspect(&entry.netns).is_ok_and(|n| n.interfaces.is_empty());
             if !torn_down {
                 return Err(e.into());

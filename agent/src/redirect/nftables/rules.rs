@@ -187,9 +187,26 @@ pub fn pod_script(dns_capture: bool, ipv6: bool) -> String {
     script
 }
 
+/// The opt-out transaction of Istio's `DeleteInpodRules`
+/// (`cni/pkg/nftables/nftables.go`): a plain `delete table` of each pod
+/// table, which fails the whole transaction if one is missing. Istio names
+/// the raw table always, so for a pod without DNS capture (no raw table)
+/// its transaction fails and every table stays; ambpf names the raw table
+/// only when it wrote it.
+pub fn istio_delete_pod_tables(dns_capture: bool) -> String {
+    let tables: &[&str] = if dns_capture {
+        &[NAT_TABLE, MANGLE_TABLE, RAW_TABLE]
+    } else {
+        &[NAT_TABLE, MANGLE_TABLE]
+    };
+    tables
+        .iter()
+        .map(|t| format!("delete table inet {t}\n"))
+        .collect()
+}
+
 /// Deletes the `inet` tables `names`, whether they exist or not (a delete
-/// of a missing table would fail the transaction, so each is added first,
-/// as Istio's `DeleteInpodRules` does).
+/// of a missing table would fail the transaction, so each is added first).
 pub fn delete_tables(names: &[&str]) -> String {
     let mut out = String::new();
     for t in names {
@@ -357,6 +374,20 @@ add rule inet istio-ambient-raw istio-prerouting udp sport 53 meta mark and 0xff
             let at = lines.iter().position(|l| *l == rule).unwrap();
             assert!(lines[at - 1].contains(" ip ") || lines[at - 1].contains("127.0.0.1"));
         }
+    }
+
+    #[test]
+    fn the_opt_out_deletes_the_tables_the_pod_has_in_one_transaction() {
+        assert_eq!(
+            istio_delete_pod_tables(true),
+            "delete table inet istio-ambient-nat\n\
+             delete table inet istio-ambient-mangle\n\
+             delete table inet istio-ambient-raw\n"
+        );
+        assert_eq!(
+            istio_delete_pod_tables(false),
+            "delete table inet istio-ambient-nat\ndelete table inet istio-ambient-mangle\n"
+        );
     }
 
     #[test]

@@ -141,17 +141,15 @@ fn enrol_reenrol_unenrol_and_uninstall() {
     redirection.enroll(&pod, dns(true)).unwrap();
     assert_eq!(ruleset(&pn.pod), listed, "rebuilt, not duplicated");
 
-    // Opt-out: capture rules and members go, the reply path stays, and
-    // the nat table's empty base chains (NAT for open connections).
+    // Opt-out, as Istio's `DeleteInpodRules`: the three tables, the
+    // policy routing and the members go.
     assert!(redirection.unenroll(key).unwrap());
-    let left = ruleset(&pn.pod);
+    assert_eq!(ruleset(&pn.pod), "");
     assert!(
-        !left.contains("redirect to") && !left.contains(RAW_TABLE),
-        "{left}"
+        !routing::reply_routing_status(&pod)
+            .unwrap()
+            .policy_routing_installed()
     );
-    let empty_base = "type nat hook output priority -100; policy accept;\n\t}";
-    assert!(left.contains(empty_base), "{left}");
-    assert!(left.contains(MANGLE_TABLE), "{left}");
     assert!(
         probe_set_entries(redirection.nft(), &node)
             .unwrap()
@@ -159,7 +157,13 @@ fn enrol_reenrol_unenrol_and_uninstall() {
     );
     assert!(redirection.enrolled().unwrap().is_empty());
 
-    // Enrolled again (its mangle table is ambpf's), then uninstalled.
+    // Without DNS capture (no raw table), the opt-out names only the
+    // tables the pod has, and leaves nothing.
+    let key = redirection.enroll(&pod, dns(false)).unwrap().key();
+    assert!(redirection.unenroll(key).unwrap());
+    assert_eq!(ruleset(&pn.pod), "");
+
+    // Enrolled again, then uninstalled.
     redirection.enroll(&pod, dns(true)).unwrap();
     redirection.uninstall().unwrap();
     assert_eq!(ruleset(&pn.pod), "");
@@ -183,7 +187,8 @@ fn a_pod_costs_one_transaction_in_its_namespace() {
     // Again with the same addresses: the pod's transaction alone.
     let again = processes_started(|| drop(redirection.enroll(&pod, dns(true)).unwrap()));
     assert_eq!(again, 1);
-    // Opt-out: the host's members, the pod's capture tables.
+    // Opt-out: the host's members, then Istio's one transaction deleting
+    // the pod's tables (the policy routing over netlink).
     let remove = processes_started(|| assert!(redirection.unenroll(key.unwrap()).unwrap()));
     assert_eq!(remove, 2);
     // Deleted: the members only; the namespace keeps its tables.
