@@ -28,6 +28,7 @@ use nix::{
 pub mod apiserver;
 pub mod bench;
 pub mod cluster;
+pub mod foreign_programs;
 /// The host's cgroup v2 and bpffs, shared with the agent (which owns it).
 #[path = "../../agent/src/mounts.rs"]
 pub mod mounts;
