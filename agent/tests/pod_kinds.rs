@@ -11,9 +11,9 @@
 //! is answered by ztunnel's DNS proxy, and in eBPF mode the state check
 //! finds a removed steering filter and the repair puts it back.
 //!
-//! Where ambpf's steering cannot serve a kind (netkit in L3 mode carries no
-//! Ethernet header), the eBPF mode refuses the pod with an error naming the
-//! kind, leaves nothing in it, and enrols the next pod.
+//! Where ambpf's steering cannot serve an interface (its frames carry no
+//! Ethernet header: a tun device), the eBPF mode refuses the pod with an
+//! error naming the kind, leaves nothing in it, and enrols the next pod.
 //!
 //! A kind this kernel cannot make (no netkit, no ipvlan) is skipped, with
 //! the kernel's answer printed: found by trying to make it.
@@ -72,13 +72,6 @@ for_every_mode!(ipvlan_l2, PodLinkKind::IpvlanL2);
 for_every_mode!(ipvlan_l3, PodLinkKind::IpvlanL3);
 for_every_mode!(macvlan, PodLinkKind::Macvlan);
 
-/// Whether ambpf refuses a pod of `kind` in `mode`: the eBPF mode's
-/// steering reads SYNs behind an Ethernet header, which netkit's L3 mode
-/// does not have.
-fn refused(kind: PodLinkKind, mode: RedirectMode) -> bool {
-    mode == RedirectMode::Ebpf && kind == PodLinkKind::NetkitL3
-}
-
 async fn capture_on(kind: PodLinkKind, mode: RedirectMode) {
     let _serial = modes::SERIAL.lock().await;
     let cluster = match Cluster::create_with_first_pod(2, kind) {
@@ -90,11 +83,13 @@ async fn capture_on(kind: PodLinkKind, mode: RedirectMode) {
     };
     let cgroup = (mode == RedirectMode::Ebpf).then(|| CgroupGuard::create().unwrap());
     let _inside = cgroup.as_ref().map(|c| c.enter_process().unwrap());
-    if refused(kind, mode) {
-        refusal(cluster, mode, cgroup.as_ref(), kind);
-        return;
-    }
-    let f = fixture_in(cluster, mode, cgroup.as_ref(), InboundAssign::from_env().unwrap()).await;
+    let f = fixture_in(
+        cluster,
+        mode,
+        cgroup.as_ref(),
+        InboundAssign::from_env().unwrap(),
+    )
+    .await;
     let case = format!("{kind} in {mode:?} mode");
     outbound(&f, &case).await;
     inbound(&f, &case).await;
@@ -149,7 +144,11 @@ fn probe(f: &Fixture, case: &str) {
         None,
     );
     assert_eq!(f.app.last_peer().unwrap().ip(), app_sees, "{case}");
-    assert_eq!(f.proxied().len(), before, "{case}: a probe went through ztunnel");
+    assert_eq!(
+        f.proxied().len(),
+        before,
+        "{case}: a probe went through ztunnel"
+    );
 }
 
 /// A query over UDP and one over TCP to a resolver nobody serves, answered
@@ -221,7 +220,11 @@ async fn steering_repaired(mut f: Fixture, case: &str) {
     let found = f.redirection.check(&known, CheckScope::Full);
     assert_eq!(found.len(), 1, "{case}: {found:#?}");
     assert_eq!(found[0].kind, ViolationKind::SteeringMissing, "{case}");
-    assert!(found[0].to_string().contains("eth0"), "{case}: {}", found[0]);
+    assert!(
+        found[0].to_string().contains("eth0"),
+        "{case}: {}",
+        found[0]
+    );
     for again in f.redirection.repair(&found) {
         assert_eq!(again, pod, "{case}");
         f.redirection.enroll(&netns, ENROLL).unwrap();
@@ -233,32 +236,47 @@ async fn steering_repaired(mut f: Fixture, case: &str) {
     f.wait_proxied(15006, dst).await;
 }
 
-/// The eBPF mode refuses pod 1, naming its interface's kind and why, with
-/// nothing of ambpf's left in it, and enrols pod 2 all the same.
-fn refusal(cluster: Cluster, mode: RedirectMode, cgroup: Option<&CgroupGuard>, kind: PodLinkKind) {
-    let (mut redirection, _bpffs, _) = node_redirection(mode, &cluster, cgroup);
+/// A pod with an interface whose frames carry no Ethernet header (a tun
+/// device here; any kind ambpf's steering program cannot read) is refused
+/// in eBPF mode, naming the interface, its kind and why, with nothing of
+/// ambpf's left in it; the next pod is enrolled all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() {
+    let _serial = modes::SERIAL.lock().await;
+    let cluster = Cluster::create(2).unwrap();
     let pod = &cluster.pods[0].ns;
+    ip(pod, "tuntap add dev tun0 mode tun");
+    ip(pod, "link set tun0 up");
+    let cgroup = CgroupGuard::create().unwrap();
+    let _inside = cgroup.enter_process().unwrap();
+    let (mut redirection, _bpffs, _) =
+        node_redirection(RedirectMode::Ebpf, &cluster, Some(&cgroup));
     let err = redirection
         .enroll(&Netns::open(pod.name()).unwrap(), ENROLL)
         .expect_err("a pod ambpf cannot steer is refused")
         .to_string();
-    for expected in ["eth0", "netkit", "l3", "no Ethernet header", pod.name()] {
-        assert!(err.contains(expected), "{kind}: `{expected}` not in: {err}");
+    for expected in ["tun0", "is tun", "no Ethernet header", pod.name()] {
+        assert!(err.contains(expected), "`{expected}` not in: {err}");
     }
     assert!(
         redirection.enrolled().unwrap().is_empty(),
-        "{kind}: the refused pod is recorded"
+        "the refused pod is recorded"
     );
-    let filters = tc(pod, "filter show dev eth0 ingress");
-    assert!(!filters.contains("ambpf"), "{kind}: {filters}");
+    for iface in ["eth0", "tun0"] {
+        let filters = tc(pod, &format!("filter show dev {iface} ingress"));
+        assert!(!filters.contains("ambpf"), "{iface}: {filters}");
+    }
     // Nor its reply routing: the rule `fwmark 0x111/0xfff lookup 100`.
     for family in ["-4", "-6"] {
         let rules = ip(pod, &format!("{family} rule show"));
-        assert!(!rules.contains("lookup 100"), "{kind}: ambpf's routing left: {rules}");
+        assert!(
+            !rules.contains("lookup 100"),
+            "ambpf's routing left: {rules}"
+        );
     }
     redirection
         .enroll(&Netns::open(cluster.pods[1].ns.name()).unwrap(), ENROLL)
-        .unwrap_or_else(|e| panic!("{kind}: the next pod: {e}"));
+        .unwrap_or_else(|e| panic!("the next pod: {e}"));
     assert_eq!(redirection.enrolled().unwrap().len(), 1);
 }
 

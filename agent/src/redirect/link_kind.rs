@@ -150,7 +150,10 @@ fn mode_of(data: &InfoData) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use ambpf_testbed::PodAndNode;
+    use ambpf_testbed::{
+        PodAndNode,
+        cluster::{Cluster, PodLinkKind},
+    };
 
     use super::*;
 
@@ -164,6 +167,18 @@ mod tests {
             .unwrap();
         assert_eq!(kind.kind, "veth");
         assert_eq!(kind.to_string(), "veth");
+        assert_eq!(kind.unsteerable_because(), None);
+    }
+
+    #[test]
+    fn a_macvlan_child_is_named_with_its_mode_and_steerable() {
+        let cluster = Cluster::create_with_first_pod(1, PodLinkKind::Macvlan).unwrap();
+        let pod = &cluster.pods[0].ns;
+        let ifindex = pod.ifindex("eth0").unwrap();
+        let kind = pod
+            .run(|| of(&mut Rtnl::open().unwrap(), ifindex).unwrap())
+            .unwrap();
+        assert_eq!(kind.to_string(), "macvlan (mode bridge)");
         assert_eq!(kind.unsteerable_because(), None);
     }
 

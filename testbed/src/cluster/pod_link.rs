@@ -3,13 +3,13 @@
 //! macvlan child of a node device (Multus secondary networks).
 //!
 //! ```text
-//!   veth, netkit:   pod eth0 ── nkpod<n> / vpod<n> (gateway addresses)    node
-//!   ipvlan, macvlan:
-//!     pod eth0 ─┐
-//!               ├── children of `lower<n>` (a veth, the NIC) in the node namespace
-//!     node lan<n> (gateway addresses)
+//!   veth, netkit:    pod eth0 ── vpod<n> / nkpod<n> (gateway addresses), node
+//!   ipvlan, macvlan: pod eth0 ──┐
+//!                    node lan<n> ┴ children of lower<n> (node), a veth for
+//!                    the NIC whose wire's other end wire<n> is at the remote
 //! ```
 //!
+//! The node's child `lan<n>` holds the gateway addresses.
 //! An ipvlan or macvlan child cannot talk to its parent, so the node talks
 //! to the pod through a child of its own, as a Multus node does. Every link
 //! is made over rtnetlink (Debian 12's iproute2 cannot make netkit), inside
@@ -34,6 +34,8 @@ use netlink_packet_route::{
 };
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
+#[allow(unused_imports)] // in the docs
+use super::REMOTE;
 use super::{Cluster, pod_addrs};
 use crate::NetnsGuard;
 
@@ -123,13 +125,26 @@ impl Cluster {
                 let lower = format!("lower{n}");
                 let child = format!("lan{n}");
                 // The parent stands in for the node's NIC: one end of a veth
-                // pair whose other end is up, so that it has a carrier
-                // (kernels without `dummy` still have veth).
+                // pair (kernels without `dummy` still have veth) whose other
+                // end is on the off-node network, in the remote's namespace.
                 let wire = format!("wire{n}");
-                self.node
-                    .ip(&["link", "add", &lower, "type", "veth", "peer", "name", &wire])?;
-                self.node.ip(&["link", "set", &wire, "up"])?;
+                self.node.ip(&[
+                    "link",
+                    "add",
+                    &lower,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    &wire,
+                    "netns",
+                    self.remote.ns.name(),
+                ])?;
+                self.remote.ns.ip(&["link", "set", &wire, "up"])?;
                 self.node.ip(&["link", "set", &lower, "up"])?;
+                if kind == PodLinkKind::IpvlanL3 {
+                    self.uplink_through(&lower, &wire, n)?;
+                }
                 let lower_index = self.node.ifindex(&lower)?;
                 let data = match kind {
                     PodLinkKind::IpvlanL2 => {
@@ -164,6 +179,34 @@ impl Cluster {
         self.address_pod_link(n, pod, &node_side)
     }
 
+    /// An ipvlan child in L3 mode sends what is not for another child out
+    /// of its parent, routed in the parent's namespace with the parent as
+    /// the outgoing device, as through the node's NIC onto its network. So
+    /// the parent `lower` and its wire's other end `wire` (at the remote)
+    /// get addresses, and the node a route to the remote through `wire`
+    /// behind its own (metric 0) through `vremote`. The remote answers
+    /// through the node, as to any pod.
+    fn uplink_through(&self, lower: &str, wire: &str, n: u16) -> io::Result<()> {
+        let (lower_v4, wire_v4) = (format!("10.243.{n}.2"), format!("10.243.{n}.1"));
+        let (lower_v6, wire_v6) = (format!("fd00:c:{n:x}::2"), format!("fd00:c:{n:x}::1"));
+        crate::ip_batch(
+            Some(self.remote.ns.name()),
+            &[
+                format!("addr add {wire_v4}/24 dev {wire}"),
+                format!("addr add {wire_v6}/64 dev {wire} nodad"),
+            ],
+        )?;
+        crate::ip_batch(
+            Some(self.node.name()),
+            &[
+                format!("addr add {lower_v4}/24 dev {lower}"),
+                format!("addr add {lower_v6}/64 dev {lower} nodad"),
+                format!("route add {REMOTE_NET_V4}/24 via {wire_v4} dev {lower} metric 2000"),
+                format!("route add {REMOTE_NET_V6}/64 via {wire_v6} dev {lower} metric 2000"),
+            ],
+        )
+    }
+
     /// Addresses and routes on both ends of pod `n`'s new link; neighbours
     /// are learnt (one pod's few entries).
     fn address_pod_link(&self, n: u16, pod: &NetnsGuard, node_side: &str) -> io::Result<()> {
@@ -193,6 +236,10 @@ impl Cluster {
 /// Maps the kernel's answer for a kind it cannot make (`EOPNOTSUPP`: no
 /// such link kind, nor a module for it) to [`io::ErrorKind::Unsupported`],
 /// naming the kind.
+/// The remote client's subnets (its address is [`REMOTE`]).
+const REMOTE_NET_V4: &str = "10.245.0.0";
+const REMOTE_NET_V6: &str = "fd00:b::";
+
 fn unsupported(kind: PodLinkKind) -> impl Fn(io::Error) -> io::Error {
     move |e| {
         if e.raw_os_error() == Some(nix::libc::EOPNOTSUPP) {
