@@ -134,6 +134,35 @@ pub fn link_create(program: BorrowedFd<'_>, target: u32, attach_type: u32) -> io
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Whether this kernel orders cgroup programs (BPF_F_BEFORE on a cgroup
+/// link, Linux 6.16 on), tried with a pass-on connect4 program on
+/// `cgroup` and detached at once.
+pub fn cgroup_ordering_supported(cgroup: &Path) -> io::Result<bool> {
+    const CONNECT4: u32 = 10;
+    const F_BEFORE: u32 = 1 << 3;
+    let program = load(
+        PROG_TYPE_CGROUP_SOCK_ADDR,
+        CONNECT4,
+        "order_probe",
+        &[insn(MOV64_IMM, 0, 0, 0, 1), insn(EXIT, 0, 0, 0, 0)],
+    )?;
+    let dir = std::fs::File::open(cgroup)?;
+    let mut attr = [0u32; 32];
+    attr[0] = program.as_raw_fd() as u32;
+    attr[1] = dir.as_raw_fd() as u32;
+    attr[2] = CONNECT4;
+    attr[3] = F_BEFORE;
+    match bpf(BPF_LINK_CREATE, &mut attr) {
+        Ok(fd) => {
+            // SAFETY: the kernel returned a new link fd; closing it detaches.
+            drop(unsafe { OwnedFd::from_raw_fd(fd) });
+            Ok(true)
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Pins `fd` at `path` on a bpffs (for `tc ... bpf object-pinned`).
 pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
     let c_path = CString::new(path.as_os_str().as_encoded_bytes())
