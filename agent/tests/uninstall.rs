@@ -945,3 +945,108 @@ fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
     assert!(stdout(&out).contains("nothing pinned under"));
     drop(server);
 }
+
+/// Another dataplane's programs beside ambpf's (a socket load balancer on
+/// the cgroup's hooks, a `clsact` filter each way and a TCX ingress program
+/// on the pod's `eth0`): uninstall takes ambpf's and leaves each of the
+/// others attached with the same program.
+#[test]
+fn other_owners_programs_are_left_attached() {
+    use std::os::fd::AsFd;
+
+    use ambpf_testbed::foreign_programs::{self, Service, SocketLb, TCX_INGRESS};
+
+    let _serial = serial();
+    let bpffs = BpffsMount::create().unwrap();
+    let pins = PinLayout::new(bpffs.path().join("ambpf"));
+    let cluster = Cluster::create(1).unwrap();
+    let pod = &cluster.pods[0].ns;
+    let cgroup = CgroupGuard::create().unwrap();
+    let service = |vip: &str, backend: &str| Service {
+        vip: vip.parse().unwrap(),
+        backend: backend.parse().unwrap(),
+    };
+    let mut lb = SocketLb::load(
+        service("10.96.0.10:80", "10.245.0.2:9000"),
+        service("[fd00:96::10]:80", "[fd00:b::2]:9000"),
+    )
+    .unwrap();
+    lb.attach(cgroup.path()).unwrap();
+    let pass = foreign_programs::pass_on_program("foreign_pass").unwrap();
+    let pinned = bpffs.path().join("foreign_pass");
+    foreign_programs::pin(pass.as_fd(), &pinned).unwrap();
+    let pinned = pinned.to_str().unwrap();
+    let tc = |args: &[&str]| {
+        let out = pod.command("tc").unwrap().args(args).output().unwrap();
+        assert!(out.status.success(), "tc {args:?}: {out:?}");
+    };
+    tc(&["qdisc", "add", "dev", "eth0", "clsact"]);
+    for (direction, handle) in [("ingress", "7"), ("egress", "8")] {
+        tc(&[
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            direction,
+            "prio",
+            "10",
+            "handle",
+            handle,
+            "bpf",
+            "object-pinned",
+            pinned,
+            "da",
+        ]);
+    }
+    let eth0 = pod.ifindex("eth0").unwrap();
+    let tcx_pass = foreign_programs::pass_on_program("foreign_tcx").unwrap();
+    let _tcx = pod
+        .run(|| foreign_programs::link_create(tcx_pass.as_fd(), eth0, TCX_INGRESS))
+        .unwrap()
+        .unwrap();
+    let pass_id = foreign_programs::prog_id(pass.as_fd()).unwrap();
+    let others = || {
+        let filters =
+            |direction: &str| ns_output(pod, &["tc", "filter", "show", "dev", "eth0", direction]);
+        let tcx = pod
+            .run(|| foreign_programs::attached_programs(eth0, TCX_INGRESS))
+            .unwrap()
+            .unwrap();
+        (
+            cgroup_programs(&cgroup)
+                .lines()
+                .filter(|l| l.contains("lb_"))
+                .map(str::to_owned)
+                .collect::<Vec<_>>(),
+            ["ingress", "egress"].map(|d| {
+                filters(d)
+                    .lines()
+                    .filter(|l| l.contains("foreign_pass"))
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            }),
+            tcx,
+        )
+    };
+    let before = others();
+    assert_eq!(before.0.len(), 8, "{before:?}");
+    for direction in &before.1 {
+        assert!(
+            direction.len() == 1 && direction[0].contains(&format!("id {pass_id} ")),
+            "{before:?}"
+        );
+    }
+    assert_eq!(before.2.len(), 1);
+    {
+        let mut dataplane = Dataplane::load(pins.clone()).unwrap();
+        dataplane.attach_cgroup(cgroup.path()).unwrap();
+        dataplane.enroll_pod(&open(pod), true).unwrap();
+    }
+    assert!(tc_filters(pod).contains("ambpf_pod_in"));
+
+    let out = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
+    assert!(out.status.success(), "{}", stdout(&out));
+    assert!(!tc_filters(pod).contains("ambpf_pod_in"));
+    assert!(!cgroup_programs(&cgroup).contains("ambpf_"));
+    assert_eq!(others(), before, "other owners' programs after uninstall");
+}
