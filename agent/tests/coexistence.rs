@@ -224,7 +224,10 @@ fn echo(conn: &mut TcpStream, what: &[u8]) {
 /// The app in the pod connects to the service address (both families):
 /// for each, the peer the app is told (getpeername) and the original
 /// destination ztunnel got on 15001.
-async fn through_the_service(world: &World, ztunnel: &ZtunnelDouble) -> Vec<(SocketAddr, SocketAddr)> {
+async fn through_the_service(
+    world: &World,
+    ztunnel: &ZtunnelDouble,
+) -> Vec<(SocketAddr, SocketAddr)> {
     let mut out = Vec::new();
     for v6 in [false, true] {
         ztunnel.take_proxied();
@@ -234,7 +237,10 @@ async fn through_the_service(world: &World, ztunnel: &ZtunnelDouble) -> Vec<(Soc
             conn.peer_addr().unwrap()
         });
         ztunnel
-            .wait_until(|s| s.proxied.iter().any(|c| c.listener_port == 15001), PATIENCE)
+            .wait_until(
+                |s| s.proxied.iter().any(|c| c.listener_port == 15001),
+                PATIENCE,
+            )
             .await
             .unwrap();
         let conn = ztunnel
@@ -301,11 +307,16 @@ async fn the_service_address_survives(lb_first: bool) {
         // A kernel that cannot order cgroup programs runs the balancer
         // first: ztunnel gets the backend, and status --check says why.
         for (v6, (_, original_dst)) in [false, true].into_iter().zip(through) {
-            assert_eq!(original_dst, world.backend(v6), "ztunnel's original destination");
+            assert_eq!(
+                original_dst,
+                world.backend(v6),
+                "ztunnel's original destination"
+            );
         }
         let said = warnings(&report);
         assert!(
-            said.iter().any(|w| w.contains("lb_connect4") && w.contains("runs before ambpf's")),
+            said.iter()
+                .any(|w| w.contains("lb_connect4") && w.contains("runs before ambpf's")),
             "{said:?}"
         );
         ztunnel.shutdown().await;
@@ -348,7 +359,9 @@ async fn the_service_address_survives(lb_first: bool) {
             "{report}"
         );
         assert!(
-            warnings(&report).iter().all(|w| w.contains("runs after ambpf's")),
+            warnings(&report)
+                .iter()
+                .all(|w| w.contains("runs after ambpf's")),
             "{report}"
         );
     }
@@ -383,7 +396,11 @@ async fn a_socket_lb_below_the_agents_cgroup_runs_first_and_is_named() {
         .into_iter()
         .zip(through_the_service(&world, &ztunnel).await)
     {
-        assert_eq!(original_dst, world.backend(v6), "ztunnel's original destination");
+        assert_eq!(
+            original_dst,
+            world.backend(v6),
+            "ztunnel's original destination"
+        );
         // The balancer's getpeername runs first too, and sees ambpf's
         // address of ztunnel; ambpf then answers what it recorded.
         assert_eq!(peer, world.backend(v6), "the app's peer");
@@ -395,9 +412,10 @@ async fn a_socket_lb_below_the_agents_cgroup_runs_first_and_is_named() {
     for name in ["lb_connect4", "lb_connect6", "lb_sendmsg4", "lb_sendmsg6"] {
         let id = lb_ids.iter().find(|(n, _)| *n == name).unwrap().1;
         assert!(
-            said.iter().any(|w| w.contains(&format!("program {id} {name}"))
-                && w.contains(&below.path().display().to_string())
-                && w.contains("runs before ambpf's")),
+            said.iter()
+                .any(|w| w.contains(&format!("program {id} {name}"))
+                    && w.contains(&below.path().display().to_string())
+                    && w.contains("runs before ambpf's")),
             "{name}: {said:?}"
         );
     }
@@ -480,15 +498,28 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
         tc(
             pod,
             &[
-                "filter", "add", "dev", "eth0", direction, "prio", "10", "handle", handle, "bpf",
-                "object-pinned", pinned, "da",
+                "filter",
+                "add",
+                "dev",
+                "eth0",
+                direction,
+                "prio",
+                "10",
+                "handle",
+                handle,
+                "bpf",
+                "object-pinned",
+                pinned,
+                "da",
             ],
         );
     }
     let tcx_pass = foreign_programs::pass_on_program("foreign_tcx").unwrap();
     let eth0 = pod.ifindex("eth0").unwrap();
     let _tcx_link = pod
-        .run(|| foreign_programs::link_create(tcx_pass.as_fd(), eth0, foreign_programs::TCX_INGRESS))
+        .run(|| {
+            foreign_programs::link_create(tcx_pass.as_fd(), eth0, foreign_programs::TCX_INGRESS)
+        })
         .unwrap()
         .unwrap();
     let before = foreign_on_eth0(pod);
@@ -502,7 +533,11 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
         });
         ztunnel
             .wait_until(
-                |s| s.proxied.iter().any(|c| c.listener_port == 15006 && c.original_dst == world.app()),
+                |s| {
+                    s.proxied
+                        .iter()
+                        .any(|c| c.listener_port == 15006 && c.original_dst == world.app())
+                },
                 PATIENCE,
             )
             .await
@@ -565,7 +600,11 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
             .unwrap();
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    wait_for(|| !pod_filters().contains("ambpf_pod_in"), "ambpf's filter to go").await;
+    wait_for(
+        || !pod_filters().contains("ambpf_pod_in"),
+        "ambpf's filter to go",
+    )
+    .await;
     assert_eq!(foreign_on_eth0(pod), before, "after the pod's removal");
     drop(agent);
     ztunnel.shutdown().await;
@@ -608,7 +647,9 @@ async fn packets_redirected_into_the_pod_with_redirect_peer_are_still_captured()
     .unwrap();
     let uplink = node.ifindex("vremote").unwrap();
     let _link = node
-        .run(|| foreign_programs::link_create(program.as_fd(), uplink, foreign_programs::TCX_INGRESS))
+        .run(|| {
+            foreign_programs::link_create(program.as_fd(), uplink, foreign_programs::TCX_INGRESS)
+        })
         .unwrap()
         .unwrap();
     let (_agent, ztunnel) = world.start_agent(None).await;
@@ -639,7 +680,11 @@ async fn packets_redirected_into_the_pod_with_redirect_peer_are_still_captured()
     );
     ztunnel
         .wait_until(
-            |s| s.proxied.iter().any(|c| c.listener_port == 15006 && c.original_dst == world.app()),
+            |s| {
+                s.proxied
+                    .iter()
+                    .any(|c| c.listener_port == 15006 && c.original_dst == world.app())
+            },
             PATIENCE,
         )
         .await

@@ -392,7 +392,13 @@ pub fn redirect_peer_program(
         insn(CALL, 0, 0, 0, SKB_LOAD_BYTES),
         insn(LDX_W, 2, 10, -16, 0),
         insn(JNE32_IMM, 2, 0, 0, net_word(pod_ip.octets())), // patched: goto pass
-        insn(MOV32_IMM, 2, 0, 0, net_word(pod_mac[..4].try_into().expect("4"))),
+        insn(
+            MOV32_IMM,
+            2,
+            0,
+            0,
+            net_word(pod_mac[..4].try_into().expect("4")),
+        ),
         insn(STX_W, 10, 2, -8, 0),
         insn(
             MOV32_IMM,

@@ -227,7 +227,11 @@ pub fn cgroup_warnings(cgroup: &Path, hooks: &[CgroupHookPrograms]) -> Vec<Warni
         let Some(hook) = cgroup_hook(hooked.hook) else {
             continue;
         };
-        let Some(ours) = hooked.effective.iter().position(|p| p.owner == Owner::Ambpf) else {
+        let Some(ours) = hooked
+            .effective
+            .iter()
+            .position(|p| p.owner == Owner::Ambpf)
+        else {
             continue;
         };
         let warn = |p: &HookProgram, detail: String| Warning {
@@ -332,7 +336,12 @@ fn clsact_filters(
     let msgs = match rtnl.dump(RouteNetlinkMessage::GetTrafficFilter(query)) {
         Ok(msgs) => msgs,
         // No qdisc on the interface: no filter.
-        Err(e) if matches!(e.errno(), Some(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT)) => {
+        Err(e)
+            if matches!(
+                e.errno(),
+                Some(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT)
+            ) =>
+        {
             return Ok(Vec::new());
         }
         Err(e) => return Err(e),
@@ -425,7 +434,10 @@ fn iface_hooks(
     let mut out = Vec::new();
     for iface in podnet::interfaces(&mut rtnl)? {
         let hooks = [
-            ("tcx_ingress", tcx_programs(iface.index, TCX_INGRESS, own_tcx)),
+            (
+                "tcx_ingress",
+                tcx_programs(iface.index, TCX_INGRESS, own_tcx),
+            ),
             (
                 "tc_ingress",
                 clsact_filters(&mut rtnl, iface.index, TcHandle::MIN_INGRESS)?,
@@ -533,9 +545,7 @@ pub fn scan(pins: &PinLayout) -> Programs {
             Err(e) => found.unreadable.push(e.to_string()),
         }
     }
-    found
-        .interfaces
-        .sort_by_key(|h| (h.netns_inode, h.ifindex));
+    found.interfaces.sort_by_key(|h| (h.netns_inode, h.ifindex));
     found.warnings.extend(iface_warnings(&found.interfaces));
     found
 }
@@ -566,8 +576,8 @@ pub fn render(found: &Programs) -> String {
         .as_deref()
         .map_or_else(|| "-".to_owned(), |c| c.display().to_string());
     for hooked in &found.cgroup_hooks {
-        let shared = hooked.effective.iter().any(|p| p.owner == Owner::Other)
-            || !hooked.below.is_empty();
+        let shared =
+            hooked.effective.iter().any(|p| p.owner == Owner::Other) || !hooked.below.is_empty();
         if !shared {
             continue;
         }
