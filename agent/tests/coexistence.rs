@@ -28,7 +28,6 @@ use std::{
     os::fd::AsFd,
     path::PathBuf,
     process::Command,
-    sync::Mutex,
     time::Duration,
 };
 
@@ -49,11 +48,7 @@ const BACKEND_PORT: u16 = 9000;
 const APP_PORT: u16 = 8080;
 
 /// The process moves between cgroups: one test at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The service addresses the balancer translates.
 fn vip(v6: bool) -> SocketAddr {
@@ -288,7 +283,7 @@ fn warnings(report: &Value) -> Vec<String> {
 /// address and the app its peer, and `status --check` shows ambpf's
 /// connect first and its getpeername last, with nothing to warn about.
 async fn the_service_address_survives(lb_first: bool) {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let world = World::create();
     let _inside = world.cgroup.enter_process().unwrap();
     let mut lb = world.socket_lb();
@@ -385,7 +380,7 @@ async fn a_socket_lb_attached_after_the_agent_leaves_ztunnel_the_service_address
 /// says the same at its next full check.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_socket_lb_below_the_agents_cgroup_runs_first_and_is_named() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let world = World::create();
     let below = CgroupGuard::create_in(world.cgroup.path(), "lb").unwrap();
     let _inside = below.enter_process().unwrap();
@@ -485,7 +480,7 @@ fn tc(ns: &NetnsGuard, args: &[&str]) {
 /// restart and the pod's removal leave each with the same program.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let world = World::create();
     let _inside = world.cgroup.enter_process().unwrap();
     let pod = &world.pod().ns;
@@ -618,7 +613,7 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
 /// SYN and ztunnel's 15006 gets the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn packets_redirected_into_the_pod_with_redirect_peer_are_still_captured() {
-    let _serial = serial();
+    let _serial = SERIAL.lock().await;
     let world = World::create();
     let _inside = world.cgroup.enter_process().unwrap();
     let node = &world.cluster.node;
