@@ -635,3 +635,113 @@ pub fn render(found: &Programs) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn program(id: u32, name: &str, owner: Owner) -> HookProgram {
+        HookProgram {
+            id,
+            name: name.to_owned(),
+            owner,
+        }
+    }
+
+    fn hook(hook: CgroupHook, effective: Vec<HookProgram>) -> CgroupHookPrograms {
+        CgroupHookPrograms {
+            hook: hook.name(),
+            effective,
+            below: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_balancer_ahead_of_ambpfs_connect_or_behind_its_getpeername_is_named() {
+        let cgroup = Path::new("/sys/fs/cgroup");
+        let ours = |id| program(id, "ambpf_x", Owner::Ambpf);
+        let lb = |id| program(id, "lb_x", Owner::Other);
+        let mut below = hook(CgroupHook::Inet6Connect, vec![ours(5)]);
+        below.below = vec![(cgroup.join("pods"), vec![lb(6)])];
+        let hooks = [
+            // Harmless orders: no warning.
+            hook(CgroupHook::Inet4Connect, vec![ours(1), lb(2)]),
+            hook(CgroupHook::Inet4Getpeername, vec![lb(3), ours(4)]),
+            // Harmful ones.
+            hook(CgroupHook::Udp4Sendmsg, vec![lb(7), ours(8)]),
+            hook(CgroupHook::Inet6Getpeername, vec![ours(9), lb(10)]),
+            below,
+            // Without ambpf's program there is no order to judge.
+            hook(CgroupHook::Udp6Sendmsg, vec![lb(11)]),
+        ];
+        let warnings = cgroup_warnings(cgroup, &hooks);
+        let named: Vec<(&str, Option<u32>)> = warnings
+            .iter()
+            .map(|w| (w.hook.as_str(), w.program_id))
+            .collect();
+        assert_eq!(
+            named,
+            [
+                ("cgroup_udp4_sendmsg", Some(7)),
+                ("cgroup_inet6_getpeername", Some(10)),
+                ("cgroup_inet6_connect", Some(6)),
+            ]
+        );
+        assert!(warnings[0].detail.contains("runs before ambpf's"));
+        assert!(warnings[1].detail.contains("runs after ambpf's"));
+        assert!(warnings[2].detail.contains("/sys/fs/cgroup/pods"));
+    }
+
+    fn iface_program(id: u32, name: &str, owner: Owner, priority: Option<u16>) -> IfaceProgram {
+        IfaceProgram {
+            id: Some(id),
+            name: name.to_owned(),
+            owner,
+            priority,
+            handle: priority.map(|_| 1),
+        }
+    }
+
+    #[test]
+    fn tcx_ingress_programs_and_filters_ahead_of_the_steering_filter_are_named() {
+        let on = |hook, programs| IfaceHookPrograms {
+            netns_inode: 1,
+            iface: "eth0".to_owned(),
+            ifindex: 2,
+            hook,
+            programs,
+        };
+        let steering = iface_program(1, "ambpf_pod_in", Owner::Ambpf, Some(1));
+        let hooks = [
+            on(
+                "tcx_ingress",
+                vec![iface_program(2, "mon", Owner::Other, None)],
+            ),
+            on(
+                "tc_ingress",
+                vec![
+                    iface_program(3, "early", Owner::Other, Some(1)),
+                    steering,
+                    iface_program(4, "late", Owner::Other, Some(10)),
+                ],
+            ),
+            on(
+                "tc_egress",
+                vec![iface_program(5, "out", Owner::Other, Some(1))],
+            ),
+        ];
+        let named: Vec<Option<u32>> = iface_warnings(&hooks)
+            .iter()
+            .map(|w| w.program_id)
+            .collect();
+        assert_eq!(named, [Some(2), Some(3)]);
+        let shown = render(&Programs {
+            interfaces: hooks.to_vec(),
+            ..Programs::default()
+        });
+        assert!(
+            shown.contains("prio 1 handle 0x1 3 early, prio 1 handle 0x1 *1 ambpf_pod_in"),
+            "{shown}"
+        );
+    }
+}
