@@ -22,7 +22,11 @@
 //! double, and would hide the agent's). That is the end-to-end
 //! signal and works for both modes; in eBPF mode `ambpf status --json` is
 //! checked afterwards (not timed) to list N pods. Removal: the file is
-//! emptied; read → the double has none left (every Del received). The agent's
+//! emptied; read → the double has none left (every Del received). A pods file
+//! lists only the pods to enrol, so a pod it drops may still run and is
+//! opted out (Istio's `DeleteInpodRules` in the baselines); a deleted pod's
+//! removal (its probe members only) needs a source that tells deletion
+//! apart, the Kubernetes one, and is `control`'s churn `del`. The agent's
 //! CPU time over each phase (schedstat) is the steadier figure.
 //!
 //! After the enrolment the agent's `/metrics` gives where its time went, per
@@ -43,6 +47,10 @@ use super::{
 
 /// A hang, not a slow result.
 const TIMEOUT: Duration = Duration::from_secs(120);
+/// What a phase adds per pod on top of [`TIMEOUT`]: iptables mode's opt-out
+/// is Istio's 36 processes a pod, each waiting out an RCU grace period
+/// (about 0.5 s a pod on a quiet 2-core machine, more on a busy one).
+const TIMEOUT_PER_POD: Duration = Duration::from_secs(2);
 const PODS_FILE: &str = "pods.json";
 
 #[derive(Args)]
@@ -331,7 +339,10 @@ async fn phase(
     let cpu_before = bench::on_cpu(pid)?;
     let written = Instant::now();
     write_pods_file(pods_file, pods)?;
-    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    // The pods to add, or those to remove (the double holds them).
+    let changing = pods.len().max(double.inspect(|s| s.workloads.len()));
+    let limit = TIMEOUT + TIMEOUT_PER_POD * changing as u32;
+    let deadline = tokio::time::Instant::now() + limit;
     let mut first = None;
     let done = loop {
         changes.borrow_and_update();
@@ -357,7 +368,7 @@ async fn phase(
             .is_err()
         {
             bail!(
-                "not done within {TIMEOUT:?} ({count} pods at ztunnel); the end of the agent's log:\n{}",
+                "not done within {limit:?} ({count} pods at ztunnel); the end of the agent's log:\n{}",
                 agent.process.log_tail(20)
             );
         }
