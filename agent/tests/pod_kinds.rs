@@ -18,20 +18,17 @@
 //! A kind this kernel cannot make (no netkit, no ipvlan) is skipped, with
 //! the kernel's answer printed: found by trying to make it.
 
-use std::{
-    io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
-};
+use std::net::{IpAddr, SocketAddr};
 
 use ambpf::{
     bpf::InboundAssign,
     netns::Netns,
-    redirect::{CheckScope, RedirectMode, ViolationKind, iptables},
+    redirect::{CheckScope, RedirectMode, ViolationKind, iptables, link_kind, rtnl::Rtnl},
 };
 use ambpf_testbed::{
     CgroupGuard, NetnsGuard,
     cluster::{Cluster, PodLinkKind},
-    ztunnel::{ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport, dns},
+    ztunnel::{ConnectionOutcome, DEFAULT_DNS_ANSWER_V4, DnsTransport},
 };
 
 mod common;
@@ -91,6 +88,7 @@ async fn capture_on(kind: PodLinkKind, mode: RedirectMode) {
     )
     .await;
     let case = format!("{kind} in {mode:?} mode");
+    interface_named(&f, kind, &case);
     outbound(&f, &case).await;
     inbound(&f, &case).await;
     probe(&f, &case);
@@ -98,6 +96,27 @@ async fn capture_on(kind: PodLinkKind, mode: RedirectMode) {
     if mode == RedirectMode::Ebpf {
         steering_repaired(f, &case).await;
     }
+}
+
+/// The agent names the pod's `eth0` by its kind and mode, and finds that
+/// its frames carry an Ethernet header (what the eBPF mode's steering reads).
+fn interface_named(f: &Fixture, kind: PodLinkKind, case: &str) {
+    let ifindex = f.pod().ifindex("eth0").unwrap();
+    let found = f
+        .pod()
+        .run(|| link_kind::of(&mut Rtnl::open().unwrap(), ifindex).unwrap())
+        .unwrap();
+    let expected = match kind {
+        PodLinkKind::Veth => "veth",
+        PodLinkKind::NetkitL3 => "netkit (mode l3)",
+        PodLinkKind::NetkitL2 => "netkit (mode l2)",
+        PodLinkKind::IpvlanL2 => "ipvlan (mode l2)",
+        PodLinkKind::IpvlanL3 => "ipvlan (mode l3)",
+        PodLinkKind::Macvlan => "macvlan (mode bridge)",
+    };
+    assert_eq!(found.to_string(), expected, "{case}");
+    eprintln!("{case}: eth0 is {found}, link type {:?}", found.link_layer);
+    assert_eq!(found.unsteerable_because(), None, "{case}");
 }
 
 async fn outbound(f: &Fixture, case: &str) {
@@ -155,36 +174,8 @@ fn probe(f: &Fixture, case: &str) {
 /// by ztunnel's DNS proxy in the pod.
 fn dns_capture(f: &Fixture, case: &str) {
     let resolver = SocketAddr::new(f.remote_ip(false), 53);
-    let (udp_answer, tcp_answer) = tokio::task::block_in_place(|| {
-        f.pod()
-            .run(|| {
-                let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
-                udp.set_read_timeout(Some(PATIENCE)).unwrap();
-                let query = dns::encode_query(0x0a17, "udp.ambpf.test", dns::TYPE_A).unwrap();
-                udp.send_to(&query, resolver).unwrap();
-                let mut buffer = [0u8; 512];
-                let (len, from) = udp
-                    .recv_from(&mut buffer)
-                    .unwrap_or_else(|e| panic!("{case}: UDP answer from {resolver}: {e}"));
-                assert_eq!(from, resolver, "{case}");
-                let udp_answer = dns::Response::parse(&buffer[..len]).unwrap();
-
-                let mut tcp = TcpStream::connect_timeout(&resolver, PATIENCE)
-                    .unwrap_or_else(|e| panic!("{case}: TCP to {resolver}: {e}"));
-                tcp.set_read_timeout(Some(PATIENCE)).unwrap();
-                let query = dns::encode_query(0x7c90, "tcp.ambpf.test", dns::TYPE_A).unwrap();
-                let mut framed = u16::try_from(query.len()).unwrap().to_be_bytes().to_vec();
-                framed.extend_from_slice(&query);
-                tcp.write_all(&framed).unwrap();
-                let mut len = [0u8; 2];
-                tcp.read_exact(&mut len)
-                    .unwrap_or_else(|e| panic!("{case}: TCP answer from {resolver}: {e}"));
-                let mut body = vec![0u8; usize::from(u16::from_be_bytes(len))];
-                tcp.read_exact(&mut body).unwrap();
-                (udp_answer, dns::Response::parse(&body).unwrap())
-            })
-            .unwrap()
-    });
+    let (udp_from, udp_answer, tcp_peer, tcp_answer) = dns_from_pod(f, resolver);
+    assert_eq!((udp_from, tcp_peer), (resolver, resolver), "{case}");
     let answer: IpAddr = DEFAULT_DNS_ANSWER_V4.into();
     assert_eq!(udp_answer.addresses(), [answer], "{case}");
     assert_eq!(tcp_answer.addresses(), [answer], "{case}");
@@ -237,7 +228,7 @@ async fn steering_repaired(mut f: Fixture, case: &str) {
 }
 
 /// A pod with an interface whose frames carry no Ethernet header (a tun
-/// device here; any kind ambpf's steering program cannot read) is refused
+/// device or an ipip tunnel here) is refused
 /// in eBPF mode, naming the interface, its kind and why, with nothing of
 /// ambpf's left in it; the next pod is enrolled all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -245,8 +236,18 @@ async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() 
     let _serial = modes::SERIAL.lock().await;
     let cluster = Cluster::create(2).unwrap();
     let pod = &cluster.pods[0].ns;
-    ip(pod, "tuntap add dev tun0 mode tun");
-    ip(pod, "link set tun0 up");
+    // A tun device, or where the kernel has no /dev/net/tun, an ipip
+    // tunnel (the module also adds `tunl0` to every namespace).
+    let made = [
+        ("tuntap add dev tun0 mode tun", "tun"),
+        ("link add ipip0 type ipip", "ipip"),
+    ]
+    .into_iter()
+    .find_map(|(command, kind)| try_in(pod, "ip", command).ok().map(|_| kind));
+    let Some(kind) = made else {
+        eprintln!("skipped: this kernel makes neither a tun device nor an ipip tunnel");
+        return;
+    };
     let cgroup = CgroupGuard::create().unwrap();
     let _inside = cgroup.enter_process().unwrap();
     let (mut redirection, _bpffs, _) =
@@ -255,17 +256,15 @@ async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() 
         .enroll(&Netns::open(pod.name()).unwrap(), ENROLL)
         .expect_err("a pod ambpf cannot steer is refused")
         .to_string();
-    for expected in ["tun0", "is tun", "no Ethernet header", pod.name()] {
+    for expected in [&format!("is {kind}"), "no Ethernet header", pod.name()] {
         assert!(err.contains(expected), "`{expected}` not in: {err}");
     }
     assert!(
         redirection.enrolled().unwrap().is_empty(),
         "the refused pod is recorded"
     );
-    for iface in ["eth0", "tun0"] {
-        let filters = tc(pod, &format!("filter show dev {iface} ingress"));
-        assert!(!filters.contains("ambpf"), "{iface}: {filters}");
-    }
+    let filters = tc(pod, "filter show dev eth0 ingress");
+    assert!(!filters.contains("ambpf"), "{filters}");
     // Nor its reply routing: the rule `fwmark 0x111/0xfff lookup 100`.
     for family in ["-4", "-6"] {
         let rules = ip(pod, &format!("{family} rule show"));
@@ -289,15 +288,21 @@ fn ip(ns: &NetnsGuard, args: &str) -> String {
 }
 
 fn run_in(ns: &NetnsGuard, program: &str, args: &str) -> String {
+    try_in(ns, program, args).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `program args` inside `ns`: its output, or its error output.
+fn try_in(ns: &NetnsGuard, program: &str, args: &str) -> Result<String, String> {
     let out = std::process::Command::new("ip")
         .args(["netns", "exec", ns.name(), program])
         .args(args.split_whitespace())
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{program} {args}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    if !out.status.success() {
+        return Err(format!(
+            "{program} {args}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

@@ -13,7 +13,7 @@
 
 use std::{
     io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
+    net::{IpAddr, SocketAddr, TcpStream},
     sync::Arc,
     time::Duration,
 };
@@ -666,39 +666,7 @@ in_all_modes!(
         // Nothing serves DNS at the remote's address: only the capture can
         // answer there.
         let resolver = SocketAddr::new(f.remote_ip(false), 53);
-        let (udp_from, udp_answer, tcp_peer, tcp_answer) = tokio::task::block_in_place(|| {
-            f.pod()
-                .run(|| {
-                    // UDP, unconnected: send_to and recv_from, as a stub
-                    // resolver does.
-                    let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
-                    udp.set_read_timeout(Some(PATIENCE)).unwrap();
-                    let query = dns::encode_query(0x0a17, "udp.ambpf.test", dns::TYPE_A).unwrap();
-                    udp.send_to(&query, resolver).unwrap();
-                    let mut buffer = [0u8; 512];
-                    let (len, from) = udp
-                        .recv_from(&mut buffer)
-                        .unwrap_or_else(|e| panic!("UDP answer from {resolver}: {e}"));
-                    let udp_answer = dns::Response::parse(&buffer[..len]).unwrap();
-
-                    // TCP: a 2-byte length before each message.
-                    let mut tcp = TcpStream::connect_timeout(&resolver, PATIENCE)
-                        .unwrap_or_else(|e| panic!("TCP to {resolver}: {e}"));
-                    tcp.set_read_timeout(Some(PATIENCE)).unwrap();
-                    let query = dns::encode_query(0x7c90, "tcp.ambpf.test", dns::TYPE_A).unwrap();
-                    let mut framed = u16::try_from(query.len()).unwrap().to_be_bytes().to_vec();
-                    framed.extend_from_slice(&query);
-                    tcp.write_all(&framed).unwrap();
-                    let mut len = [0u8; 2];
-                    tcp.read_exact(&mut len)
-                        .unwrap_or_else(|e| panic!("TCP answer from {resolver}: {e}"));
-                    let mut body = vec![0u8; usize::from(u16::from_be_bytes(len))];
-                    tcp.read_exact(&mut body).unwrap();
-                    let tcp_answer = dns::Response::parse(&body).unwrap();
-                    (from, udp_answer, tcp.peer_addr().unwrap(), tcp_answer)
-                })
-                .unwrap()
-        });
+        let (udp_from, udp_answer, tcp_peer, tcp_answer) = dns_from_pod(&f, resolver);
         // The app sees its answers come from the resolver it asked.
         assert_eq!(udp_from, resolver);
         assert_eq!(tcp_peer, resolver);

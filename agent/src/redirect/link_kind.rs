@@ -3,13 +3,14 @@
 //!
 //! The steering program ([`super::steering`]) reads a SYN's addresses and
 //! ports behind a 14-byte Ethernet header. Every interface whose frames
-//! carry one gets the filter: veth (most CNI plugins), netkit in L2 mode,
-//! ipvlan (its L3 modes too: its children are Ethernet devices), macvlan.
-//! An interface without one (netkit in L3 mode, Cilium's default; a tun or
-//! WireGuard device) would have its SYNs misread and go to the app
-//! uncaptured, so a pod with one is refused, naming the interface's kind
-//! and why, rather than enrolled half captured. docs/architecture.md ("Pod
-//! interface kinds") has what was verified on which kernel.
+//! carry one gets the filter: veth (most CNI plugins), netkit in either
+//! mode (its L3 mode, Cilium's default, has no ARP but keeps the header:
+//! link type Ether), ipvlan in either mode, macvlan. An interface without
+//! one (a tun device, an ipip or WireGuard tunnel) would have its SYNs
+//! misread and go to the app uncaptured, so a pod with one is refused,
+//! naming the interface's kind and why, rather than enrolled half
+//! captured. docs/architecture.md ("Pod interface kinds") has what was
+//! verified on which kernel.
 
 use std::fmt;
 
@@ -61,8 +62,7 @@ impl LinkKind {
         Some(format!(
             "its frames have no Ethernet header (link type {:?}), and ambpf's inbound \
              steering program reads SYNs behind one: inbound connections would bypass \
-             ztunnel. Use an Ethernet mode (netkit: mode l2) or the iptables or nftables \
-             redirection mode for such pods",
+             ztunnel. Such a pod can be redirected in the iptables or nftables mode",
             self.link_layer
         ))
     }
@@ -185,11 +185,11 @@ mod tests {
     #[test]
     fn a_link_without_ethernet_headers_is_unsteerable_and_says_why() {
         let kind = LinkKind {
-            kind: "netkit".into(),
-            mode: Some("l3".into()),
+            kind: "tun".into(),
+            mode: None,
             link_layer: LinkLayerType::None,
         };
-        assert_eq!(kind.to_string(), "netkit (mode l3)");
+        assert_eq!(kind.to_string(), "tun");
         let why = kind.unsteerable_because().unwrap();
         assert!(why.contains("no Ethernet header"), "{why}");
     }

@@ -9,7 +9,7 @@
 
 use std::{
     io::{Read, Write},
-    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -27,7 +27,7 @@ use ambpf::{
 use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
-    ztunnel::{ProxiedConnection, ZtunnelConfig, ZtunnelDouble},
+    ztunnel::{ProxiedConnection, ZtunnelConfig, ZtunnelDouble, dns},
 };
 
 pub const PATIENCE: Duration = Duration::from_secs(10);
@@ -442,4 +442,45 @@ pub fn unmap(ip: IpAddr) -> IpAddr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
     }
+}
+
+/// One DNS query for an A record from pod 1 to `resolver` over UDP
+/// (unconnected: send_to and recv_from, as a stub resolver does), id 0x0a17
+/// for `udp.ambpf.test`, and one over TCP (a 2-byte length before each
+/// message), id 0x7c90 for `tcp.ambpf.test`. Returns where the UDP answer
+/// came from, the UDP answer, the TCP socket's peer and the TCP answer.
+pub fn dns_from_pod(
+    f: &Fixture,
+    resolver: SocketAddr,
+) -> (SocketAddr, dns::Response, SocketAddr, dns::Response) {
+    tokio::task::block_in_place(|| {
+        f.pod()
+            .run(|| {
+                let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+                udp.set_read_timeout(Some(PATIENCE)).unwrap();
+                let query = dns::encode_query(0x0a17, "udp.ambpf.test", dns::TYPE_A).unwrap();
+                udp.send_to(&query, resolver).unwrap();
+                let mut buffer = [0u8; 512];
+                let (len, from) = udp
+                    .recv_from(&mut buffer)
+                    .unwrap_or_else(|e| panic!("UDP answer from {resolver}: {e}"));
+                let udp_answer = dns::Response::parse(&buffer[..len]).unwrap();
+
+                let mut tcp = TcpStream::connect_timeout(&resolver, PATIENCE)
+                    .unwrap_or_else(|e| panic!("TCP to {resolver}: {e}"));
+                tcp.set_read_timeout(Some(PATIENCE)).unwrap();
+                let query = dns::encode_query(0x7c90, "tcp.ambpf.test", dns::TYPE_A).unwrap();
+                let mut framed = u16::try_from(query.len()).unwrap().to_be_bytes().to_vec();
+                framed.extend_from_slice(&query);
+                tcp.write_all(&framed).unwrap();
+                let mut len = [0u8; 2];
+                tcp.read_exact(&mut len)
+                    .unwrap_or_else(|e| panic!("TCP answer from {resolver}: {e}"));
+                let mut body = vec![0u8; usize::from(u16::from_be_bytes(len))];
+                tcp.read_exact(&mut body).unwrap();
+                let tcp_answer = dns::Response::parse(&body).unwrap();
+                (from, udp_answer, tcp.peer_addr().unwrap(), tcp_answer)
+            })
+            .unwrap()
+    })
 }
