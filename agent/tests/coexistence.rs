@@ -469,11 +469,6 @@ fn foreign_on_eth0(pod: &NetnsGuard) -> Vec<(String, String, u64)> {
     found
 }
 
-fn tc(ns: &NetnsGuard, args: &[&str]) {
-    let out = ns.command("tc").unwrap().args(args).output().unwrap();
-    assert!(out.status.success(), "tc {args:?}: {out:?}");
-}
-
 /// Another owner's `clsact` filters (ingress and egress, at priority 10)
 /// and TCX ingress program on the pod's `eth0`, which pass every packet on:
 /// capture works beside them, and enrolment, `status --check`, an agent
@@ -484,39 +479,12 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
     let world = World::create();
     let _inside = world.cgroup.enter_process().unwrap();
     let pod = &world.pod().ns;
-    let pinned = world.bpffs.path().join("foreign_pass");
-    let pass = foreign_programs::pass_on_program("foreign_pass").unwrap();
-    foreign_programs::pin(pass.as_fd(), &pinned).unwrap();
-    let pinned = pinned.to_str().unwrap();
-    tc(pod, &["qdisc", "add", "dev", "eth0", "clsact"]);
-    for (direction, handle) in [("ingress", "7"), ("egress", "8")] {
-        tc(
-            pod,
-            &[
-                "filter",
-                "add",
-                "dev",
-                "eth0",
-                direction,
-                "prio",
-                "10",
-                "handle",
-                handle,
-                "bpf",
-                "object-pinned",
-                pinned,
-                "da",
-            ],
-        );
-    }
-    let tcx_pass = foreign_programs::pass_on_program("foreign_tcx").unwrap();
-    let eth0 = pod.ifindex("eth0").unwrap();
-    let _tcx_link = pod
-        .run(|| {
-            foreign_programs::link_create(tcx_pass.as_fd(), eth0, foreign_programs::TCX_INGRESS)
-        })
-        .unwrap()
-        .unwrap();
+    let _others = foreign_programs::PassOnPrograms::attach(
+        pod,
+        "eth0",
+        &world.bpffs.path().join("foreign_pass"),
+    )
+    .unwrap();
     let before = foreign_on_eth0(pod);
     assert_eq!(before.len(), 3, "{before:?}");
 

@@ -954,7 +954,7 @@ fn the_nodes_pods_lose_the_redirection_annotation_through_the_api() {
 fn other_owners_programs_are_left_attached() {
     use std::os::fd::AsFd;
 
-    use ambpf_testbed::foreign_programs::{self, Service, SocketLb, TCX_INGRESS};
+    use ambpf_testbed::foreign_programs::{self, PassOnPrograms, Service, SocketLb, TCX_INGRESS};
 
     let _serial = serial();
     let bpffs = BpffsMount::create().unwrap();
@@ -972,39 +972,10 @@ fn other_owners_programs_are_left_attached() {
     )
     .unwrap();
     lb.attach(cgroup.path()).unwrap();
-    let pass = foreign_programs::pass_on_program("foreign_pass").unwrap();
-    let pinned = bpffs.path().join("foreign_pass");
-    foreign_programs::pin(pass.as_fd(), &pinned).unwrap();
-    let pinned = pinned.to_str().unwrap();
-    let tc = |args: &[&str]| {
-        let out = pod.command("tc").unwrap().args(args).output().unwrap();
-        assert!(out.status.success(), "tc {args:?}: {out:?}");
-    };
-    tc(&["qdisc", "add", "dev", "eth0", "clsact"]);
-    for (direction, handle) in [("ingress", "7"), ("egress", "8")] {
-        tc(&[
-            "filter",
-            "add",
-            "dev",
-            "eth0",
-            direction,
-            "prio",
-            "10",
-            "handle",
-            handle,
-            "bpf",
-            "object-pinned",
-            pinned,
-            "da",
-        ]);
-    }
     let eth0 = pod.ifindex("eth0").unwrap();
-    let tcx_pass = foreign_programs::pass_on_program("foreign_tcx").unwrap();
-    let _tcx = pod
-        .run(|| foreign_programs::link_create(tcx_pass.as_fd(), eth0, TCX_INGRESS))
-        .unwrap()
-        .unwrap();
-    let pass_id = foreign_programs::prog_id(pass.as_fd()).unwrap();
+    let tc_programs =
+        PassOnPrograms::attach(pod, "eth0", &bpffs.path().join("foreign_pass")).unwrap();
+    let pass_id = foreign_programs::prog_id(tc_programs.filter_program.as_fd()).unwrap();
     let others = || {
         let filters =
             |direction: &str| ns_output(pod, &["tc", "filter", "show", "dev", "eth0", direction]);
@@ -1036,7 +1007,8 @@ fn other_owners_programs_are_left_attached() {
             "{before:?}"
         );
     }
-    assert_eq!(before.2.len(), 1);
+    let tcx_id = foreign_programs::prog_id(tc_programs.tcx_program.as_fd()).unwrap();
+    assert_eq!(before.2, [tcx_id]);
     {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
         dataplane.attach_cgroup(cgroup.path()).unwrap();

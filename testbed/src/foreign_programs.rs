@@ -351,6 +351,64 @@ pub fn pass_on_program(name: &str) -> io::Result<OwnedFd> {
     )
 }
 
+/// Another owner's pass-on programs on `iface` in `ns`, attached as a
+/// monitoring tool would: a `clsact` qdisc with a direct-action `cls_bpf`
+/// filter each way (priority 10, handles 7 and 8) running `foreign_pass`
+/// (pinned at `pin` for `tc`), and a TCX ingress link running
+/// `foreign_tcx`, held until dropped.
+pub struct PassOnPrograms {
+    pub filter_program: OwnedFd,
+    pub tcx_program: OwnedFd,
+    _tcx_link: OwnedFd,
+}
+
+impl PassOnPrograms {
+    pub fn attach(ns: &crate::NetnsGuard, iface: &str, pin_at: &Path) -> io::Result<Self> {
+        let filter_program = pass_on_program("foreign_pass")?;
+        pin(filter_program.as_fd(), pin_at)?;
+        let pinned = pin_at
+            .to_str()
+            .ok_or_else(|| io::Error::other("pin path is not UTF-8"))?;
+        let tc = |args: &[&str]| -> io::Result<()> {
+            let out = ns.command("tc")?.args(args).output()?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(io::Error::other(format!(
+                    "tc {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                )))
+            }
+        };
+        tc(&["qdisc", "add", "dev", iface, "clsact"])?;
+        for (direction, handle) in [("ingress", "7"), ("egress", "8")] {
+            tc(&[
+                "filter",
+                "add",
+                "dev",
+                iface,
+                direction,
+                "prio",
+                "10",
+                "handle",
+                handle,
+                "bpf",
+                "object-pinned",
+                pinned,
+                "da",
+            ])?;
+        }
+        let tcx_program = pass_on_program("foreign_tcx")?;
+        let ifindex = ns.ifindex(iface)?;
+        let tcx_link = ns.run(|| link_create(tcx_program.as_fd(), ifindex, TCX_INGRESS))??;
+        Ok(Self {
+            filter_program,
+            tcx_program,
+            _tcx_link: tcx_link,
+        })
+    }
+}
+
 /// `struct __sk_buff` offset of `protocol`.
 const SKB_PROTOCOL: i16 = 16;
 /// Helper ids: bpf_skb_store_bytes, bpf_skb_load_bytes, bpf_redirect_peer.
