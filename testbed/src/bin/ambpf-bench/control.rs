@@ -88,6 +88,10 @@ pub(super) struct ControlArgs {
     /// Measurements per mode (churn and snapshot each).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Seconds the snapshot holds every pod with nothing changing and no
+    /// scrapes, measuring the agent's CPU and memory each second (0: none).
+    #[arg(long, default_value_t = 0)]
+    idle: u64,
 }
 
 #[derive(Serialize)]
@@ -96,6 +100,7 @@ struct Config {
     snapshot: usize,
     modes: Vec<&'static str>,
     runs: usize,
+    idle_s: u64,
     agent: PathBuf,
     kube_resync_s: f64,
 }
@@ -135,6 +140,8 @@ struct Snapshot {
     memory: Memory,
     /// `/metrics` through the enrolment and after.
     scrapes: ScrapeFigures,
+    /// The idle phase (with `--idle`).
+    idle: Option<Idle>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -161,6 +168,10 @@ struct SnapshotSummary {
     vm_rss_kib: u64,
     vm_hwm_kib: u64,
     scrape: ScrapeSummary,
+    /// The agent's CPU share while idle (1.0: one CPU), with `--idle`.
+    idle_cpu: Option<Stats>,
+    /// The largest RSS seen while idle.
+    idle_max_rss_kib: Option<u64>,
 }
 
 pub(super) async fn run(args: ControlArgs) -> Result<()> {
@@ -214,7 +225,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
 
             let world = World::create(args.snapshot).await?;
             let env = world.env(&agent, &work, &cgroup);
-            let (snapshot, series) = snapshot(&env, &world.pods, mode, run)
+            let (snapshot, series) = snapshot(&env, &world.pods, mode, run, args.idle)
                 .await
                 .with_context(|| format!("snapshot run {}, {}", run + 1, mode.name()))?;
             if !series.scrapes.is_empty() {
@@ -237,6 +248,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
                 snapshot.memory.vm_hwm_kib,
             );
             print_scrapes(&snapshot);
+            print_idle(&snapshot);
             snapshots.push(snapshot);
         }
     }
@@ -251,6 +263,7 @@ pub(super) async fn run(args: ControlArgs) -> Result<()> {
             snapshot: args.snapshot,
             modes: modes.iter().map(|m| m.name()).collect(),
             runs: args.runs,
+            idle_s: args.idle,
             agent,
             kube_resync_s: KUBE_RESYNC_S,
         },

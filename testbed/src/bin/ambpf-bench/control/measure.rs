@@ -164,6 +164,7 @@ pub(super) async fn snapshot(
     pods: &[BenchPod],
     mode: Mode,
     run: usize,
+    idle_secs: u64,
 ) -> Result<(Snapshot, ScrapeSeries)> {
     let n = pods.len();
     let patches_before = env.server.patches().len();
@@ -219,6 +220,15 @@ pub(super) async fn snapshot(
         let listed = agent.status_pods()?;
         ensure!(listed == n, "ambpf status lists {listed} pods, not {n}");
     }
+    let idle = match idle_secs {
+        0 => None,
+        secs => {
+            scraper.pause(true);
+            let idle = idle(pid, secs).await?;
+            scraper.pause(false);
+            Some(idle)
+        }
+    };
     // Scrapes with every pod's series; then (eBPF) with full maps, for
     // longer than the agent's count of their entries takes to come round.
     tokio::time::sleep(SCRAPE_ENROLLED).await;
@@ -259,7 +269,38 @@ pub(super) async fn snapshot(
             agent_cpu_ms: ms(agent_cpu),
             memory,
             scrapes,
+            idle,
         },
         series,
     ))
+}
+
+/// The agent holding every pod with nothing changing: its CPU and RSS,
+/// second by second.
+#[derive(Clone, Debug, Serialize)]
+pub(super) struct Idle {
+    /// CPU time per second of wall clock (1.0: one CPU), each second.
+    pub(super) cpu_share: Vec<f64>,
+    /// RSS at the end of each second.
+    pub(super) rss_kib: Vec<u64>,
+}
+
+/// Samples the idle agent `pid` once a second for `secs` seconds.
+async fn idle(pid: u32, secs: u64) -> Result<Idle> {
+    let mut out = Idle {
+        cpu_share: Vec::new(),
+        rss_kib: Vec::new(),
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
+    let (mut cpu_before, mut at) = (bench::on_cpu(pid)?, Instant::now());
+    for _ in 0..secs {
+        tick.tick().await;
+        let (cpu, now) = (bench::on_cpu(pid)?, Instant::now());
+        out.cpu_share
+            .push(cpu.saturating_sub(cpu_before).as_secs_f64() / (now - at).as_secs_f64());
+        out.rss_kib.push(bench::memory(pid)?.vm_rss_kib);
+        (cpu_before, at) = (cpu, now);
+    }
+    Ok(out)
 }

@@ -53,6 +53,17 @@ pub(super) fn summarize_snapshots(
                     vm_rss_kib: of.iter().map(|s| s.memory.vm_rss_kib).max()?,
                     vm_hwm_kib: of.iter().map(|s| s.memory.vm_hwm_kib).max()?,
                     scrape: ScrapeSummary::of(&of),
+                    idle_cpu: Stats::of(
+                        &of.iter()
+                            .filter_map(|s| s.idle.as_ref())
+                            .flat_map(|i| i.cpu_share.iter().copied())
+                            .collect::<Vec<_>>(),
+                    ),
+                    idle_max_rss_kib: of
+                        .iter()
+                        .filter_map(|s| s.idle.as_ref())
+                        .flat_map(|i| i.rss_kib.iter().copied())
+                        .max(),
                 })
             })();
             out.extend(summary);
@@ -306,6 +317,23 @@ pub(super) fn print_scrapes(snapshot: &Snapshot) {
         stats(&s.enrolled_ms),
         stats(&s.full_maps_ms),
         s.map_fill_reported,
+    );
+}
+
+pub(super) fn print_idle(snapshot: &Snapshot) {
+    let Some(idle) = &snapshot.idle else { return };
+    let Some(cpu) = Stats::of(&idle.cpu_share) else {
+        return;
+    };
+    eprintln!(
+        "control:   idle {} s: CPU median {:.1}% p99 {:.1}% max {:.1}% of one CPU; RSS {} .. {} KiB (first, last), max {} KiB",
+        idle.cpu_share.len(),
+        cpu.median * 100.0,
+        cpu.p99 * 100.0,
+        cpu.max * 100.0,
+        idle.rss_kib.first().unwrap_or(&0),
+        idle.rss_kib.last().unwrap_or(&0),
+        idle.rss_kib.iter().max().unwrap_or(&0),
     );
 }
 

@@ -71,6 +71,7 @@ struct Recorded {
 /// A thread scraping the agent's `/metrics` every `interval` until stopped.
 pub(super) struct Scraper {
     stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<Result<Recorded>>>,
 }
 
@@ -83,6 +84,8 @@ impl Scraper {
     ) -> Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let paused = Arc::new(AtomicBool::new(false));
+        let pausing = paused.clone();
         let node = File::open(node)?;
         let thread = std::thread::Builder::new()
             .name("scraper".to_owned())
@@ -92,6 +95,10 @@ impl Scraper {
                 let mut last_kept: Option<Instant> = None;
                 while !stopping.load(Ordering::SeqCst) {
                     let started = Instant::now();
+                    if pausing.load(Ordering::SeqCst) {
+                        std::thread::sleep(interval);
+                        continue;
+                    }
                     match scrape_once() {
                         Ok(body) => {
                             out.scrapes.push(Scrape {
@@ -116,8 +123,14 @@ impl Scraper {
             })?;
         Ok(Self {
             stop,
+            paused,
             thread: Some(thread),
         })
+    }
+
+    /// Stops (`true`) or resumes scraping.
+    pub(super) fn pause(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
     }
 
     /// The scrapes so far, the recorded series and the refused connections.
