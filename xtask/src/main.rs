@@ -126,7 +126,8 @@ enum Cmd {
         #[arg(long, default_value = "all")]
         kernel: String,
         /// Only these suites (repeatable): redirect, parity,
-        /// inbound_sk_lookup, restart, address_reuse, cni, demo. Default: all.
+        /// inbound_sk_lookup, restart, address_reuse, cni, pod_kinds, demo.
+        /// Default: all.
         #[arg(long)]
         suite: Vec<String>,
         /// Minutes each guest may take, boot included.
