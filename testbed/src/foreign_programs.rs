@@ -135,7 +135,7 @@ pub fn link_create(program: BorrowedFd<'_>, target: u32, attach_type: u32) -> io
 }
 
 /// Whether this kernel orders cgroup programs (BPF_F_BEFORE on a cgroup
-/// link, Linux 6.16 on), tried with a pass-on connect4 program on
+/// link, Linux 6.17 on), tried with a pass-on connect4 program on
 /// `cgroup` and detached at once.
 pub fn cgroup_ordering_supported(cgroup: &Path) -> io::Result<bool> {
     const CONNECT4: u32 = 10;

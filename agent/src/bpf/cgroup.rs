@@ -150,7 +150,7 @@ impl Dataplane {
         );
         if ordered == Some(false) {
             warn!(
-                "this kernel cannot order cgroup programs (Linux 6.16 on can): ambpf's socket \
+                "this kernel cannot order cgroup programs (Linux 6.17 on can): ambpf's socket \
                  programs run after those attached to cgroup {} before them",
                 cgroup.display()
             );

@@ -126,7 +126,7 @@ const F_BEFORE: u32 = 1 << 3;
 
 /// [`cgroup_link_create`] ahead of every program already attached to the
 /// hook of `cgroup`, so that ours runs first there. Kernels without
-/// ordered cgroup attachment (the mprog API for cgroups, Linux 6.16) refuse
+/// ordered cgroup attachment (the mprog API for cgroups, Linux 6.17) refuse
 /// the flag with `EINVAL`.
 pub fn cgroup_link_create_first(
     program: BorrowedFd<'_>,
