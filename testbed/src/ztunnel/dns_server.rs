@@ -66,6 +66,34 @@ pub(super) struct DnsContext {
     pub(super) shared: Arc<Shared>,
 }
 
+/// What became of one message.
+enum Reply<'m> {
+    /// A query, answered (with an address or none).
+    Answered(dns::Question<'m>, Option<IpAddr>),
+    /// A header that reads, refused with FORMERR or NOTIMP.
+    Refused,
+    /// Too short, or a response: dropped unanswered.
+    Dropped,
+}
+
+impl DnsAnswers {
+    /// Appends the response to `message` to `out` (nothing when dropped).
+    fn reply<'m>(&self, message: &'m [u8], out: &mut Vec<u8>) -> Reply<'m> {
+        match dns::parse_query(message) {
+            Some(Parsed::Query(header, question)) => {
+                let answer = self.answer(&question);
+                dns::write_response(&header, Some(&question), dns::RCODE_NOERROR, answer, out);
+                Reply::Answered(question, answer)
+            }
+            Some(Parsed::Reject(header, rcode)) => {
+                dns::write_response(&header, None, rcode, None, out);
+                Reply::Refused
+            }
+            None => Reply::Dropped,
+        }
+    }
+}
+
 impl DnsContext {
     /// Appends the response to `message` to `out`, recording the query;
     /// false if the message is dropped unanswered.
@@ -77,10 +105,8 @@ impl DnsContext {
         server: SocketAddr,
         out: &mut Vec<u8>,
     ) -> bool {
-        match dns::parse_query(message) {
-            Some(Parsed::Query(header, question)) => {
-                let answer = self.answers.answer(&question);
-                dns::write_response(&header, Some(&question), dns::RCODE_NOERROR, answer, out);
+        match self.answers.reply(message, out) {
+            Reply::Answered(question, answer) => {
                 // Recorded before the answer leaves, so a test that has the
                 // answer finds the record.
                 self.shared.record_dns(DnsQuery {
@@ -94,15 +120,44 @@ impl DnsContext {
                 });
                 true
             }
-            Some(Parsed::Reject(header, rcode)) => {
-                dns::write_response(&header, None, rcode, None, out);
+            Reply::Refused => {
                 self.shared.record_dns_rejected();
                 true
             }
-            None => {
+            Reply::Dropped => {
                 self.shared.record_dns_rejected();
                 false
             }
+        }
+    }
+}
+
+/// A plain resolver, for what DNS costs without ztunnel: answers UDP
+/// queries on `socket` as the DNS proxy does (the same answers, FORMERR and
+/// NOTIMP, the same messages dropped), records nothing. Runs until aborted.
+pub async fn serve_resolver_udp(socket: UdpSocket, answer_v4: Ipv4Addr, answer_v6: Ipv6Addr) {
+    let answers = DnsAnswers {
+        v4: answer_v4,
+        v6: answer_v6,
+    };
+    let mut request = vec![0u8; UDP_BUFFER_LEN].into_boxed_slice();
+    let mut response = Vec::with_capacity(RESPONSE_CAPACITY);
+    loop {
+        let (len, client) = match socket.recv_from(&mut request).await {
+            Ok(received) => received,
+            Err(e) if is_per_peer_error(&e) => continue,
+            Err(e) => {
+                eprintln!("resolver double: udp: {e}");
+                tokio::time::sleep(ERROR_PAUSE).await;
+                continue;
+            }
+        };
+        response.clear();
+        if !matches!(
+            answers.reply(&request[..len], &mut response),
+            Reply::Dropped
+        ) {
+            let _ = socket.send_to(&response, client).await;
         }
     }
 }

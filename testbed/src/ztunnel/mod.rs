@@ -79,6 +79,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_seqpacket::UnixSeqpacket;
 
 use dns_server::DnsAnswers;
+pub use dns_server::serve_resolver_udp;
 pub use proxy_host::serve_proxy_process;
 pub use state::{
     ConnectionOutcome, DnsQuery, DnsTransport, ProxiedConnection, WaitTimeout, Workload,

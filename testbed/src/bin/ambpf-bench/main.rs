@@ -10,8 +10,11 @@
 //!   ZDS, against a floor server that sends the same messages and nothing else.
 //! - `redirect`: traffic from an enrolled pod through the ztunnel double,
 //!   direct (the floor), iptables and eBPF in the same run: connection rate,
-//!   latency, conntrack entries, CPU per process
-//!   (`redirect.rs`);
+//!   latency, conntrack entries, CPU per process; outbound, inbound or DNS
+//!   queries (`--direction`; `redirect.rs`);
+//! - `bystander`: what the agent in each mode costs connections it does not
+//!   capture (a pod that is not enrolled, the node's own), against no agent
+//!   (`bystander.rs`);
 //! - `enroll`: time for the agent to enrol and remove N pods, eBPF against
 //!   iptables in the same run (`enroll.rs`);
 //! - `control`: the Kubernetes control path: API event to redirection, to the
@@ -81,6 +84,10 @@ enum Suite {
     /// connection rate, latency, conntrack and CPU, for direct, iptables and
     /// eBPF redirection.
     Redirect(redirect::RedirectArgs),
+    /// What ambpf costs traffic it does not capture: a pod that is not
+    /// enrolled and the node's own connections, with the agent in each mode
+    /// against no agent.
+    Bystander(bystander::BystanderArgs),
     /// Time for the agent to enrol and remove N pods, iptables against eBPF.
     Enroll(enroll::EnrollArgs),
     /// The Kubernetes control path (kube source against a test API server):
@@ -146,6 +153,7 @@ async fn run(cli: Cli) -> Result<()> {
     match cli.suite {
         Suite::Zds(args) => zds::run(args).await,
         Suite::Redirect(args) => redirect::run(args).await,
+        Suite::Bystander(args) => bystander::run(args).await,
         Suite::Enroll(args) => enroll::run(args).await,
         Suite::Control(args) => control::run(args).await,
         Suite::Attach(args) => attach::run(args).await,
@@ -268,6 +276,8 @@ impl Drop for AbortOnDrop {
 }
 
 mod redirect;
+
+mod bystander;
 
 mod enroll;
 

@@ -60,19 +60,22 @@ use tokio::{
 use super::*;
 
 mod agent;
+mod dns;
 mod load;
+mod measure;
 mod summary;
 pub(crate) use agent::{Agent, OwnRuntime, named_runtime, write_pods_file};
 use load::*;
-use summary::{print_tables, summarize};
+pub(crate) use measure::{Traffic, conntrack_around, measure_mode, taken_by};
+pub(crate) use summary::{Tables, print_tables, summarize};
 
-pub(super) const POD_UID: &str = "5e1f9a2c-bench-pod-0001";
-const PEER_PORT: u16 = 9000;
+pub(crate) const POD_UID: &str = "5e1f9a2c-bench-pod-0001";
+pub(crate) const PEER_PORT: u16 = 9000;
 /// Request and response size.
 const MESSAGE: usize = 64;
 /// One connect or exchange taking longer is an error, not a sample.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
-const READY_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(30);
 /// Thread-name prefixes of the CPU groups, in [`CpuSample`] order.
 const GROUPS: [&str; 3] = ["loadgen", "ztunnel", "echo"];
@@ -81,6 +84,12 @@ const GROUPS: [&str; 3] = ["loadgen", "ztunnel", "echo"];
 pub(super) struct RedirectArgs {
     #[command(flatten)]
     common: Common,
+    /// The pod's traffic measured: `outbound` (its app connects to a peer
+    /// off the node: ztunnel's 15001), `inbound` (a client off the node
+    /// connects to its app: ztunnel's 15006), `dns` (its app asks a resolver
+    /// off the node over UDP: ztunnel's DNS proxy on 15053).
+    #[arg(long, value_enum, default_value = "outbound")]
+    direction: Direction,
     /// Concurrent clients, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,64")]
     clients: Vec<usize>,
@@ -111,6 +120,28 @@ pub(super) struct RedirectArgs {
     /// (`direct`): what ambpf costs traffic it does not capture.
     #[arg(long)]
     bystanders: bool,
+}
+
+/// Which of the pod's traffic the suite measures (`--direction`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Direction {
+    /// The pod's app connects to the echo server in `remote`.
+    Outbound,
+    /// A client in `remote` connects to the echo server in the pod.
+    Inbound,
+    /// The pod's app sends UDP queries to a resolver in `remote`.
+    Dns,
+}
+
+impl Direction {
+    /// What the rate counts.
+    pub(crate) fn unit(self) -> &'static str {
+        match self {
+            Direction::Outbound | Direction::Inbound => "conn",
+            Direction::Dns => "queries",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -222,6 +253,7 @@ pub(super) fn rotated(modes: &[Mode], run: usize) -> Vec<Mode> {
 
 #[derive(Serialize)]
 struct Config {
+    direction: Direction,
     clients: Vec<usize>,
     duration_s: f64,
     warmup_s: f64,
@@ -233,7 +265,7 @@ struct Config {
 }
 
 #[derive(Clone, Debug, Serialize)]
-struct Conntrack {
+pub(crate) struct Conntrack {
     connections: u64,
     /// nf_conntrack_count before and after, `None` without conntrack.
     pod_before: Option<u64>,
@@ -245,18 +277,37 @@ struct Conntrack {
 }
 
 #[derive(Clone, Debug, Serialize)]
-struct Point {
+pub(crate) struct Point {
     clients: usize,
     rate: RateSample,
     latency: LatencySample,
 }
 
+impl Point {
+    /// Connections (or queries) made in the rate test's measured time.
+    pub(crate) fn connections(&self) -> u64 {
+        self.rate.connections
+    }
+
+    pub(crate) fn per_second(&self) -> f64 {
+        self.rate.per_second
+    }
+
+    pub(crate) fn p50_us(&self) -> f64 {
+        self.latency.p50_us
+    }
+
+    pub(crate) fn p99_us(&self) -> f64 {
+        self.latency.p99_us
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
-struct ModeRun {
-    run: usize,
-    mode: Mode,
-    conntrack: Conntrack,
-    points: Vec<Point>,
+pub(crate) struct ModeRun {
+    pub(crate) run: usize,
+    pub(crate) mode: Mode,
+    pub(crate) conntrack: Conntrack,
+    pub(crate) points: Vec<Point>,
 }
 
 pub(super) async fn run(args: RedirectArgs) -> Result<()> {
@@ -287,7 +338,8 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
     }
     let names: Vec<&str> = modes.iter().map(|m| m.name()).collect();
     eprintln!(
-        "redirect: clients {:?}, {} s (+{} s warm-up) per test, {} runs of {}",
+        "redirect: {:?}, clients {:?}, {} s (+{} s warm-up) per test, {} runs of {}",
+        args.direction,
         args.clients,
         args.duration_secs,
         args.warmup_secs,
@@ -334,7 +386,7 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
             continue;
         }
         let summary = summarize(&in_group, &args.clients, &modes);
-        print_tables(&summary, &in_group, &args, group);
+        print_tables(&summary, &in_group, &args.tables(), group);
         let key = if group == "steady" {
             "summary"
         } else {
@@ -345,6 +397,7 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
     suite.write_report(
         args.common.out.as_deref(),
         Config {
+            direction: args.direction,
             clients: args.clients.clone(),
             duration_s: args.duration_secs,
             warmup_s: args.warmup_secs,
@@ -361,202 +414,4 @@ pub(super) async fn run(args: RedirectArgs) -> Result<()> {
         }),
     )?;
     Ok(())
-}
-
-async fn measure_mode(
-    args: &RedirectArgs,
-    agent_binary: &Path,
-    work: &TempDir,
-    cgroup: &CgroupGuard,
-    mode: Mode,
-    run: usize,
-) -> Result<ModeRun> {
-    let cluster = Cluster::create(1).context("creating the cluster")?;
-    let pod = &cluster.pods[0];
-    // Many short connections: the whole port range, and TIME_WAIT ports
-    // reused (the pod's own namespace only).
-    pod.ns.sysctl("net.ipv4.ip_local_port_range=10000 65000")?;
-    pod.ns.sysctl("net.ipv4.tcp_tw_reuse=1")?;
-    let target = SocketAddr::new(cluster.remote.addrs.v4.into(), PEER_PORT);
-    let echo = start_echo(&cluster.remote.ns, target)?;
-    let loadgen = LoadGen::new(&pod.ns, args.loadgen_threads)?;
-
-    let pods_file = work.join("pods.json");
-    let socket = work.join("ztunnel.sock");
-    let mut redirected = None;
-    if mode != Mode::Direct {
-        let enrolled = if mode.captures() {
-            vec![(POD_UID.to_owned(), pod.ns.path())]
-        } else {
-            Vec::new()
-        };
-        write_pods_file(&pods_file, &enrolled)?;
-        let log = work.join(format!("agent-{}-{}.log", mode.name(), run));
-        let agent = Agent::start(
-            agent_binary,
-            mode,
-            &cluster.node,
-            &pods_file,
-            &socket,
-            cgroup,
-            &log,
-        )
-        .await?;
-        let (zt_runtime, _) = named_runtime("ztunnel-rt", 2, None)?;
-        let double = {
-            let _enter = zt_runtime.enter();
-            ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default())
-        };
-        let captures = mode.captures();
-        double
-            .wait_until(
-                |s| {
-                    s.ready
-                        && (!captures
-                            || s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running))
-                },
-                READY_TIMEOUT,
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("ztunnel never got ready (or the pod): {e:?}"))?;
-        let reader = match mode {
-            Mode::EbpfTraced => {
-                let log = work.join(format!("trace-{run}.log"));
-                Some(agent.attach_trace_reader(&log).await?)
-            }
-            _ => None,
-        };
-        redirected = Some((agent, double, zt_runtime, reader));
-    }
-    let agent_pid = redirected.as_ref().map(|(agent, ..)| agent.pid());
-    let take_proxied = || {
-        redirected.as_ref().map_or((0, 0), |(_, double, ..)| {
-            let taken = double.take_proxied();
-            let ok = taken
-                .iter()
-                .filter(|c| c.outcome == ConnectionOutcome::Proxied)
-                .count();
-            (ok, taken.len() - ok)
-        })
-    };
-
-    // Conntrack: a fixed number of sequential connections.
-    let count = |ns: &NetnsGuard| ns.run(sys::conntrack_count).ok().flatten();
-    let (pod_before, node_before) = (count(&pod.ns), count(&cluster.node));
-    loadgen
-        .sequential(target, args.conntrack_connections)
-        .await
-        .context("the conntrack connections")?;
-    let (pod_after, node_after) = (count(&pod.ns), count(&cluster.node));
-    let per = |before: Option<u64>, after: Option<u64>| {
-        Some((after? as f64 - before.unwrap_or(0) as f64) / args.conntrack_connections as f64)
-    };
-    let conntrack = Conntrack {
-        connections: args.conntrack_connections,
-        pod_before,
-        pod_after,
-        node_before,
-        node_after,
-        pod_per_connection: per(pod_before, pod_after),
-        node_per_connection: per(node_before, node_after),
-    };
-    let (proxied, _) = take_proxied();
-    if mode.captures() {
-        ensure!(
-            proxied as u64 >= args.conntrack_connections,
-            "only {proxied} of {} connections went through ztunnel",
-            args.conntrack_connections
-        );
-    } else {
-        ensure!(
-            proxied == 0,
-            "{proxied} of a bystander's connections went through ztunnel"
-        );
-    }
-
-    let warmup = Duration::from_secs_f64(args.warmup_secs);
-    let duration = Duration::from_secs_f64(args.duration_secs);
-    let mut points = Vec::new();
-    for &clients in &args.clients {
-        let (connections, errors, per_second, cpu) = loadgen
-            .rate(target, clients, warmup, duration, agent_pid)
-            .await
-            .with_context(|| format!("connection rate, {clients} clients"))?;
-        let (proxied, proxy_failures) = take_proxied();
-        let rate = RateSample {
-            connections,
-            errors,
-            per_second,
-            proxied,
-            proxy_failures,
-            cpu,
-        };
-        let (histogram, cpu) = loadgen
-            .latency(target, clients, warmup, duration, agent_pid)
-            .await
-            .with_context(|| format!("latency, {clients} clients"))?;
-        let (proxied, _) = take_proxied();
-        let us = |ns: Option<u64>| ns.map_or(f64::NAN, |ns| ns as f64 / 1e3);
-        let latency = LatencySample {
-            requests: histogram.count(),
-            per_second: histogram.count() as f64 / cpu.wall_s,
-            p50_us: us(histogram.percentile_ns(50.0)),
-            p99_us: us(histogram.percentile_ns(99.0)),
-            mean_us: histogram.mean_ns().map_or(f64::NAN, |ns| ns / 1e3),
-            max_us: us(histogram.max_ns()),
-            proxied,
-            cpu,
-        };
-        eprintln!(
-            "redirect: run {} {:<8} {:>2} clients: {:>8.0} conn/s ({} errors, busiest {}), p50 {:>7.1} µs p99 {:>7.1} µs ({:.0} req/s, busiest {})",
-            run + 1,
-            mode.name(),
-            clients,
-            rate.per_second,
-            rate.errors,
-            rate.cpu.busiest().0,
-            latency.p50_us,
-            latency.p99_us,
-            latency.per_second,
-            latency.cpu.busiest().0,
-        );
-        points.push(Point {
-            clients,
-            rate,
-            latency,
-        });
-    }
-
-    if let Some((agent, double, zt_runtime, reader)) = redirected {
-        if let Some(mut reader) = reader {
-            reader.stop()?;
-            let records = std::fs::read_to_string(reader.log_path())?
-                .lines()
-                .filter(|l| l.contains("\"verdict\""))
-                .count();
-            eprintln!(
-                "redirect: run {} the trace reader printed {records} records",
-                run + 1
-            );
-            ensure!(records > 0, "the trace reader printed no record");
-        }
-        // Unenrol (ztunnel gets the Del), stop, remove the pins.
-        write_pods_file(&pods_file, &[])?;
-        double
-            .wait_until(|s| s.workloads.is_empty(), READY_TIMEOUT)
-            .await
-            .map_err(|e| anyhow::anyhow!("the pod was not removed: {e:?}"))?;
-        double.shutdown().await;
-        agent.stop()?;
-        drop(zt_runtime);
-    }
-    drop(loadgen);
-    drop(echo);
-    drop(cluster);
-    Ok(ModeRun {
-        run,
-        mode,
-        conntrack,
-        points,
-    })
 }

@@ -110,7 +110,7 @@ pub(super) struct Summary {
     pub(super) conntrack: Vec<ConntrackSummary>,
 }
 
-pub(super) fn summarize(runs: &[ModeRun], clients: &[usize], measured: &[Mode]) -> Summary {
+pub(crate) fn summarize(runs: &[ModeRun], clients: &[usize], measured: &[Mode]) -> Summary {
     let mut modes = Vec::new();
     let mut ratios = Vec::new();
     for &c in clients {
@@ -195,9 +195,29 @@ pub(super) fn summarize(runs: &[ModeRun], clients: &[usize], measured: &[Mode]) 
     }
 }
 
+/// What the tables say of the runs they print.
+pub(crate) struct Tables<'a> {
+    pub(crate) direction: Direction,
+    pub(crate) duration_secs: f64,
+    pub(crate) conntrack_connections: u64,
+    /// Whose traffic the bystander modes' ratios are of.
+    pub(crate) bystander: &'a str,
+}
+
+impl RedirectArgs {
+    pub(super) fn tables(&self) -> Tables<'static> {
+        Tables {
+            direction: self.direction,
+            duration_secs: self.duration_secs,
+            conntrack_connections: self.conntrack_connections,
+            bystander: "a pod that is not enrolled",
+        }
+    }
+}
+
 /// Prints the tables of one group of runs (`steady`: every run after the
 /// first; `first`: the first, reported apart).
-pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectArgs, group: &str) {
+pub(crate) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &Tables<'_>, group: &str) {
     let counted = runs
         .iter()
         .map(|r| r.run)
@@ -215,12 +235,32 @@ pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectA
     };
     println!();
     println!("== {group} ({counted} run(s); modes in balanced order, fresh namespaces each)");
+    let (what, unit) = match args.direction {
+        Direction::Outbound => (
+            format!(
+                "New outbound connections per second (each: connect, {MESSAGE} B request/echo, close)"
+            ),
+            "conn/s",
+        ),
+        Direction::Inbound => (
+            format!(
+                "New inbound connections per second, off-node client to the pod's app (each: connect, {MESSAGE} B request/echo, close)"
+            ),
+            "conn/s",
+        ),
+        Direction::Dns => (
+            "UDP DNS queries per second (each: a new socket, connect, an A query, its answer); \
+             the latency table below is of the same queries"
+                .to_owned(),
+            "queries/s",
+        ),
+    };
     println!(
-        "New connections per second (each: connect, {MESSAGE} B request/echo, close), median of {counted} runs of {} s; CPU in cores (medians)",
+        "{what}, median of {counted} runs of {} s; CPU in cores (medians)",
         args.duration_secs
     );
     let mut table = Table::new([
-        "clients", "mode", "conn/s", "min", "max", "errors", "loadgen", "ztunnel", "echo", "agent",
+        "clients", "mode", unit, "min", "max", "errors", "loadgen", "ztunnel", "echo", "agent",
         "softirq", "machine", "busiest",
     ]);
     for m in &summary.modes {
@@ -243,9 +283,13 @@ pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectA
     }
     print!("{table}");
     println!();
-    println!(
-        "Request latency on kept-alive connections ({MESSAGE} B ping-pong per client), µs, median of {counted} runs"
-    );
+    if args.direction == Direction::Dns {
+        println!("Query latency (send to answer), µs, median of {counted} runs");
+    } else {
+        println!(
+            "Request latency on kept-alive connections ({MESSAGE} B ping-pong per client), µs, median of {counted} runs"
+        );
+    }
     let mut table = Table::new([
         "clients", "mode", "p50", "p99", "p99 max", "req/s", "loadgen", "ztunnel", "echo",
         "softirq", "machine", "busiest",
@@ -273,16 +317,19 @@ pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectA
         (
             Comparison::Redirection,
             "Ratios of medians, eBPF mode against each Istio backend, the faster of them and no \
-             redirection (conn/s: higher is better; latency: lower is better)",
+             redirection (conn/s: higher is better; latency: lower is better)"
+                .to_owned(),
         ),
         (
             Comparison::TraceReader,
-            "Cost of a trace reader: ebpf+trace / ebpf, ratios of medians",
+            "Cost of a trace reader: ebpf+trace / ebpf, ratios of medians".to_owned(),
         ),
         (
             Comparison::Bystander,
-            "Cost to bystanders: a pod that is not enrolled, the agent running / no agent, \
-             ratios of medians",
+            format!(
+                "Cost to bystanders: {}, the agent running / no agent, ratios of medians",
+                args.bystander
+            ),
         ),
     ] {
         let rows: Vec<&Ratios> = summary
@@ -295,7 +342,7 @@ pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectA
         }
         println!();
         println!("{title}");
-        let mut table = Table::new(["clients", "mode", "against", "conn/s", "p50", "p99"]);
+        let mut table = Table::new(["clients", "mode", "against", unit, "p50", "p99"]);
         for r in rows {
             table.row([
                 r.clients.to_string(),
@@ -331,4 +378,117 @@ pub(super) fn print_tables(summary: &Summary, runs: &[ModeRun], args: &RedirectA
         ]);
     }
     print!("{table}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu() -> CpuSample {
+        CpuSample {
+            wall_s: 1.0,
+            loadgen: 0.5,
+            ztunnel: 0.0,
+            echo: 0.4,
+            agent: None,
+            bench_other: 0.0,
+            machine_busy: 1.0,
+            machine_softirq: 0.1,
+            machine_steal: 0.0,
+        }
+    }
+
+    /// One mode's run at one client count: its rate and latencies.
+    fn measured(run: usize, mode: Mode, conn_per_s: f64, p50_us: f64, p99_us: f64) -> ModeRun {
+        ModeRun {
+            run,
+            mode,
+            conntrack: Conntrack {
+                connections: 10,
+                pod_before: None,
+                pod_after: None,
+                node_before: None,
+                node_after: None,
+                pod_per_connection: None,
+                node_per_connection: None,
+            },
+            points: vec![Point {
+                clients: 8,
+                rate: RateSample {
+                    connections: conn_per_s as u64,
+                    errors: 0,
+                    per_second: conn_per_s,
+                    proxied: 0,
+                    proxy_failures: 0,
+                    cpu: cpu(),
+                },
+                latency: LatencySample {
+                    requests: 1,
+                    per_second: 1.0,
+                    p50_us,
+                    p99_us,
+                    mean_us: p50_us,
+                    max_us: p99_us,
+                    proxied: 0,
+                    cpu: cpu(),
+                },
+            }],
+        }
+    }
+
+    fn ratio<'a>(summary: &'a Summary, mode: &str, against: &str) -> &'a Ratios {
+        summary
+            .ratios
+            .iter()
+            .find(|r| r.mode == mode && r.against == against)
+            .unwrap_or_else(|| panic!("no {mode} against {against}: {:?}", summary.ratios))
+    }
+
+    #[test]
+    fn bystanders_are_compared_with_no_agent_by_the_medians_of_their_runs() {
+        let modes = [Mode::Direct, Mode::EbpfBystander, Mode::IptablesBystander];
+        let runs = vec![
+            measured(1, Mode::Direct, 1000.0, 10.0, 40.0),
+            measured(2, Mode::Direct, 1200.0, 12.0, 50.0),
+            measured(3, Mode::Direct, 900.0, 30.0, 60.0),
+            measured(1, Mode::EbpfBystander, 950.0, 11.0, 44.0),
+            measured(2, Mode::EbpfBystander, 5000.0, 11.0, 44.0),
+            measured(3, Mode::EbpfBystander, 100.0, 11.0, 44.0),
+            measured(1, Mode::IptablesBystander, 800.0, 20.0, 100.0),
+        ];
+        let summary = summarize(&runs, &[8], &modes);
+        let ebpf = ratio(&summary, "ebpf bystander", "direct");
+        // Medians: direct 1000 conn/s, p50 12, p99 50; ebpf 950, 11, 44.
+        assert!((ebpf.conn_rate - 0.95).abs() < 1e-9, "{ebpf:?}");
+        assert!((ebpf.p50 - 11.0 / 12.0).abs() < 1e-9, "{ebpf:?}");
+        assert!((ebpf.p99 - 44.0 / 50.0).abs() < 1e-9, "{ebpf:?}");
+        let iptables = ratio(&summary, "iptables bystander", "direct");
+        assert!((iptables.conn_rate - 0.8).abs() < 1e-9, "{iptables:?}");
+        // No redirecting mode was measured: no eBPF-against-backend rows.
+        assert!(summary.ratios.iter().all(|r| r.against == "direct"));
+        assert!(
+            summary
+                .ratios
+                .iter()
+                .all(|r| r.mode.ends_with(" bystander"))
+        );
+    }
+
+    #[test]
+    fn ebpf_mode_is_compared_with_each_backend_and_the_faster_of_them() {
+        let modes = [Mode::Direct, Mode::Iptables, Mode::Nftables, Mode::Ebpf];
+        let runs = vec![
+            measured(1, Mode::Direct, 2000.0, 10.0, 20.0),
+            measured(1, Mode::Iptables, 500.0, 40.0, 80.0),
+            measured(1, Mode::Nftables, 400.0, 50.0, 90.0),
+            measured(1, Mode::Ebpf, 600.0, 30.0, 60.0),
+        ];
+        let summary = summarize(&runs, &[8], &modes);
+        let faster = ratio(&summary, "ebpf", "faster (iptables)");
+        assert!((faster.conn_rate - 1.2).abs() < 1e-9, "{faster:?}");
+        assert!((ratio(&summary, "ebpf", "nftables").conn_rate - 1.5).abs() < 1e-9);
+        assert!((ratio(&summary, "ebpf", "direct").p50 - 3.0).abs() < 1e-9);
+        // A client count nobody measured has no rows.
+        assert!(summarize(&runs, &[64], &modes).ratios.is_empty());
+    }
 }
