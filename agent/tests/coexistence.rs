@@ -40,7 +40,7 @@ use ambpf_testbed::{
 use serde_json::Value;
 
 mod common;
-use common::agent::{Proc, TempDir, serve_echo, spawn_agent, wait_for};
+use common::agent::{Proc, TempDir, agent_command, serve_echo, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 const POD_UID: &str = "coexistence-pod-uid";
@@ -148,7 +148,12 @@ impl World {
 
     /// The agent, and the ztunnel double once the pod's proxies run.
     async fn start_agent(&self, ztunnel: Option<ZtunnelDouble>) -> (Proc, ZtunnelDouble) {
-        let agent = spawn_agent(
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.agent_log_path())
+            .unwrap();
+        let mut cmd = agent_command(
             &self.cluster.node,
             &self.pins(),
             &self.socket(),
@@ -156,6 +161,8 @@ impl World {
             self.cgroup.path(),
             "127.0.0.1:0",
         );
+        cmd.args(["--state-check-interval", "1"]).stderr(log);
+        let agent = Proc(cmd.spawn().unwrap());
         let ztunnel = ztunnel.unwrap_or_else(|| {
             ZtunnelDouble::connect_with_retry(self.socket(), ZtunnelConfig::default())
         });
@@ -167,6 +174,15 @@ impl World {
             .await
             .unwrap();
         (agent, ztunnel)
+    }
+
+    fn agent_log_path(&self) -> PathBuf {
+        self.dir.0.join("agent.log")
+    }
+
+    /// What the agents of this world logged.
+    fn agent_log(&self) -> String {
+        std::fs::read_to_string(self.agent_log_path()).unwrap_or_default()
     }
 
     /// `ambpf status --check -o json`: whether it passed, and its report.
@@ -290,7 +306,7 @@ async fn the_service_address_survives(lb_first: bool) {
     if lb_first {
         lb.attach(world.cgroup.path()).unwrap();
     }
-    let (_agent, ztunnel) = world.start_agent(None).await;
+    let (agent, ztunnel) = world.start_agent(None).await;
     if !lb_first {
         lb.attach(world.cgroup.path()).unwrap();
     }
@@ -321,6 +337,18 @@ async fn the_service_address_survives(lb_first: bool) {
         assert_eq!(original_dst, vip(v6), "ztunnel's original destination");
         assert_eq!(peer, vip(v6), "the app's peer");
     }
+    // A new agent swaps its programs inside its pinned links, which keep
+    // their places.
+    drop(agent);
+    let (_agent, ztunnel) = world.start_agent(Some(ztunnel)).await;
+    for (v6, (peer, original_dst)) in [false, true]
+        .into_iter()
+        .zip(through_the_service(&world, &ztunnel).await)
+    {
+        assert_eq!(original_dst, vip(v6), "after a restart");
+        assert_eq!(peer, vip(v6), "the app's peer after a restart");
+    }
+    let (_, report, _) = world.check();
     let connect = cgroup_hook(&report, "cgroup_inet4_connect");
     let names: Vec<&str> = connect.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["ambpf_connect4", "lb_connect4"], "{report}");
@@ -420,6 +448,15 @@ async fn a_socket_lb_below_the_agents_cgroup_runs_first_and_is_named() {
         text.contains("warning: cgroup_inet4_connect: program") && text.contains("below, first"),
         "{text}"
     );
+    // The balancer came after the agent: its next full state check says so.
+    let connect4 = lb_ids.iter().find(|(n, _)| *n == "lb_connect4").unwrap().1;
+    let logged =
+        format!("other eBPF programs: cgroup_inet4_connect: program {connect4} lb_connect4");
+    wait_for(
+        || world.agent_log().contains(&logged),
+        "the agent to log the balancer below its cgroup",
+    )
+    .await;
     ztunnel.shutdown().await;
 }
 
