@@ -3,7 +3,7 @@
 use super::*;
 
 #[derive(Clone, Debug, Serialize)]
-pub(super) struct ModeSummary {
+pub(crate) struct ModeSummary {
     pub(super) clients: usize,
     pub(super) mode: Mode,
     pub(super) conn_per_s: Stats,
@@ -17,7 +17,7 @@ pub(super) struct ModeSummary {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub(super) struct CoresSummary {
+pub(crate) struct CoresSummary {
     pub(super) loadgen: f64,
     pub(super) ztunnel: f64,
     pub(super) echo: f64,
@@ -64,7 +64,7 @@ impl CoresSummary {
 
 /// One comparison at one client count: `mode`'s medians over `against`'s.
 #[derive(Clone, Debug, Serialize)]
-pub(super) struct Ratios {
+pub(crate) struct Ratios {
     pub(super) clients: usize,
     pub(super) mode: String,
     /// `iptables`, `nftables`, `faster (<backend>)` (the Istio backend with
@@ -97,14 +97,14 @@ impl Comparison {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub(super) struct ConntrackSummary {
+pub(crate) struct ConntrackSummary {
     pub(super) mode: Mode,
     pub(super) pod_per_connection: Option<f64>,
     pub(super) node_per_connection: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub(super) struct Summary {
+pub(crate) struct Summary {
     pub(super) modes: Vec<ModeSummary>,
     pub(super) ratios: Vec<Ratios>,
     pub(super) conntrack: Vec<ConntrackSummary>,
