@@ -237,17 +237,21 @@ async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() 
     let cluster = Cluster::create(2).unwrap();
     let pod = &cluster.pods[0].ns;
     // A tun device, or where the kernel has no /dev/net/tun, an ipip
-    // tunnel (the module also adds `tunl0` to every namespace).
+    // tunnel; loading the ipip module adds its fallback `tunl0`, down, to
+    // every namespace (which must keep no pod out: the other tests), so an
+    // ipip device is one or the other. Up, as a device in use is.
     let made = [
-        ("tuntap add dev tun0 mode tun", "tun"),
-        ("link add ipip0 type ipip", "ipip"),
+        ("tuntap add dev tun0 mode tun", "tun0", "tun"),
+        ("link add ipip0 type ipip", "ipip0", "ipip"),
+        ("link show tunl0", "tunl0", "ipip"),
     ]
     .into_iter()
-    .find_map(|(command, kind)| try_in(pod, "ip", command).ok().map(|_| kind));
-    let Some(kind) = made else {
+    .find(|(command, _, _)| try_in(pod, "ip", command).is_ok());
+    let Some((_, iface, kind)) = made else {
         eprintln!("skipped: this kernel makes neither a tun device nor an ipip tunnel");
         return;
     };
+    ip(pod, &format!("link set {iface} up"));
     let cgroup = CgroupGuard::create().unwrap();
     let _inside = cgroup.enter_process().unwrap();
     let (mut redirection, _bpffs, _) =
@@ -256,7 +260,11 @@ async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() 
         .enroll(&Netns::open(pod.name()).unwrap(), ENROLL)
         .expect_err("a pod ambpf cannot steer is refused")
         .to_string();
-    for expected in [&format!("is {kind}"), "no Ethernet header", pod.name()] {
+    for expected in [
+        &format!("{iface} is {kind}"),
+        "no Ethernet header",
+        pod.name(),
+    ] {
         assert!(err.contains(expected), "`{expected}` not in: {err}");
     }
     assert!(

@@ -5,9 +5,9 @@
 //! ports behind a 14-byte Ethernet header. Every interface whose frames
 //! carry one gets the filter: veth (most CNI plugins), netkit in either
 //! mode (its L3 mode, Cilium's default, has no ARP but keeps the header:
-//! link type Ether), ipvlan in either mode, macvlan. An interface without
-//! one (a tun device, an ipip or WireGuard tunnel) would have its SYNs
-//! misread and go to the app uncaptured, so a pod with one is refused,
+//! link type Ether), ipvlan in either mode, macvlan. An interface that is up
+//! without one (a tun device, an ipip or WireGuard tunnel) would have its
+//! SYNs misread and go to the app uncaptured, so a pod with one is refused,
 //! naming the interface's kind and why, rather than enrolled half
 //! captured. docs/architecture.md ("Pod interface kinds") has what was
 //! verified on which kernel.
@@ -17,8 +17,8 @@ use std::fmt;
 use netlink_packet_route::{
     RouteNetlinkMessage,
     link::{
-        InfoData, InfoIpVlan, InfoMacVlan, InfoNetkit, LinkAttribute, LinkInfo, LinkLayerType,
-        LinkMessage,
+        InfoData, InfoIpVlan, InfoMacVlan, InfoNetkit, LinkAttribute, LinkFlags, LinkInfo,
+        LinkLayerType, LinkMessage,
     },
 };
 
@@ -36,6 +36,8 @@ pub struct LinkKind {
     pub kind: String,
     pub mode: Option<String>,
     pub link_layer: LinkLayerType,
+    /// Administratively up (`IFF_UP`).
+    pub up: bool,
 }
 
 impl fmt::Display for LinkKind {
@@ -56,7 +58,10 @@ impl LinkKind {
     /// Why ambpf's steering filter cannot serve this interface, if it
     /// cannot.
     pub fn unsteerable_because(&self) -> Option<String> {
-        if self.link_layer == LinkLayerType::Ether {
+        // A device that is down receives nothing: the fallback tunnels the
+        // ipip, sit and gre modules add, down, to every namespace (`tunl0`
+        // on a Calico IPIP node) must not keep pods out.
+        if self.link_layer == LinkLayerType::Ether || !self.up {
             return None;
         }
         Some(format!(
@@ -114,6 +119,7 @@ fn from_message(link: &LinkMessage) -> LinkKind {
         kind: String::new(),
         mode: None,
         link_layer: link.header.link_layer_type,
+        up: link.header.flags.contains(LinkFlags::Up),
     };
     let infos = link.attributes.iter().filter_map(|attr| match attr {
         LinkAttribute::LinkInfo(infos) => Some(infos),
@@ -188,9 +194,13 @@ mod tests {
             kind: "tun".into(),
             mode: None,
             link_layer: LinkLayerType::None,
+            up: true,
         };
         assert_eq!(kind.to_string(), "tun");
         let why = kind.unsteerable_because().unwrap();
         assert!(why.contains("no Ethernet header"), "{why}");
+        // Down, it receives nothing.
+        let down = LinkKind { up: false, ..kind };
+        assert_eq!(down.unsteerable_because(), None);
     }
 }

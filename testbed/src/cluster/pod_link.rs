@@ -99,8 +99,8 @@ impl Cluster {
         Ok(cluster)
     }
 
-    /// Gives pod `i` (0-based) a new `eth0` of `kind` in its namespace, with
-    /// the same addresses, gateway and routes.
+    /// Gives pod `i` (0-based), a veth pod, a new `eth0` of `kind` in its
+    /// namespace, with the same addresses, gateway and routes.
     pub fn relink_pod(&mut self, i: usize, kind: PodLinkKind) -> io::Result<()> {
         let n = self.tear_down_network(i)?;
         let pod = &self.pods[i].ns;
@@ -122,61 +122,63 @@ impl Cluster {
                 primary
             }
             PodLinkKind::IpvlanL2 | PodLinkKind::IpvlanL3 | PodLinkKind::Macvlan => {
-                let lower = format!("lower{n}");
-                let child = format!("lan{n}");
-                // The parent stands in for the node's NIC: one end of a veth
-                // pair (kernels without `dummy` still have veth) whose other
-                // end is on the off-node network, in the remote's namespace.
-                let wire = format!("wire{n}");
-                self.node.ip(&[
-                    "link",
-                    "add",
-                    &lower,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    &wire,
-                    "netns",
-                    self.remote.ns.name(),
-                ])?;
-                self.remote.ns.ip(&["link", "set", &wire, "up"])?;
-                self.node.ip(&["link", "set", &lower, "up"])?;
-                if kind == PodLinkKind::IpvlanL3 {
-                    self.uplink_through(&lower, &wire, n)?;
-                }
-                let lower_index = self.node.ifindex(&lower)?;
-                let data = match kind {
-                    PodLinkKind::IpvlanL2 => {
-                        InfoData::IpVlan(vec![InfoIpVlan::Mode(IpVlanMode::L2)])
-                    }
-                    PodLinkKind::IpvlanL3 => {
-                        InfoData::IpVlan(vec![InfoIpVlan::Mode(IpVlanMode::L3)])
-                    }
-                    _ => InfoData::MacVlan(vec![InfoMacVlan::Mode(MacVlanMode::Bridge)]),
-                };
-                let info_kind = if kind == PodLinkKind::Macvlan {
-                    InfoKind::MacVlan
-                } else {
-                    InfoKind::IpVlan
-                };
-                for (name, netns) in [(child.as_str(), None), ("eth0", Some(&pod_netns))] {
-                    let mut msg = named(name);
-                    msg.attributes.push(LinkAttribute::Link(lower_index));
-                    if let Some(netns) = netns {
-                        msg.attributes
-                            .push(LinkAttribute::NetNsFd(netns.as_raw_fd()));
-                    }
-                    msg.attributes.push(LinkAttribute::LinkInfo(vec![
-                        LinkInfo::Kind(info_kind.clone()),
-                        LinkInfo::Data(data.clone()),
-                    ]));
-                    new_link(&self.node, msg).map_err(unsupported(kind))?;
-                }
-                child
+                self.connect_as_child(n, kind, &pod_netns)?
             }
         };
         self.address_pod_link(n, pod, &node_side)
+    }
+
+    /// Pod `n`'s `eth0` as an ipvlan or macvlan child of a new parent
+    /// `lower<n>`, and the node's own child `lan<n>`, which it returns.
+    fn connect_as_child(&self, n: u16, kind: PodLinkKind, pod_netns: &File) -> io::Result<String> {
+        let lower = format!("lower{n}");
+        let child = format!("lan{n}");
+        // The parent stands in for the node's NIC: one end of a veth
+        // pair (kernels without `dummy` still have veth) whose other
+        // end is on the off-node network, in the remote's namespace.
+        let wire = format!("wire{n}");
+        self.node.ip(&[
+            "link",
+            "add",
+            &lower,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &wire,
+            "netns",
+            self.remote.ns.name(),
+        ])?;
+        self.remote.ns.ip(&["link", "set", &wire, "up"])?;
+        self.node.ip(&["link", "set", &lower, "up"])?;
+        if kind == PodLinkKind::IpvlanL3 {
+            self.uplink_through(&lower, &wire, n)?;
+        }
+        let lower_index = self.node.ifindex(&lower)?;
+        let data = match kind {
+            PodLinkKind::IpvlanL2 => InfoData::IpVlan(vec![InfoIpVlan::Mode(IpVlanMode::L2)]),
+            PodLinkKind::IpvlanL3 => InfoData::IpVlan(vec![InfoIpVlan::Mode(IpVlanMode::L3)]),
+            _ => InfoData::MacVlan(vec![InfoMacVlan::Mode(MacVlanMode::Bridge)]),
+        };
+        let info_kind = if kind == PodLinkKind::Macvlan {
+            InfoKind::MacVlan
+        } else {
+            InfoKind::IpVlan
+        };
+        for (name, netns) in [(child.as_str(), None), ("eth0", Some(&pod_netns))] {
+            let mut msg = named(name);
+            msg.attributes.push(LinkAttribute::Link(lower_index));
+            if let Some(netns) = netns {
+                msg.attributes
+                    .push(LinkAttribute::NetNsFd(netns.as_raw_fd()));
+            }
+            msg.attributes.push(LinkAttribute::LinkInfo(vec![
+                LinkInfo::Kind(info_kind.clone()),
+                LinkInfo::Data(data.clone()),
+            ]));
+            new_link(&self.node, msg).map_err(unsupported(kind))?;
+        }
+        Ok(child)
     }
 
     /// An ipvlan child in L3 mode sends what is not for another child out
