@@ -206,8 +206,23 @@ pub(super) fn runs_since(before: &[Program], after: &[Program]) -> Vec<Program> 
 
 /// Whether every thread of this process whose name starts with `prefix` is
 /// in the cgroup at `cgroup` (a cgroup v2 path under the mount); the names
-/// of the threads that are not.
+/// of the threads that are not. A new thread names itself once it runs, so
+/// none found is retried for a while.
 pub(super) fn threads_outside(cgroup: &Path, prefix: &str) -> io::Result<Vec<String>> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        match threads_outside_now(cgroup, prefix) {
+            Err(e)
+                if e.kind() == io::ErrorKind::NotFound && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn threads_outside_now(cgroup: &Path, prefix: &str) -> io::Result<Vec<String>> {
     let root = ambpf_testbed::cgroup2_root()?;
     let relative = Path::new("/").join(cgroup.strip_prefix(&root).map_err(|_| {
         io::Error::other(format!(
@@ -239,7 +254,10 @@ pub(super) fn threads_outside(cgroup: &Path, prefix: &str) -> io::Result<Vec<Str
         }
     }
     if found == 0 {
-        return Err(io::Error::other(format!("no thread named {prefix}*")));
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("no thread named {prefix}*"),
+        ));
     }
     Ok(outside)
 }
