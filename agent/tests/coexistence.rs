@@ -24,7 +24,7 @@
 
 use std::{
     io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr, TcpStream, UdpSocket},
     os::fd::AsFd,
     path::PathBuf,
     process::Command,
@@ -35,7 +35,7 @@ use ambpf_testbed::{
     BpffsMount, CgroupGuard, NetnsGuard,
     cluster::Cluster,
     foreign_programs::{self, Service, SocketLb},
-    ztunnel::{ConnectionOutcome, ZtunnelConfig, ZtunnelDouble},
+    ztunnel::{ConnectionOutcome, ZtunnelConfig, ZtunnelDouble, dns},
 };
 use serde_json::Value;
 
@@ -57,6 +57,44 @@ fn vip(v6: bool) -> SocketAddr {
     } else {
         "10.96.0.10:80".parse().unwrap()
     }
+}
+
+/// The cluster's DNS service address, as kube-dns's.
+const DNS_VIP: &str = "10.96.0.10:53";
+
+/// The app asks the DNS service over UDP: where its answer came from
+/// (recvfrom), after ztunnel's DNS proxy answered.
+async fn dns_answer_from(world: &World, ztunnel: &ZtunnelDouble) -> SocketAddr {
+    let resolver: SocketAddr = DNS_VIP.parse().unwrap();
+    let from = tokio::task::block_in_place(|| {
+        world
+            .pod()
+            .ns
+            .run(|| {
+                let udp = UdpSocket::bind("0.0.0.0:0").unwrap();
+                udp.set_read_timeout(Some(PATIENCE)).unwrap();
+                let query = dns::encode_query(0x5e1, "svc.ambpf.test", dns::TYPE_A).unwrap();
+                udp.send_to(&query, resolver).unwrap();
+                let mut buffer = [0u8; 512];
+                let (len, from) = udp
+                    .recv_from(&mut buffer)
+                    .unwrap_or_else(|e| panic!("UDP answer from {resolver}: {e}"));
+                assert_eq!(
+                    dns::Response::parse(&buffer[..len]).unwrap().header.id,
+                    0x5e1
+                );
+                from
+            })
+            .unwrap()
+    });
+    assert!(
+        ztunnel
+            .dns_queries()
+            .iter()
+            .any(|q| q.name == "svc.ambpf.test"),
+        "ztunnel's DNS proxy did not answer"
+    );
+    from
 }
 
 /// One node with one pod, the remote's echo servers as the backends, and
@@ -138,12 +176,22 @@ impl World {
         SocketAddr::new(self.pod().addrs.v4.into(), APP_PORT)
     }
 
+    /// Where the balancer sends the DNS service's queries: nothing serves
+    /// there, so only ztunnel's DNS proxy can answer.
+    fn dns_backend(&self) -> SocketAddr {
+        SocketAddr::new(self.cluster.remote.addrs.v4.into(), 53)
+    }
+
+    /// The balancer of the service addresses (`VIP` to the echo servers,
+    /// and the DNS service to [`Self::dns_backend`]).
     fn socket_lb(&self) -> SocketLb {
-        let service = |v6| Service {
-            vip: vip(v6),
-            backend: self.backend(v6),
-        };
-        SocketLb::load(service(false), service(true)).unwrap()
+        let service = |vip, backend| Service { vip, backend };
+        SocketLb::load(&[
+            service(vip(false), self.backend(false)),
+            service(vip(true), self.backend(true)),
+            service(DNS_VIP.parse().unwrap(), self.dns_backend()),
+        ])
+        .unwrap()
     }
 
     /// The agent, and the ztunnel double once the pod's proxies run.
@@ -348,6 +396,12 @@ async fn the_service_address_survives(lb_first: bool) {
         assert_eq!(original_dst, vip(v6), "after a restart");
         assert_eq!(peer, vip(v6), "the app's peer after a restart");
     }
+    // DNS to the service address is captured before the balancer's
+    // sendmsg, and the answer comes from the address the app asked.
+    assert_eq!(
+        dns_answer_from(&world, &ztunnel).await,
+        DNS_VIP.parse().unwrap()
+    );
     let (_, report, _) = world.check();
     let connect = cgroup_hook(&report, "cgroup_inet4_connect");
     let names: Vec<&str> = connect.iter().map(|(n, _)| n.as_str()).collect();
@@ -428,6 +482,9 @@ async fn a_socket_lb_below_the_agents_cgroup_runs_first_and_is_named() {
         // address of ztunnel; ambpf then answers what it recorded.
         assert_eq!(peer, world.backend(v6), "the app's peer");
     }
+    // The balancer's sendmsg runs first as well: the answer comes from
+    // the backend it chose.
+    assert_eq!(dns_answer_from(&world, &ztunnel).await, world.dns_backend());
     let (passed, report, stderr) = world.check();
     assert!(passed, "warnings fail the check: {report} {stderr}");
     let said = warnings(&report);

@@ -966,10 +966,10 @@ fn other_owners_programs_are_left_attached() {
         vip: vip.parse().unwrap(),
         backend: backend.parse().unwrap(),
     };
-    let mut lb = SocketLb::load(
+    let mut lb = SocketLb::load(&[
         service("10.96.0.10:80", "10.245.0.2:9000"),
         service("[fd00:96::10]:80", "[fd00:b::2]:9000"),
-    )
+    ])
     .unwrap();
     lb.attach(cgroup.path()).unwrap();
     let eth0 = pod.ifindex("eth0").unwrap();

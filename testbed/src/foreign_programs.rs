@@ -70,6 +70,7 @@ const MOV64_IMM: u8 = 0xb7; // rD = imm (sign-extended)
 const MOV64_REG: u8 = 0xbf; // rD = rS
 const ADD64_IMM: u8 = 0x07; // rD += imm
 const JNE32_IMM: u8 = 0x56; // if wD != imm goto +off
+const JA: u8 = 0x05; // goto +off
 const CALL: u8 = 0x85; // call helper imm
 const EXIT: u8 = 0x95;
 
@@ -203,23 +204,26 @@ const USER_IP4: i16 = 4;
 const USER_IP6: i16 = 8;
 const USER_PORT: i16 = 24;
 
-/// A sock_addr program that rewrites the context's address `from` to `to`
-/// and leaves every other address alone: the connect and sendmsg hooks
-/// turn a service address into its backend, the recvmsg and getpeername
-/// hooks turn the backend back into the service address.
+/// A sock_addr program that rewrites each `(from, to)` of `pairs` (one
+/// family): the context's address `from` becomes `to`, every other
+/// address is left alone. The connect and sendmsg hooks turn a service
+/// address into its backend, the recvmsg and getpeername hooks turn the
+/// backend back into the service address.
 ///
 /// ```text
+/// for each pair:
 ///   w2 = ctx->user_ip4 (or each word of user_ip6)
-///   if w2 != from.ip goto out
+///   if w2 != from.ip goto next pair
 ///   w2 = ctx->user_port
-///   if w2 != from.port goto out
+///   if w2 != from.port goto next pair
 ///   ctx->user_ip4 (or each word) = to.ip
 ///   ctx->user_port = to.port
+///   goto out
 /// out:
 ///   r0 = 1   (allow)
 ///   exit
 /// ```
-fn translate(from: SocketAddr, to: SocketAddr) -> Vec<Insn> {
+fn translate(pairs: &[(SocketAddr, SocketAddr)]) -> Vec<Insn> {
     let words = |addr: SocketAddr| -> Vec<i32> {
         match addr {
             SocketAddr::V4(a) => vec![net_word(a.ip().octets())],
@@ -231,35 +235,45 @@ fn translate(from: SocketAddr, to: SocketAddr) -> Vec<Insn> {
                 .collect(),
         }
     };
-    let ip_offset = if from.is_ipv4() { USER_IP4 } else { USER_IP6 };
+    let fields = |addr: SocketAddr| -> Vec<(i16, i32)> {
+        let ip_offset = if addr.is_ipv4() { USER_IP4 } else { USER_IP6 };
+        words(addr)
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| (ip_offset + 4 * i as i16, w))
+            .chain([(USER_PORT, port_word(addr.port()))])
+            .collect()
+    };
+    let jump_to = |insns: &mut Vec<Insn>, at: usize, target: usize| {
+        insns[at][2..4].copy_from_slice(&((target - at - 1) as i16).to_ne_bytes());
+    };
     let mut insns = Vec::new();
     // Indices of the jumps to `out`, patched once its place is known.
     let mut to_out = Vec::new();
-    let fields = words(from)
-        .into_iter()
-        .enumerate()
-        .map(|(i, w)| (ip_offset + 4 * i as i16, w))
-        .chain([(USER_PORT, port_word(from.port()))]);
-    for (offset, expected) in fields {
-        insns.push(insn(LDX_W, 2, 1, offset, 0));
+    for &(from, to) in pairs {
+        let mut to_next = Vec::new();
+        for (offset, expected) in fields(from) {
+            insns.push(insn(LDX_W, 2, 1, offset, 0));
+            to_next.push(insns.len());
+            insns.push(insn(JNE32_IMM, 2, 0, 0, expected));
+        }
+        for (offset, value) in fields(to) {
+            // The verifier takes no immediate stores into the context.
+            insns.push(insn(MOV32_IMM, 2, 0, 0, value));
+            insns.push(insn(STX_W, 1, 2, offset, 0));
+        }
         to_out.push(insns.len());
-        insns.push(insn(JNE32_IMM, 2, 0, 0, expected));
-    }
-    let writes = words(to)
-        .into_iter()
-        .enumerate()
-        .map(|(i, w)| (ip_offset + 4 * i as i16, w))
-        .chain([(USER_PORT, port_word(to.port()))]);
-    for (offset, value) in writes {
-        // The verifier takes no immediate stores into the context.
-        insns.push(insn(MOV32_IMM, 2, 0, 0, value));
-        insns.push(insn(STX_W, 1, 2, offset, 0));
+        insns.push(insn(JA, 0, 0, 0, 0));
+        let next = insns.len();
+        for at in to_next {
+            jump_to(&mut insns, at, next);
+        }
     }
     let out = insns.len();
     insns.push(insn(MOV64_IMM, 0, 0, 0, 1));
     insns.push(insn(EXIT, 0, 0, 0, 0));
     for at in to_out {
-        insns[at][2..4].copy_from_slice(&((out - at - 1) as i16).to_ne_bytes());
+        jump_to(&mut insns, at, out);
     }
     insns
 }
@@ -297,19 +311,27 @@ const LB_HOOKS: [(&str, u32, bool, bool); 8] = [
 ];
 
 impl SocketLb {
-    /// Loads the programs for `v4` and `v6` (not attached yet).
-    pub fn load(v4: Service, v6: Service) -> io::Result<Self> {
-        assert!(v4.vip.is_ipv4() && v4.backend.is_ipv4());
-        assert!(v6.vip.is_ipv6() && v6.backend.is_ipv6());
+    /// Loads the programs for `services` (not attached yet).
+    pub fn load(services: &[Service]) -> io::Result<Self> {
         let mut programs = Vec::new();
         for (name, attach_type, is_v6, forward) in LB_HOOKS {
-            let service = if is_v6 { v6 } else { v4 };
-            let insns = if forward {
-                translate(service.vip, service.backend)
-            } else {
-                translate(service.backend, service.vip)
-            };
-            let fd = load(PROG_TYPE_CGROUP_SOCK_ADDR, attach_type, name, &insns)?;
+            let pairs: Vec<(SocketAddr, SocketAddr)> = services
+                .iter()
+                .filter(|s| s.vip.is_ipv6() == is_v6 && s.backend.is_ipv6() == is_v6)
+                .map(|s| {
+                    if forward {
+                        (s.vip, s.backend)
+                    } else {
+                        (s.backend, s.vip)
+                    }
+                })
+                .collect();
+            let fd = load(
+                PROG_TYPE_CGROUP_SOCK_ADDR,
+                attach_type,
+                name,
+                &translate(&pairs),
+            )?;
             programs.push((name, attach_type, fd));
         }
         Ok(Self {
@@ -492,22 +514,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_translation_jumps_to_its_end_when_any_field_differs() {
-        let from: SocketAddr = "10.96.0.10:80".parse().unwrap();
-        let to: SocketAddr = "10.245.0.2:9000".parse().unwrap();
-        let insns = translate(from, to);
-        // Two compares (address, port), two writes of two insns, r0, exit.
-        assert_eq!(insns.len(), 4 + 4 + 2);
-        let out = insns.len() as i16 - 2;
+    fn a_translation_goes_on_to_the_next_pair_when_any_field_differs() {
+        let pair = |from: &str, to: &str| (from.parse().unwrap(), to.parse().unwrap());
+        let insns = translate(&[
+            pair("10.96.0.10:80", "10.245.0.2:9000"),
+            pair("10.96.0.10:53", "10.245.0.2:53"),
+        ]);
+        // A pair: two compares (address, port), two writes, a jump to
+        // the end; then r0 and exit.
+        let block = 4 + 4 + 1;
+        assert_eq!(insns.len(), 2 * block + 2);
+        let target = |at: usize| at as i16 + 1 + i16::from_ne_bytes([insns[at][2], insns[at][3]]);
         for at in [1usize, 3] {
             assert_eq!(insns[at][0], JNE32_IMM);
-            let off = i16::from_ne_bytes([insns[at][2], insns[at][3]]);
-            assert_eq!(at as i16 + 1 + off, out);
+            assert_eq!(target(at), block as i16, "to the second pair");
+            assert_eq!(target(block + at), 2 * block as i16, "past the last pair");
         }
-        let v6 = translate(
-            "[fd00:96::10]:80".parse().unwrap(),
-            "[fd00:b::2]:9000".parse().unwrap(),
-        );
-        assert_eq!(v6.len(), 2 * 5 + 2 * 5 + 2);
+        assert_eq!(insns[block - 1][0], JA);
+        assert_eq!(target(block - 1), 2 * block as i16);
+        let v6 = translate(&[pair("[fd00:96::10]:80", "[fd00:b::2]:9000")]);
+        assert_eq!(v6.len(), 2 * 5 + 2 * 5 + 1 + 2);
     }
 }
