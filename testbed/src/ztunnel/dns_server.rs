@@ -265,6 +265,49 @@ fn is_per_peer_error(e: &io::Error) -> bool {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn the_resolver_answers_as_the_dns_proxy_does_and_drops_what_it_drops() {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let resolver = socket.local_addr().unwrap();
+        let v4 = Ipv4Addr::new(10, 96, 7, 7);
+        let serving = tokio::spawn(serve_resolver_udp(
+            socket,
+            v4,
+            "fd00:96::7".parse().unwrap(),
+        ));
+        let client = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        client.connect(resolver).await.unwrap();
+        let mut buffer = [0u8; 512];
+        let patience = Duration::from_secs(5);
+
+        // A response is dropped unanswered, as the DNS proxy drops it.
+        let mut response = dns::encode_query(9, "a.example", dns::TYPE_A).unwrap();
+        response[2] |= 0x80;
+        client.send(&response).await.unwrap();
+        // A query is answered with the configured address and its id.
+        let query = dns::encode_query(0x4242, "a.example", dns::TYPE_A).unwrap();
+        client.send(&query).await.unwrap();
+        let len = tokio::time::timeout(patience, client.recv(&mut buffer))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let answer = dns::Response::parse(&buffer[..len]).unwrap();
+        assert_eq!(
+            answer.header.id, 0x4242,
+            "the first datagram back answers the query"
+        );
+        assert_eq!(answer.addresses(), [IpAddr::V4(v4)]);
+        // A header that reads with a question that does not gets FORMERR.
+        client.send(&query[..dns::HEADER_LEN + 3]).await.unwrap();
+        let len = tokio::time::timeout(patience, client.recv(&mut buffer))
+            .await
+            .expect("a FORMERR")
+            .unwrap();
+        let refused = dns::Header::parse(&buffer[..len]).unwrap();
+        assert_eq!(refused.rcode(), dns::RCODE_FORMERR);
+        serving.abort();
+    }
+
     fn question(message: &[u8]) -> dns::Question<'_> {
         match dns::parse_query(message) {
             Some(Parsed::Query(_, question)) => question,
