@@ -69,6 +69,12 @@ pub async fn read_request(conn: &mut (impl AsyncRead + Unpin), max: usize) -> io
 
 /// A complete response that closes the connection.
 pub fn response(status: u16, content_type: &str, body: &str) -> String {
+    response_head(status, content_type, body.len()) + body
+}
+
+/// The status line and headers of a response of `length` bytes that closes
+/// the connection (a large body is then written as it is, not copied).
+pub fn response_head(status: u16, content_type: &str, length: usize) -> String {
     let reason = match status {
         200 => "OK",
         400 => "Bad Request",
@@ -78,8 +84,7 @@ pub fn response(status: u16, content_type: &str, body: &str) -> String {
         _ => "Internal Server Error",
     };
     format!(
-        "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\ncontent-length: {length}\r\nconnection: close\r\n\r\n"
     )
 }
 

@@ -405,23 +405,82 @@ fn encode_pod_counters(
     Ok(())
 }
 
-/// Serves `/metrics` from `registry`.
+/// Serves `/metrics` from `registry` on a thread and runtime of its own:
+/// a scrape is answered while the runtime's workers are busy with pod
+/// events and enrolment (a pass over 1,000 pods holds a worker for tens of
+/// milliseconds). Returns if that thread cannot run.
 pub async fn serve_metrics(listener: TcpListener, registry: Arc<Registry>) {
-    serve(listener, move |path| match path {
-        "/metrics" => {
-            let mut body = String::new();
-            match prometheus_client::encoding::text::encode(&mut body, &registry) {
-                Ok(()) => (
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(e) => {
+            warn!("metrics: cannot hand the listener to its thread: {e}");
+            return;
+        }
+    };
+    let (stopped_tx, stopped) = tokio::sync::oneshot::channel::<()>();
+    let spawned = std::thread::Builder::new()
+        .name("metrics".to_owned())
+        .spawn(move || {
+            let _stopped = stopped_tx;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            let served = runtime.map(|runtime| {
+                runtime.block_on(async move {
+                    let listener = TcpListener::from_std(listener)?;
+                    let encoder = MetricsEncoder::new(registry);
+                    serve(listener, move |path| match path {
+                        "/metrics" => encoder.encode(),
+                        _ => (404, "text/plain", "not found\n".to_owned()),
+                    })
+                    .await;
+                    Ok::<(), std::io::Error>(())
+                })
+            });
+            if let Err(e) = served.and_then(|served| served) {
+                warn!("metrics: not served: {e}");
+            }
+        });
+    match spawned {
+        Ok(_) => {
+            let _ = stopped.await;
+        }
+        Err(e) => warn!("metrics: no thread to serve them: {e}"),
+    }
+}
+
+/// Encodes the registry, sizing each answer by the last one: the text of
+/// 1,000 pods' series is about half a megabyte, and growing a buffer to
+/// that by doubling on every scrape leaves the heap fragmented.
+struct MetricsEncoder {
+    registry: Arc<Registry>,
+    last_len: std::sync::atomic::AtomicUsize,
+}
+
+impl MetricsEncoder {
+    fn new(registry: Arc<Registry>) -> Self {
+        Self {
+            registry,
+            last_len: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    fn encode(&self) -> (u16, &'static str, String) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let last = self.last_len.load(Relaxed);
+        let mut body = String::with_capacity(last + last / 8);
+        match prometheus_client::encoding::text::encode(&mut body, &self.registry) {
+            Ok(()) => {
+                self.last_len.store(body.len(), Relaxed);
+                (
                     200,
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
                     body,
-                ),
-                Err(_) => (500, "text/plain", "encoding failed\n".to_owned()),
+                )
             }
+            Err(_) => (500, "text/plain", "encoding failed\n".to_owned()),
         }
-        _ => (404, "text/plain", "not found\n".to_owned()),
-    })
-    .await
+    }
 }
 
 /// Serves `/healthz` and `/readyz`.
@@ -474,8 +533,10 @@ where
                 "GET" => respond(&request.path),
                 _ => (405, "text/plain", "only GET\n".to_owned()),
             };
-            let response = crate::http::response(status, content_type, &body);
-            let _ = conn.write_all(response.as_bytes()).await;
+            let head = crate::http::response_head(status, content_type, body.len());
+            if conn.write_all(head.as_bytes()).await.is_ok() {
+                let _ = conn.write_all(body.as_bytes()).await;
+            }
         });
     }
 }
