@@ -19,7 +19,18 @@ pub(super) struct Engine {
     /// What was last logged about pods and malformed objects.
     pub(super) notes: Notes,
     pub(super) first: bool,
+    /// The last pass's ambient pods and what the resolver found for them:
+    /// a resync that no event preceded only checks these again.
+    pub(super) last: Option<Resolved>,
 }
+
+/// Ambient pods and where their network namespaces were found.
+pub(super) struct Resolved {
+    queries: Vec<PodQuery>,
+    found: Found,
+}
+
+type Found = std::collections::BTreeMap<String, Result<crate::zds::NetnsSource, String>>;
 
 /// Logs a watch's failures once per run of failures.
 #[derive(Default)]
@@ -93,26 +104,32 @@ impl Engine {
         // Pods the resolver left for its next scan of /proc.
         let mut retry: Option<tokio::time::Instant> = None;
         loop {
-            let mut dirty = tokio::select! {
-                Some(event) = pod_events.next() => on_event("pods", event, &mut pods_synced, &mut pod_health),
-                Some(event) = namespace_events.next() => {
-                    on_event("namespaces", event, &mut namespaces_synced, &mut namespace_health)
+            // `dirty`: a pass is due; `changed`: the caches changed since
+            // the last one (else the pass only checks the namespaces found).
+            let (mut dirty, mut changed) = tokio::select! {
+                Some(event) = pod_events.next() => {
+                    let changed = on_event("pods", event, &mut pods_synced, &mut pod_health);
+                    (changed, changed)
                 }
-                _ = tick.tick() => true,
+                Some(event) = namespace_events.next() => {
+                    let changed = on_event("namespaces", event, &mut namespaces_synced, &mut namespace_health);
+                    (changed, changed)
+                }
+                _ = tick.tick() => (true, false),
                 () = tokio::time::sleep_until(retry.unwrap_or_else(tokio::time::Instant::now)), if retry.is_some() => {
                     retry = None;
-                    true
+                    (true, false)
                 }
             };
             // Take whatever else is ready, so a burst makes one pass.
             loop {
                 let mut progressed = false;
                 if let Some(Some(event)) = pod_events.next().now_or_never() {
-                    dirty |= on_event("pods", event, &mut pods_synced, &mut pod_health);
+                    changed |= on_event("pods", event, &mut pods_synced, &mut pod_health);
                     progressed = true;
                 }
                 if let Some(Some(event)) = namespace_events.next().now_or_never() {
-                    dirty |= on_event(
+                    changed |= on_event(
                         "namespaces",
                         event,
                         &mut namespaces_synced,
@@ -124,10 +141,11 @@ impl Engine {
                     break;
                 }
             }
+            dirty |= changed;
             if !(pods_synced && namespaces_synced && dirty) {
                 continue;
             }
-            self.publish().await;
+            self.publish(changed).await;
             retry = self
                 .resolver
                 .as_ref()
@@ -139,16 +157,8 @@ impl Engine {
         }
     }
 
-    /// Works out the desired pods from the caches and publishes them if they
-    /// changed (the first time, always).
-    async fn publish(&mut self) {
-        let mut classified = evaluate::classify(
-            &self.pods.state(),
-            &self.namespaces.state(),
-            &self.config.excluded_namespaces,
-            &mut self.notes,
-        );
-        let queries = std::mem::take(&mut classified.queries);
+    /// Looks for the network namespaces of `queries` on a blocking thread.
+    async fn resolve(&mut self, queries: Vec<PodQuery>) -> (Vec<PodQuery>, Found) {
         let mut resolver = self
             .resolver
             .take()
@@ -160,6 +170,34 @@ impl Engine {
         .await
         .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
         self.resolver = Some(resolver);
+        (queries, found)
+    }
+
+    /// Works out the desired pods from the caches and publishes them if they
+    /// changed (the first time, always). Without a change to the caches
+    /// (`caches_changed` false: a resync or a retry), the ambient pods are
+    /// those of the last pass, and only their namespaces are looked at
+    /// again: if each is where it was, nothing is evaluated or published.
+    async fn publish(&mut self, caches_changed: bool) {
+        if !caches_changed && let Some(last) = self.last.take() {
+            let (queries, found) = self.resolve(last.queries).await;
+            if found == last.found {
+                self.last = Some(Resolved { queries, found });
+                return;
+            }
+        }
+        let mut classified = evaluate::classify(
+            &self.pods.state(),
+            &self.namespaces.state(),
+            &self.config.excluded_namespaces,
+            &mut self.notes,
+        );
+        let queries = std::mem::take(&mut classified.queries);
+        let (queries, found) = self.resolve(queries).await;
+        self.last = Some(Resolved {
+            queries: queries.clone(),
+            found: found.clone(),
+        });
         let snapshot = classified.snapshot(queries, &found, &mut self.notes);
 
         let uids: BTreeSet<String> = snapshot

@@ -326,6 +326,7 @@ impl KubeSource {
             pods_changed: pods_changed.clone(),
             notes: Notes::default(),
             first: true,
+            last: None,
         };
         let caches = KubeCaches {
             pods: pod_store.clone(),
