@@ -32,9 +32,8 @@ use ambpf_testbed::NetnsGuard;
 
 use super::*;
 use crate::redirect::{
-    ALL_COMPARED, Agent, Compared, Direction, Mode, ModeRun, PEER_PORT, POD_UID, READY_TIMEOUT,
-    Tables, Traffic, compared_modes, conntrack_around, named_runtime, print_tables, rotated,
-    summarize, taken_by, write_pods_file,
+    ALL_COMPARED, Compared, Direction, Mode, ModeRun, PEER_PORT, POD_UID, Served, Tables, Traffic,
+    compared_modes, conntrack_around, print_tables, rotated, summarize, taken_by,
 };
 
 mod programs;
@@ -284,41 +283,27 @@ async fn measure_mode(
     let (enrolled, bystander) = (&cluster.pods[0], &cluster.pods[1]);
     let target = SocketAddr::new(cluster.remote.addrs.v4.into(), PEER_PORT);
 
-    let pods_file = work.join("pods.json");
-    let socket = work.join("ztunnel.sock");
-    let mut agent = None;
+    let mut served = None;
     if mode != Mode::Direct {
-        write_pods_file(&pods_file, &[(POD_UID.to_owned(), enrolled.ns.path())])?;
-        let log = work.join(format!("agent-{}-{}.log", mode.name(), run));
-        let started = Agent::start(
-            agent_binary,
-            mode,
-            &cluster.node,
-            &pods_file,
-            &socket,
-            cgroup,
-            &log,
-        )
-        .await?;
-        let (zt_runtime, _) = named_runtime("ztunnel-rt", 2, None)?;
-        let double = {
-            let _enter = zt_runtime.enter();
-            ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default())
-        };
-        double
-            .wait_until(
-                |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
-                READY_TIMEOUT,
+        let enrolled = [(POD_UID.to_owned(), enrolled.ns.path())];
+        served = Some(
+            Served::start(
+                agent_binary,
+                mode,
+                &cluster.node,
+                &enrolled,
+                cgroup,
+                work,
+                run,
             )
-            .await
-            .map_err(|e| anyhow::anyhow!("ztunnel never got ready (or pod 1): {e:?}"))?;
-        agent = Some((started, double, zt_runtime));
+            .await?,
+        );
     }
-    let agent_pid = agent.as_ref().map(|(a, ..)| a.pid());
+    let agent_pid = served.as_ref().map(|s| s.agent.pid());
     let taken = || {
-        agent.as_ref().map_or((0, 0), |(_, double, _)| {
-            taken_by(double, Direction::Outbound)
-        })
+        served
+            .as_ref()
+            .map_or((0, 0), |s| taken_by(&s.double, Direction::Outbound))
     };
 
     let warmup = Duration::from_secs_f64(args.warmup_secs);
@@ -404,15 +389,8 @@ async fn measure_mode(
         });
     }
 
-    if let Some((agent, double, zt_runtime)) = agent {
-        write_pods_file(&pods_file, &[])?;
-        double
-            .wait_until(|s| s.workloads.is_empty(), READY_TIMEOUT)
-            .await
-            .map_err(|e| anyhow::anyhow!("pod 1 was not removed: {e:?}"))?;
-        double.shutdown().await;
-        agent.stop()?;
-        drop(zt_runtime);
+    if let Some(served) = served {
+        served.stop().await?;
     }
     drop(cluster);
     Ok(measured)

@@ -64,7 +64,7 @@ mod dns;
 mod load;
 mod measure;
 mod summary;
-pub(crate) use agent::{Agent, OwnRuntime, named_runtime, write_pods_file};
+pub(crate) use agent::{Agent, OwnRuntime, Served, named_runtime, write_pods_file};
 use load::*;
 pub(crate) use measure::{Traffic, conntrack_around, measure_mode, taken_by};
 pub(crate) use summary::{Tables, print_tables, summarize};

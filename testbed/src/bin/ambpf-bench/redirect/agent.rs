@@ -206,3 +206,72 @@ pub(crate) fn named_runtime(
     }
     Ok((OwnRuntime(Some(builder.build()?)), failed))
 }
+
+/// The agent in `mode` on a fresh pods file naming `enrolled` (uid, netns),
+/// and a ztunnel double connected to it on a runtime of its own: what the
+/// traffic suites measure through.
+pub(crate) struct Served {
+    pub(crate) agent: Agent,
+    pub(crate) double: ZtunnelDouble,
+    pods_file: PathBuf,
+    // Dropped last (field order): the double's tasks run on it.
+    runtime: OwnRuntime,
+}
+
+impl Served {
+    /// Starts both in `work` and waits until the double is ready and runs
+    /// every enrolled pod's proxies.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn start(
+        binary: &Path,
+        mode: Mode,
+        node: &NetnsGuard,
+        enrolled: &[(String, PathBuf)],
+        cgroup: &CgroupGuard,
+        work: &TempDir,
+        run: usize,
+    ) -> Result<Self> {
+        let pods_file = work.join("pods.json");
+        let socket = work.join("ztunnel.sock");
+        write_pods_file(&pods_file, enrolled)?;
+        let log = work.join(format!("agent-{}-{}.log", mode.name(), run));
+        let agent = Agent::start(binary, mode, node, &pods_file, &socket, cgroup, &log).await?;
+        let (runtime, _) = named_runtime("ztunnel-rt", 2, None)?;
+        let double = {
+            let _enter = runtime.enter();
+            ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default())
+        };
+        double
+            .wait_until(
+                |s| {
+                    s.ready
+                        && enrolled
+                            .iter()
+                            .all(|(uid, _)| s.workloads.get(uid).is_some_and(|w| w.proxies_running))
+                },
+                READY_TIMEOUT,
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("ztunnel never got ready (or its pods): {e:?}"))?;
+        Ok(Self {
+            agent,
+            double,
+            pods_file,
+            runtime,
+        })
+    }
+
+    /// Unenrols every pod (ztunnel gets the Dels), stops the agent and
+    /// removes its pins.
+    pub(crate) async fn stop(self) -> Result<()> {
+        write_pods_file(&self.pods_file, &[])?;
+        self.double
+            .wait_until(|s| s.workloads.is_empty(), READY_TIMEOUT)
+            .await
+            .map_err(|e| anyhow::anyhow!("the pods were not removed: {e:?}"))?;
+        self.double.shutdown().await;
+        self.agent.stop()?;
+        drop(self.runtime);
+        Ok(())
+    }
+}

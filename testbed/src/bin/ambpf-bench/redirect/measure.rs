@@ -2,8 +2,6 @@
 //! and ztunnel double in the redirecting modes, and the traffic of
 //! `--direction` measured at each client count.
 
-use ambpf_testbed::ztunnel::ZtunnelDouble;
-
 use super::*;
 
 /// Where the app of the pod listens in `--direction inbound`.
@@ -217,8 +215,6 @@ pub(crate) async fn measure_mode(
         }
     };
 
-    let pods_file = work.join("pods.json");
-    let socket = work.join("ztunnel.sock");
     let mut redirected = None;
     if mode != Mode::Direct {
         let enrolled = if mode.captures() {
@@ -226,49 +222,30 @@ pub(crate) async fn measure_mode(
         } else {
             Vec::new()
         };
-        write_pods_file(&pods_file, &enrolled)?;
-        let log = work.join(format!("agent-{}-{}.log", mode.name(), run));
-        let agent = Agent::start(
+        let served = Served::start(
             agent_binary,
             mode,
             &cluster.node,
-            &pods_file,
-            &socket,
+            &enrolled,
             cgroup,
-            &log,
+            work,
+            run,
         )
         .await?;
-        let (zt_runtime, _) = named_runtime("ztunnel-rt", 2, None)?;
-        let double = {
-            let _enter = zt_runtime.enter();
-            ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default())
-        };
-        let captures = mode.captures();
-        double
-            .wait_until(
-                |s| {
-                    s.ready
-                        && (!captures
-                            || s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running))
-                },
-                READY_TIMEOUT,
-            )
-            .await
-            .map_err(|e| anyhow::anyhow!("ztunnel never got ready (or the pod): {e:?}"))?;
         let reader = match mode {
             Mode::EbpfTraced => {
                 let log = work.join(format!("trace-{run}.log"));
-                Some(agent.attach_trace_reader(&log).await?)
+                Some(served.agent.attach_trace_reader(&log).await?)
             }
             _ => None,
         };
-        redirected = Some((agent, double, zt_runtime, reader));
+        redirected = Some((served, reader));
     }
-    let agent_pid = redirected.as_ref().map(|(agent, ..)| agent.pid());
+    let agent_pid = redirected.as_ref().map(|(served, _)| served.agent.pid());
     let taken = || {
-        redirected
-            .as_ref()
-            .map_or((0, 0), |(_, double, ..)| taken_by(double, args.direction))
+        redirected.as_ref().map_or((0, 0), |(served, _)| {
+            taken_by(&served.double, args.direction)
+        })
     };
 
     // Conntrack: a fixed number of sequential exchanges.
@@ -312,7 +289,7 @@ pub(crate) async fn measure_mode(
         points.push(point);
     }
 
-    if let Some((agent, double, zt_runtime, reader)) = redirected {
+    if let Some((served, reader)) = redirected {
         if let Some(mut reader) = reader {
             reader.stop()?;
             let records = std::fs::read_to_string(reader.log_path())?
@@ -325,15 +302,7 @@ pub(crate) async fn measure_mode(
             );
             ensure!(records > 0, "the trace reader printed no record");
         }
-        // Unenrol (ztunnel gets the Del), stop, remove the pins.
-        write_pods_file(&pods_file, &[])?;
-        double
-            .wait_until(|s| s.workloads.is_empty(), READY_TIMEOUT)
-            .await
-            .map_err(|e| anyhow::anyhow!("the pod was not removed: {e:?}"))?;
-        double.shutdown().await;
-        agent.stop()?;
-        drop(zt_runtime);
+        served.stop().await?;
     }
     drop(traffic);
     drop(cluster);
