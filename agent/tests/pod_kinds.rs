@@ -236,22 +236,10 @@ async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() 
     let _serial = modes::SERIAL.lock().await;
     let cluster = Cluster::create(2).unwrap();
     let pod = &cluster.pods[0].ns;
-    // A tun device, or where the kernel has no /dev/net/tun, an ipip
-    // tunnel; loading the ipip module adds its fallback `tunl0`, down, to
-    // every namespace (which must keep no pod out: the other tests), so an
-    // ipip device is one or the other. Up, as a device in use is.
-    let made = [
-        ("tuntap add dev tun0 mode tun", "tun0", "tun"),
-        ("link add ipip0 type ipip", "ipip0", "ipip"),
-        ("link show tunl0", "tunl0", "ipip"),
-    ]
-    .into_iter()
-    .find(|(command, _, _)| try_in(pod, "ip", command).is_ok());
-    let Some((_, iface, kind)) = made else {
+    let Some((iface, kind)) = interface_without_ethernet_headers(pod) else {
         eprintln!("skipped: this kernel makes neither a tun device nor an ipip tunnel");
         return;
     };
-    ip(pod, &format!("link set {iface} up"));
     let cgroup = CgroupGuard::create().unwrap();
     let _inside = cgroup.enter_process().unwrap();
     let (mut redirection, _bpffs, _) =
@@ -285,6 +273,63 @@ async fn a_pod_ambpf_cannot_steer_is_refused_by_name_and_the_next_is_enrolled() 
         .enroll(&Netns::open(cluster.pods[1].ns.name()).unwrap(), ENROLL)
         .unwrap_or_else(|e| panic!("the next pod: {e}"));
     assert_eq!(redirection.enrolled().unwrap().len(), 1);
+}
+
+/// A tun device in `ns`, or where the kernel has no /dev/net/tun, an ipip
+/// tunnel; loading the ipip module adds its fallback `tunl0`, down, to
+/// every namespace (which must keep no pod out: the other tests), so an
+/// ipip device is one or the other. Up, as a device in use is. Returns its
+/// name and kind, or `None` where the kernel makes neither.
+fn interface_without_ethernet_headers(ns: &NetnsGuard) -> Option<(&'static str, &'static str)> {
+    let (_, iface, kind) = [
+        ("tuntap add dev tun0 mode tun", "tun0", "tun"),
+        ("link add ipip0 type ipip", "ipip0", "ipip"),
+        ("link show tunl0", "tunl0", "ipip"),
+    ]
+    .into_iter()
+    .find(|(command, _, _)| try_in(ns, "ip", command).is_ok())?;
+    ip(ns, &format!("link set {iface} up"));
+    Some((iface, kind))
+}
+
+/// An interface without Ethernet headers that comes up in an enrolled pod
+/// is found by the state check, by name; the repair's enrolment refuses the
+/// pod, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_interface_ambpf_cannot_steer_coming_up_later_is_found_by_the_state_check() {
+    let _serial = modes::SERIAL.lock().await;
+    let cgroup = CgroupGuard::create().unwrap();
+    let _inside = cgroup.enter_process().unwrap();
+    let mut f = fixture(RedirectMode::Ebpf, Some(&cgroup)).await;
+    let netns = f.pod_netns();
+    let [pod] = f.redirection.enrolled().unwrap()[..] else {
+        panic!("one pod is enrolled");
+    };
+    let known = [(pod, &netns)];
+    assert_eq!(f.redirection.check(&known, CheckScope::Full), []);
+    let Some((iface, kind)) = interface_without_ethernet_headers(f.pod()) else {
+        eprintln!("skipped: this kernel makes neither a tun device nor an ipip tunnel");
+        return;
+    };
+    let found = f.redirection.check(&known, CheckScope::Full);
+    let named: Vec<_> = found
+        .iter()
+        .filter(|v| v.to_string().contains(&format!("{iface} is {kind}")))
+        .collect();
+    assert_eq!(named.len(), 1, "{found:#?}");
+    assert_eq!(named[0].kind, ViolationKind::SteeringMissing);
+    assert!(
+        named[0].to_string().contains("no Ethernet header"),
+        "{}",
+        named[0]
+    );
+    assert_eq!(f.redirection.repair(&found), [pod]);
+    let err = f
+        .redirection
+        .enroll(&netns, ENROLL)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&format!("{iface} is {kind}")), "{err}");
 }
 
 fn tc(ns: &NetnsGuard, args: &str) -> String {

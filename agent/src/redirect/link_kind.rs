@@ -114,6 +114,20 @@ pub fn refuse_unsteerable(
     Ok(())
 }
 
+/// The interfaces of the namespace `rtnl` is in that ambpf's steering
+/// cannot serve, each as "<name> is <kind>, and <why>": for the state
+/// check, since one can come up after the pod was enrolled.
+pub fn unsteerable(rtnl: &mut Rtnl, interfaces: &[Interface]) -> Result<Vec<String>, NetlinkError> {
+    let mut out = Vec::new();
+    for iface in interfaces {
+        let kind = of(rtnl, iface.index)?;
+        if let Some(reason) = kind.unsteerable_because() {
+            out.push(format!("{} is {kind}, and {reason}", iface.name));
+        }
+    }
+    Ok(out)
+}
+
 fn from_message(link: &LinkMessage) -> LinkKind {
     let mut out = LinkKind {
         kind: String::new(),

@@ -19,7 +19,7 @@ use crate::{
         PodKey,
         claims::AddressClaims,
         ebpf::{claimed, detach_steering, ip_addr},
-        podnet, routing,
+        link_kind, podnet, routing,
         rtnl::Rtnl,
         steering,
     },
@@ -214,6 +214,33 @@ fn reopen(netns: &Netns) -> Option<Netns> {
 /// on each interface, and the reply routing; on the sk_lookup path
 /// (`inbound`: the pod's link pin and the agent's sk_lookup program), the
 /// pod's link running that program in its namespace.
+/// An interface of the pod that ambpf's steering cannot serve
+/// ([`link_kind`]), come up since the pod was enrolled: its inbound SYNs
+/// bypass ztunnel. The repair's enrolment then refuses the pod by name.
+fn unsteerable_interfaces(
+    pod: &PodConfig,
+    key: &impl std::fmt::Display,
+    net: &podnet::PodNetwork,
+    netns: &Netns,
+) -> Vec<Violation> {
+    let found = netns.run(|| link_kind::unsteerable(&mut Rtnl::open()?, &net.interfaces));
+    let unreadable = |e: &dyn std::error::Error| {
+        let what = format!("reading the interfaces' kinds of the pod with {key}: {e}");
+        vec![Violation::new(ViolationKind::Unreadable, what).pod(pod)]
+    };
+    match found {
+        Ok(Ok(found)) => found
+            .into_iter()
+            .map(|why| {
+                let what = format!("the pod with {key}: {why}");
+                Violation::new(ViolationKind::SteeringMissing, what).pod(pod)
+            })
+            .collect(),
+        Ok(Err(e)) => unreadable(&e),
+        Err(e) => unreadable(&e),
+    }
+}
+
 pub fn check_pod_netns(
     pod: &PodConfig,
     steering_program: Option<u32>,
@@ -235,6 +262,7 @@ pub fn check_pod_netns(
     let mut out = Vec::new();
     let enrolled: Vec<IpAddr> = claimed(pod).map(ip_addr).collect();
     out.extend(super::addresses_changed(key, &enrolled, &net, netns));
+    out.extend(unsteerable_interfaces(pod, &key, &net, netns));
     let filters = netns.run(|| -> Result<Vec<_>, crate::redirect::rtnl::NetlinkError> {
         let mut rtnl = Rtnl::open()?;
         net.interfaces
