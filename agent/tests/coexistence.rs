@@ -316,14 +316,21 @@ async fn through_the_service(
 /// The programs `status --check` lists on the cgroup hook `hook`, in run
 /// order, as (name, owner).
 fn cgroup_hook(report: &Value, hook: &str) -> Vec<(String, String)> {
-    report["other_programs"]["cgroup_hooks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|h| h["hook"] == hook)
-        .unwrap_or_else(|| panic!("no {hook} in {report}"))["effective"]
-        .as_array()
-        .unwrap()
+    listed(
+        report["other_programs"]["cgroup_hooks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|h| h["hook"] == hook)
+            .unwrap_or_else(|| panic!("no {hook} in {report}"))["effective"]
+            .as_array()
+            .unwrap(),
+    )
+}
+
+/// (name, owner) of each program of a hook `status --check` lists.
+fn listed(programs: &[Value]) -> Vec<(String, String)> {
+    programs
         .iter()
         .map(|p| {
             (
@@ -608,20 +615,14 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
     assert!(passed, "{report} {stderr}");
     let hooks = report["other_programs"]["interfaces"].as_array().unwrap();
     let on = |hook: &str| -> Vec<(String, String)> {
-        hooks
-            .iter()
-            .find(|h| h["iface"] == "eth0" && h["hook"] == hook)
-            .unwrap_or_else(|| panic!("no {hook} in {report}"))["programs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| {
-                (
-                    p["name"].as_str().unwrap().to_owned(),
-                    p["owner"].as_str().unwrap().to_owned(),
-                )
-            })
-            .collect()
+        listed(
+            hooks
+                .iter()
+                .find(|h| h["iface"] == "eth0" && h["hook"] == hook)
+                .unwrap_or_else(|| panic!("no {hook} in {report}"))["programs"]
+                .as_array()
+                .unwrap(),
+        )
     };
     let pair = |name: &str, owner: &str| (name.to_owned(), owner.to_owned());
     assert_eq!(

@@ -103,18 +103,28 @@ fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<libc::c_long> {
     }
 }
 
-/// BPF_LINK_CREATE of `program` on the cgroup `cgroup`. Cgroup links always
-/// attach alongside other programs (no flags allowed): other agents' cgroup
-/// programs keep running beside ours.
+/// BPF_LINK_CREATE of `program` on the cgroup `cgroup`, after the programs
+/// already on the hook. Cgroup links always attach alongside other
+/// programs: other agents' cgroup programs keep running beside ours.
 pub fn cgroup_link_create(
     program: BorrowedFd<'_>,
     cgroup: BorrowedFd<'_>,
     hook: CgroupHook,
 ) -> io::Result<OwnedFd> {
+    cgroup_link_create_with(program, cgroup, hook, 0)
+}
+
+fn cgroup_link_create_with(
+    program: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    hook: CgroupHook,
+    flags: u32,
+) -> io::Result<OwnedFd> {
     let mut attr = Attr::default();
     attr.words[0] = program.as_raw_fd() as u32; // prog_fd
     attr.words[1] = cgroup.as_raw_fd() as u32; // target_fd
     attr.words[2] = hook as u32; // attach_type
+    attr.words[3] = flags; // cgroup.relative_fd (word 4) 0: relative to all
     let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
     // SAFETY: the kernel returned a new link fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
@@ -133,14 +143,7 @@ pub fn cgroup_link_create_first(
     cgroup: BorrowedFd<'_>,
     hook: CgroupHook,
 ) -> io::Result<OwnedFd> {
-    let mut attr = Attr::default();
-    attr.words[0] = program.as_raw_fd() as u32; // prog_fd
-    attr.words[1] = cgroup.as_raw_fd() as u32; // target_fd
-    attr.words[2] = hook as u32; // attach_type
-    attr.words[3] = F_BEFORE; // flags; cgroup.relative_fd (word 4) 0: before all
-    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
-    // SAFETY: the kernel returned a new link fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    cgroup_link_create_with(program, cgroup, hook, F_BEFORE)
 }
 
 /// BPF_F_QUERY_EFFECTIVE: every program that runs for the cgroup, its
