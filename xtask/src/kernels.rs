@@ -61,6 +61,7 @@ pub const SUITES: &[&str] = &[
     "address_reuse",
     "cni",
     "pod_kinds",
+    "coexistence",
 ];
 
 /// What a guest runs besides the suites.

@@ -126,7 +126,7 @@ enum Cmd {
         #[arg(long, default_value = "all")]
         kernel: String,
         /// Only these suites (repeatable): redirect, parity,
-        /// inbound_sk_lookup, restart, address_reuse, cni, pod_kinds, demo.
+        /// inbound_sk_lookup, restart, address_reuse, cni, pod_kinds, coexistence, demo.
         /// Default: all.
         #[arg(long)]
         suite: Vec<String>,
