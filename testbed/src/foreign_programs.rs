@@ -135,6 +135,19 @@ pub fn link_create(program: BorrowedFd<'_>, target: u32, attach_type: u32) -> io
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Whether this kernel has TCX links (Linux 6.6 on), tried with a pass-on
+/// program on interface `iface` of `ns` and detached at once: an older
+/// kernel answers EINVAL for the attach type.
+pub fn tcx_supported(ns: &crate::NetnsGuard, iface: &str) -> io::Result<bool> {
+    let program = pass_on_program("tcx_probe")?;
+    let ifindex = ns.ifindex(iface)?;
+    match ns.run(|| link_create(program.as_fd(), ifindex, TCX_INGRESS))? {
+        Ok(_link) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Whether this kernel orders cgroup programs (BPF_F_BEFORE on a cgroup
 /// link, Linux 6.17 on), tried with a pass-on connect4 program on
 /// `cgroup` and detached at once.
