@@ -121,7 +121,12 @@ impl Engine {
                     (true, false)
                 }
             };
-            // Take whatever else is ready, so a burst makes one pass.
+            // Take whatever else is ready, so a burst makes one pass. A
+            // watch's body gives one event per HTTP chunk, and its
+            // connection reads the next chunk only once this one is taken:
+            // so the burst is over only when nothing is ready even after
+            // the connection had its turn.
+            let mut yielded = false;
             loop {
                 let mut progressed = false;
                 if let Some(Some(event)) = pod_events.next().now_or_never() {
@@ -137,8 +142,13 @@ impl Engine {
                     );
                     progressed = true;
                 }
-                if !progressed {
+                if progressed {
+                    yielded = false;
+                } else if yielded {
                     break;
+                } else {
+                    tokio::task::yield_now().await;
+                    yielded = true;
                 }
             }
             dirty |= changed;
