@@ -197,6 +197,22 @@ impl World {
         .unwrap()
     }
 
+    /// Waits until ztunnel's 15006 has accepted a connection to the app
+    /// with the app's address as original destination.
+    async fn inbound_proxied(&self, ztunnel: &ZtunnelDouble) {
+        ztunnel
+            .wait_until(
+                |s| {
+                    s.proxied
+                        .iter()
+                        .any(|c| c.listener_port == 15006 && c.original_dst == self.app())
+                },
+                PATIENCE,
+            )
+            .await
+            .unwrap();
+    }
+
     /// The agent, and the ztunnel double once the pod's proxies run.
     async fn start_agent(&self, ztunnel: Option<ZtunnelDouble>) -> (Proc, ZtunnelDouble) {
         let log = std::fs::OpenOptions::new()
@@ -604,17 +620,7 @@ async fn other_owners_tc_programs_on_the_pod_are_kept_and_capture_holds() {
             let mut conn = connect(&world.cluster.remote.ns, world.app());
             echo(&mut conn, b"inbound");
         });
-        ztunnel
-            .wait_until(
-                |s| {
-                    s.proxied
-                        .iter()
-                        .any(|c| c.listener_port == 15006 && c.original_dst == world.app())
-                },
-                PATIENCE,
-            )
-            .await
-            .unwrap();
+        world.inbound_proxied(ztunnel).await;
     };
     let (agent, ztunnel) = world.start_agent(None).await;
     captured(&ztunnel).await;
@@ -751,16 +757,6 @@ async fn packets_redirected_into_the_pod_with_redirect_peer_are_still_captured()
         through_vpod < ROUND_TRIPS / 2,
         "{through_vpod} packets went through vpod1: the program did not redirect"
     );
-    ztunnel
-        .wait_until(
-            |s| {
-                s.proxied
-                    .iter()
-                    .any(|c| c.listener_port == 15006 && c.original_dst == world.app())
-            },
-            PATIENCE,
-        )
-        .await
-        .unwrap();
+    world.inbound_proxied(&ztunnel).await;
     ztunnel.shutdown().await;
 }
