@@ -17,12 +17,13 @@
 //!   ambpf writes in a pod (as Istio's `DeleteInpodRules` does). The
 //!   nftables mode looks for its own tables instead
 //!   ([`scan_stray_tables`]): those with ambpf's comment, the nat table
-//!   only when it holds rules (an opt-out leaves its base chains, empty).
+//!   only when it holds rules (empty base chains capture nothing).
 //!
-//! The reply path alone (policy routing, the mangle chains) is what a pod
-//! unenrolled by a running agent keeps on purpose, for the connections
-//! ztunnel was proxying when it left: it captures nothing and is not
-//! reported.
+//! The reply path alone (policy routing, the mangle chains) captures
+//! nothing and is not reported: the eBPF mode keeps its policy routing in a
+//! pod it unenrolled, for the connections ztunnel was proxying when it
+//! left, while the iptables and nftables modes remove everything at
+//! opt-out, as Istio's `DeleteInpodRules` does.
 
 use std::{collections::HashSet, os::fd::AsRawFd as _, path::Path};
 
