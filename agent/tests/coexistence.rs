@@ -40,7 +40,7 @@ use ambpf_testbed::{
 use serde_json::Value;
 
 mod common;
-use common::agent::{Proc, TempDir, agent_command, serve_echo, wait_for};
+use common::agent::{Proc, TempDir, agent_command, serve_echo, status_check, wait_for};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 /// How long the agent may take to serve ZDS and enrol the pod: a kernel
@@ -268,18 +268,7 @@ impl World {
 
     /// `ambpf status --check` as text: whether it passed, stdout and stderr.
     fn check_text(&self) -> (bool, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
-            .arg("--pin-root")
-            .arg(self.pins())
-            .args(["status", "--check"])
-            .output()
-            .unwrap();
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status.success(), said)
+        status_check(&self.pins())
     }
 }
 

@@ -34,7 +34,9 @@ use ambpf_testbed::{
 use serde_json::Value;
 
 mod common;
-use common::agent::{TempDir, agent_command, nft_json, nft_probe_members, serve_echo, wait_for};
+use common::agent::{
+    TempDir, agent_command, nft_json, nft_probe_members, serve_echo, status_check, wait_for,
+};
 
 const PATIENCE: Duration = Duration::from_secs(20);
 const POD_UID: &str = "restart-pod-uid";
@@ -222,7 +224,7 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
         .await
         .unwrap();
     let after = status(&pins);
-    let (consistent, said) = check(&pins);
+    let (consistent, said) = status_check(&pins);
     assert!(consistent, "{said}");
     assert!(said.contains("consistent"), "{said}");
     // The pod's steering filter is the same, running the new agent's program.
@@ -298,7 +300,7 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
     // agent's check after its next pass removes it.
     let orphan = pins.join("links/pods/4026530000");
     std::fs::create_dir_all(&orphan).unwrap();
-    let (consistent, said) = check(&pins);
+    let (consistent, said) = status_check(&pins);
     assert!(!consistent, "{said}");
     assert!(
         said.contains("steering_orphan") && said.contains("4026530000"),
@@ -306,24 +308,8 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
     );
     std::fs::write(&pods_file, r#"{"pods": [], "note": "a pass"}"#).unwrap();
     wait_for(|| !orphan.exists(), "the agent to repair the orphan").await;
-    assert!(check(&pins).0);
+    assert!(status_check(&pins).0);
     ztunnel.shutdown().await;
-}
-
-/// `ambpf status --check`: whether it passed, and what it printed.
-fn check(pins: &Path) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
-        .arg("--pin-root")
-        .arg(pins)
-        .args(["status", "--check"])
-        .output()
-        .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), said)
 }
 
 /// The rules of the pod's nftables tables (`nft -j`, without handles and

@@ -100,6 +100,23 @@ pub fn serve_echo(ns: &NetnsGuard, addr: SocketAddr) {
     });
 }
 
+/// `ambpf status --check` on the pins at `pins`: whether it passed, and
+/// what it printed (stdout, then stderr).
+pub fn status_check(pins: &Path) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ambpf"))
+        .arg("--pin-root")
+        .arg(pins)
+        .args(["status", "--check"])
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
 /// Waits until `check` holds, failing the test after [`AGENT_PATIENCE`].
 pub async fn wait_for(mut check: impl FnMut() -> bool, what: &str) {
     let deadline = tokio::time::Instant::now() + AGENT_PATIENCE;
