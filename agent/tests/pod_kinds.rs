@@ -23,7 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 use ambpf::{
     bpf::InboundAssign,
     netns::Netns,
-    redirect::{CheckScope, RedirectMode, ViolationKind, iptables, link_kind, rtnl::Rtnl},
+    redirect::{CheckScope, RedirectMode, ViolationKind, link_kind, rtnl::Rtnl},
 };
 use ambpf_testbed::{
     CgroupGuard, NetnsGuard,
@@ -91,7 +91,13 @@ async fn capture_on(kind: PodLinkKind, mode: RedirectMode) {
     interface_named(&f, kind, &case);
     outbound(&f, &case).await;
     inbound(&f, &case).await;
-    probe(&f, &case);
+    // From the node's own address on the pod's link (the gateway), straight
+    // to the app.
+    assert_eq!(
+        f.probe_from_node(false, &case),
+        f.probe_source_v4(),
+        "{case}"
+    );
     dns_capture(&f, &case);
     if mode == RedirectMode::Ebpf {
         steering_repaired(f, &case).await;
@@ -145,29 +151,6 @@ async fn inbound(f: &Fixture, case: &str) {
         assert_eq!(conn.client.ip(), f.remote_ip(v6), "{case}");
         assert_eq!(f.app.last_peer().unwrap().ip(), f.remote_ip(v6), "{case}");
     }
-}
-
-/// From the node's own address on the pod's link (the gateway), straight to
-/// the app.
-fn probe(f: &Fixture, case: &str) {
-    let before = f.proxied().len();
-    let node_ip: IpAddr = f.cluster.node_addresses()[2];
-    let app_sees = match f.mode {
-        RedirectMode::Ebpf => node_ip,
-        RedirectMode::Iptables | RedirectMode::Nftables => iptables::PROBE_SNAT_V4.into(),
-    };
-    echo_once(
-        &f.cluster.node,
-        SocketAddr::new(f.pod_ip(false), APP_PORT),
-        None,
-        None,
-    );
-    assert_eq!(f.app.last_peer().unwrap().ip(), app_sees, "{case}");
-    assert_eq!(
-        f.proxied().len(),
-        before,
-        "{case}: a probe went through ztunnel"
-    );
 }
 
 /// A query over UDP and one over TCP to a resolver nobody serves, answered

@@ -176,37 +176,16 @@ in_all_modes!(
 in_all_modes!(
     hbone_port_goes_straight_to_ztunnel_and_probes_straight_to_the_app,
     |f| {
-        let before = f.proxied().len();
-        // Host (kubelet) traffic: from the node's own address, to the app.
-        // The eBPF mode leaves its source alone, so the app sees the node's
-        // address. The iptables mode does what Istio does: the host SNATs
-        // traffic from host processes to ambient pods to 169.254.7.127, which
-        // the in-pod rules let through, so the app sees 169.254.7.127.
-        let node_ip: IpAddr = f.cluster.node_addresses()[2];
-        let app_sees = match f.mode {
-            RedirectMode::Ebpf => node_ip,
-            // The nftables mode's host rule SNATs the same traffic.
-            RedirectMode::Iptables | RedirectMode::Nftables => iptables::PROBE_SNAT_V4.into(),
-        };
-        echo_once(
-            &f.cluster.node,
-            SocketAddr::new(f.pod_ip(false), APP_PORT),
-            None,
-            None,
-        );
-        assert_eq!(f.app.last_peer().unwrap().ip(), app_sees);
-        assert_eq!(f.proxied().len(), before, "a probe went through ztunnel");
+        // Host (kubelet) traffic: from the node's own address, to the app,
+        // uncaptured. The eBPF mode leaves its source alone, so the app sees
+        // the node's address. The iptables and nftables modes do what Istio
+        // does: the host SNATs traffic from host processes to ambient pods to
+        // 169.254.7.127, which the in-pod rules let through.
+        assert_eq!(f.probe_from_node(false, "IPv4"), f.probe_source_v4());
         if f.mode != RedirectMode::Ebpf {
             // And Istio's IPv6 equivalent.
-            echo_once(
-                &f.cluster.node,
-                SocketAddr::new(f.pod_ip(true), APP_PORT),
-                None,
-                None,
-            );
             let snat_v6: IpAddr = iptables::PROBE_SNAT_V6.into();
-            assert_eq!(f.app.last_peer().unwrap().ip(), snat_v6);
-            assert_eq!(f.proxied().len(), before, "a probe went through ztunnel");
+            assert_eq!(f.probe_from_node(true, "IPv6"), snat_v6);
         }
 
         // HBONE: the CONNECT stand-in on 15008 tunnels to the app.

@@ -161,6 +161,36 @@ impl Fixture {
         self.ztunnel.proxied()
     }
 
+    /// Where a probe from the node comes from, as the app sees it (IPv4):
+    /// the node's own address in the eBPF mode, which leaves its source
+    /// alone; Istio's probe SNAT address in the iptables and nftables modes,
+    /// whose host rule rewrites traffic from host processes to ambient pods.
+    pub fn probe_source_v4(&self) -> IpAddr {
+        match self.mode {
+            RedirectMode::Ebpf => self.cluster.node_addresses()[2],
+            RedirectMode::Iptables | RedirectMode::Nftables => iptables::PROBE_SNAT_V4.into(),
+        }
+    }
+
+    /// A connection from the node's own address straight to the app on the
+    /// pod's address of the family, as kubelet's probes come: the peer the
+    /// app saw, after checking that ztunnel proxied nothing.
+    pub fn probe_from_node(&self, v6: bool, case: &str) -> IpAddr {
+        let before = self.proxied().len();
+        echo_once(
+            &self.cluster.node,
+            SocketAddr::new(self.pod_ip(v6), APP_PORT),
+            None,
+            None,
+        );
+        assert_eq!(
+            self.proxied().len(),
+            before,
+            "{case}: a probe went through ztunnel"
+        );
+        self.app.last_peer().unwrap().ip()
+    }
+
     pub fn pod_netns(&self) -> Netns {
         Netns::open(self.pod().name()).unwrap()
     }
