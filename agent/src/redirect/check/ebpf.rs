@@ -209,11 +209,6 @@ fn reopen(netns: &Netns) -> Option<Netns> {
     Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd())).ok()
 }
 
-/// Inside one enrolled pod's namespace: the addresses it was enrolled with,
-/// ambpf's steering filter running the agent's program (`steering_program`)
-/// on each interface, and the reply routing; on the sk_lookup path
-/// (`inbound`: the pod's link pin and the agent's sk_lookup program), the
-/// pod's link running that program in its namespace.
 /// An interface of the pod that ambpf's steering cannot serve
 /// ([`link_kind`]), come up since the pod was enrolled: its inbound SYNs
 /// bypass ztunnel. The repair's enrolment then refuses the pod by name.
@@ -241,6 +236,12 @@ fn unsteerable_interfaces(
     }
 }
 
+/// Inside one enrolled pod's namespace: the addresses it was enrolled with,
+/// that every interface that is up can be steered,
+/// ambpf's steering filter running the agent's program (`steering_program`)
+/// on each interface, and the reply routing; on the sk_lookup path
+/// (`inbound`: the pod's link pin and the agent's sk_lookup program), the
+/// pod's link running that program in its namespace.
 pub fn check_pod_netns(
     pod: &PodConfig,
     steering_program: Option<u32>,
