@@ -5,9 +5,10 @@
 //!    tcp_fwmark_accept), which ztunnel's inbound connections need;
 //! 2. the inbound-steering TC program attached to each of its interfaces, as
 //!    a direct-action `cls_bpf` filter ([`super::steering`]), and on the
-//!    sk_lookup inbound path its sk_lookup link ([`crate::bpf::inbound`]);
+//!    sk_lookup inbound path its sk_lookup link ([`inbound_link`]);
 //! 3. two map writes, by netns cookie (socket programs) and by address
-//!    (packet programs), after which new connections are redirected.
+//!    (packet programs, [`addresses`]), after which new connections are
+//!    redirected.
 //!
 //! Removing a pod deletes its map entries first (new connections stop being
 //! redirected at once) and then its steering filters. The reply routing
@@ -20,18 +21,20 @@
 //! claim belongs to the newer ([`super::claims`]); removing a pod deletes
 //! only the entries that still hold its cookie.
 
+mod addresses;
+mod inbound_link;
+
 use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf, time::Instant};
 
-use ambpf_common::{IpKey, PodConfig, maps, pod_flags, programs};
+use ambpf_common::{IpKey, PodConfig, maps, pod_flags};
 use aya::maps::{HashMap, MapData};
 use tracing::{info, warn};
 
+pub use self::addresses::{AddressConflict, claimed, ip_addr, ip_key};
+pub use super::steering::detach_steering;
 use super::{
-    CheckScope, PodKey, Violation,
-    claims::{AddressClaims, Claim, Release},
-    link_kind, podnet, routing,
-    rtnl::{NetlinkError, Rtnl},
-    steering,
+    CheckScope, PodKey, Violation, link_kind, podnet, routing, rtnl::NetlinkError,
+    steering::attach_steering_with,
 };
 use crate::{
     bpf::{Dataplane, tc::AttachError},
@@ -130,26 +133,6 @@ impl EnrolledPod {
             netns_cookie: self.netns_cookie,
             netns_inode: self.netns_inode,
         }
-    }
-}
-
-/// An address the enrolled pod shares with another enrolled pod.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct AddressConflict {
-    pub address: IpAddr,
-    /// The other pod.
-    pub other_netns_cookie: u64,
-    /// Whether the enrolled pod owns the address now (it is the newer).
-    pub won: bool,
-}
-
-pub fn ip_key(ip: IpAddr) -> IpKey {
-    match ip {
-        IpAddr::V4(v4) => IpKey::v4(v4.octets()),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpKey::v4(v4.octets()),
-            None => IpKey::v6(v6.octets()),
-        },
     }
 }
 
@@ -313,149 +296,6 @@ impl Dataplane {
         e
     }
 
-    /// On the sk_lookup path, attaches (or updates) the pod's sk_lookup
-    /// link; nothing on the TC path.
-    fn attach_inbound_link(&mut self, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
-        use crate::bpf::{InboundPath, inbound};
-        if self.inbound() != InboundPath::SkLookup {
-            return Ok(());
-        }
-        let link_err = |cause| EnrollError::InboundLink {
-            netns: netns.path().to_owned(),
-            cause,
-        };
-        let pin = inbound::link_pin(self.pins(), cookie);
-        let program: &mut aya::programs::SkLookup = self
-            .program_mut(programs::INBOUND_LOOKUP)
-            .try_into()
-            .map_err(|e| link_err(std::io::Error::other(e)))?;
-        let program = program
-            .fd()
-            .map_err(|e| link_err(std::io::Error::other(e)))?;
-        inbound::attach_link(&pin, program.as_fd(), netns.file().as_fd(), netns.inode())
-            .map_err(link_err)
-    }
-
-    /// Removes the pod's sk_lookup link and forgets its listener (on either
-    /// path: an agent on the other path may have left them).
-    fn remove_inbound_link(&mut self, cookie: u64) -> Result<(), EnrollError> {
-        crate::bpf::inbound::remove_link(self.pins(), cookie).map_err(|cause| {
-            EnrollError::Unlink {
-                dir: self.pins().pod_links_dir(cookie),
-                cause,
-            }
-        })?;
-        let mut listeners: aya::maps::SockHash<&mut MapData, u64> =
-            aya::maps::SockHash::try_from(self.map_mut(maps::INBOUND_LISTENERS))
-                .map_err(map_err(maps::INBOUND_LISTENERS))?;
-        match listeners.remove(&cookie) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            // A hash map answers a missing key with ENOENT.
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(map_err(maps::INBOUND_LISTENERS)(e)),
-        }
-    }
-
-    /// Writes the address entries `pod` owns ([`claims`]), after releasing
-    /// those of `previous` (its earlier enrolment) it no longer has.
-    fn claim_addresses(
-        &mut self,
-        pod: &PodConfig,
-        previous: Option<&PodConfig>,
-    ) -> Result<Vec<AddressConflict>, EnrollError> {
-        let cookie = pod.netns_cookie;
-        let ips: Vec<IpKey> = claimed(pod).collect();
-        if let Some(previous) = previous {
-            for old in claimed(previous).filter(|ip| !ips.contains(ip)) {
-                let release = self.claims()?.release(old, cookie);
-                self.apply_release(old, cookie, release)?;
-            }
-        }
-        let mut conflicts = Vec::new();
-        for ip in ips {
-            let claim = self.claims()?.claim(ip, cookie);
-            let (other, won) = match claim {
-                Claim::Owner { displaced } => {
-                    self.pods_by_ip()?
-                        .insert(ip, *pod, 0)
-                        .map_err(map_err(maps::PODS_BY_IP))?;
-                    match displaced {
-                        Some(other) => (other, true),
-                        None => continue,
-                    }
-                }
-                Claim::Outranked { owner } => (owner, false),
-            };
-            conflicts.push(AddressConflict {
-                address: ip_addr(ip),
-                other_netns_cookie: other,
-                won,
-            });
-        }
-        Ok(conflicts)
-    }
-
-    /// The address claims, read from the pinned pods map when not known.
-    fn claims(&mut self) -> Result<&mut AddressClaims<IpKey>, EnrollError> {
-        if self.address_claims.is_none() {
-            let pods = self.pinned_pods()?;
-            self.address_claims = Some(AddressClaims::from_pods(
-                pods.iter().map(|pod| (pod.netns_cookie, claimed(pod))),
-            ));
-        }
-        Ok(self.address_claims.get_or_insert_default())
-    }
-
-    /// Carries out what releasing `cookie`'s claim on `ip` left to do.
-    ///
-    /// The kernel has no compare-and-delete for hash maps (and
-    /// `BPF_MAP_LOOKUP_AND_DELETE_ELEM` would leave the owner without its
-    /// entry for a moment), so the entry is compared and then deleted. No
-    /// write can come between the two: the agent is the maps' only writer,
-    /// it writes from one task, one pod at a time, and a second agent on the
-    /// same pin root waits for the first to exit ([`crate::bpf::pins::PinRootLock`]).
-    fn apply_release(
-        &mut self,
-        ip: IpKey,
-        cookie: u64,
-        release: Release,
-    ) -> Result<(), EnrollError> {
-        match release {
-            Release::NotOwner => Ok(()),
-            Release::Delete => {
-                let mut by_ip = self.pods_by_ip()?;
-                match by_ip.get(&ip, 0) {
-                    Ok(entry) if entry.netns_cookie == cookie => match by_ip.remove(&ip) {
-                        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-                        Err(e) => Err(map_err(maps::PODS_BY_IP)(e)),
-                    },
-                    // Another pod's entry, or none: not this pod's to delete.
-                    _ => Ok(()),
-                }
-            }
-            Release::PassTo(next) => {
-                let Ok(owner) = self.pods_by_netns()?.get(&next, 0) else {
-                    // The claims were behind the map: read them again.
-                    self.address_claims = None;
-                    return Ok(());
-                };
-                self.pods_by_ip()?
-                    .insert(ip, owner, 0)
-                    .map_err(map_err(maps::PODS_BY_IP))?;
-                info!(
-                    "address {} passes back to the pod with netns cookie {next}, which still \
-                     claims it",
-                    ip_addr(ip)
-                );
-                Ok(())
-            }
-        }
-    }
-
     /// Removes the pod `pod`; works after its namespace is gone. Deletes
     /// only what the pod still owns. Returns whether it was enrolled.
     pub fn unenroll_pod(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
@@ -502,18 +342,6 @@ impl Dataplane {
         Ok(found.is_some())
     }
 
-    /// The steering program's fd (a copy the enrolment can carry into the
-    /// pod's namespace).
-    fn steering_program(&mut self) -> Result<std::os::fd::OwnedFd, EnrollError> {
-        use std::os::fd::AsFd as _;
-        let program_err = |e: &dyn std::fmt::Display| EnrollError::SteeringProgram(e.to_string());
-        let fd = self
-            .classifier(programs::POD_INGRESS)
-            .fd()
-            .map_err(|e| program_err(&e))?;
-        fd.as_fd().try_clone_to_owned().map_err(|e| program_err(&e))
-    }
-
     /// Every enrolled pod, as pinned.
     pub fn pinned_pods(&mut self) -> Result<Vec<PodConfig>, EnrollError> {
         Ok(self
@@ -523,95 +351,6 @@ impl Dataplane {
             .map(|(_, pod)| pod)
             .collect())
     }
-
-    /// Writes the entry of every address in `addresses` as its owner's, or
-    /// deletes it when no pod claims it (repairs of [`super::check`]).
-    pub fn rewrite_address_entries(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
-        // Re-read the claims: whatever made the entries wrong may have left
-        // them behind too.
-        self.address_claims = None;
-        let pods: std::collections::HashMap<u64, PodConfig> = self
-            .pinned_pods()?
-            .into_iter()
-            .map(|pod| (pod.netns_cookie, pod))
-            .collect();
-        for ip in addresses.iter().map(|ip| ip_key(*ip)) {
-            let owner = self
-                .claims()?
-                .owner(&ip)
-                .and_then(|c| pods.get(&c).copied());
-            let mut by_ip = self.pods_by_ip()?;
-            let result = match owner {
-                Some(owner) => by_ip.insert(ip, owner, 0),
-                None => match by_ip.remove(&ip) {
-                    Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-                    other => other,
-                },
-            };
-            result.map_err(map_err(maps::PODS_BY_IP))?;
-        }
-        Ok(())
-    }
-}
-
-/// The addresses a pod's entry claims (its non-empty slots).
-pub fn claimed(pod: &PodConfig) -> impl Iterator<Item = IpKey> + '_ {
-    pod.ips.iter().copied().filter(|ip| *ip != IpKey::default())
-}
-
-/// Attaches `program` as the steering filter of every interface in
-/// `interfaces` (or replaces its program where it is attached), through
-/// `rtnl`, a socket in their namespace (`netns` in errors): all of them, or,
-/// on an error, none that this call attached. Returns whether a `clsact`
-/// qdisc had to be created.
-fn attach_steering_with(
-    rtnl: &mut Rtnl,
-    netns: &std::path::Path,
-    interfaces: &[podnet::Interface],
-    program: std::os::fd::BorrowedFd<'_>,
-) -> Result<bool, EnrollError> {
-    let netlink_err = |iface: &podnet::Interface| {
-        let iface = iface.name.clone();
-        move |source| EnrollError::Steering {
-            iface,
-            netns: netns.to_owned(),
-            cause: source,
-        }
-    };
-    let mut done: Vec<(u32, steering::Attached)> = Vec::new();
-    for iface in interfaces {
-        match steering::attach(rtnl, iface.index, program, programs::POD_INGRESS) {
-            Ok(attached) => done.push((iface.index, attached)),
-            Err(e) => {
-                for (ifindex, attached) in done.iter().filter(|(_, a)| !a.replaced) {
-                    let _ = steering::detach(rtnl, *ifindex, attached.qdisc_created);
-                }
-                return Err(netlink_err(iface)(e));
-            }
-        }
-    }
-    Ok(done.iter().any(|(_, a)| a.qdisc_created))
-}
-
-/// Removes ambpf's steering filter from every interface in `netns`.
-pub fn detach_steering(netns: &Netns, qdisc_created: bool) -> Result<(), EnrollError> {
-    let path = netns.path();
-    netns.run(|| {
-        let steering_err = |iface: String| {
-            move |source| EnrollError::Steering {
-                iface,
-                netns: path.to_owned(),
-                cause: source,
-            }
-        };
-        let mut rtnl = Rtnl::open().map_err(steering_err("-".into()))?;
-        let interfaces = podnet::interfaces(&mut rtnl).map_err(steering_err("-".into()))?;
-        for iface in interfaces {
-            steering::detach(&mut rtnl, iface.index, qdisc_created)
-                .map_err(steering_err(iface.name))?;
-        }
-        Ok(())
-    })?
 }
 
 /// A handle of our own on `netns` (the caller's may close), held while its
@@ -620,12 +359,6 @@ pub fn detach_steering(netns: &Netns, qdisc_created: bool) -> Result<(), EnrollE
 fn keep(netns: &Netns) -> Result<Netns, NetnsError> {
     use std::os::fd::AsRawFd as _;
     Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd()))
-}
-
-/// An address key back as an address.
-pub fn ip_addr(key: IpKey) -> IpAddr {
-    let v6 = std::net::Ipv6Addr::from(key.addr);
-    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> EnrollError {
