@@ -29,17 +29,14 @@ use std::{
     time::Duration,
 };
 
-use k8s_openapi::{
-    Metadata as _,
-    api::core::v1::{Namespace, Pod},
-};
+use k8s_openapi::{Metadata as _, api::core::v1::Namespace};
 use kube::{Api, Client, runtime::reflector::ObjectRef};
 
 use super::CmdAdd;
 use crate::{
     controller::PodSpec,
     sources::kube::{
-        KubeCaches, KubeSourceError, Lenient, api_error,
+        KubeCaches, KubeSourceError, Lenient, WatchedPod, api_error,
         rules::{self, NotAmbient},
     },
     zds::{NetnsSource, Workload},
@@ -171,7 +168,7 @@ impl AmbientLookup {
         if let Some(cached) = self.select_cached(add) {
             return cached;
         }
-        let pods = Api::<Lenient<Pod>>::namespaced(self.client.clone(), &add.pod_namespace);
+        let pods = Api::<Lenient<WatchedPod>>::namespaced(self.client.clone(), &add.pod_namespace);
         let namespaces = Api::<Lenient<Namespace>>::all(self.client.clone());
         // Both at once: the pod's start waits on them.
         let reads = async {
@@ -203,7 +200,7 @@ impl AmbientLookup {
 /// (`None`: not found) and its namespace's labels.
 pub fn decide(
     add: &CmdAdd,
-    pod: Option<&Lenient<Pod>>,
+    pod: Option<&Lenient<WatchedPod>>,
     namespace_labels: Option<&BTreeMap<String, String>>,
     excluded_namespaces: &BTreeSet<String>,
 ) -> Result<Verdict, LookupError> {
@@ -252,10 +249,9 @@ fn posted_pod(add: &CmdAdd) -> PodSpec {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::{
-        api::core::v1::{Container, PodSpec as K8sPodSpec},
-        apimachinery::pkg::apis::meta::v1::ObjectMeta,
-    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    use crate::sources::kube::pod::{NamedContainer, WatchedPodSpec};
 
     use super::*;
 
@@ -279,8 +275,8 @@ mod tests {
     }
 
     /// The pod as the API server has it when the runtime calls ADD.
-    fn pod(pod_labels: &[(&str, &str)]) -> Pod {
-        Pod {
+    fn pod(pod_labels: &[(&str, &str)]) -> WatchedPod {
+        WatchedPod {
             metadata: ObjectMeta {
                 name: Some("web-0".into()),
                 namespace: Some("shop".into()),
@@ -288,12 +284,9 @@ mod tests {
                 labels: Some(labels(pod_labels)),
                 ..Default::default()
             },
-            spec: Some(K8sPodSpec {
+            spec: Some(WatchedPodSpec {
                 service_account_name: Some("web".into()),
-                containers: vec![Container {
-                    name: "web".into(),
-                    ..Default::default()
-                }],
+                containers: vec![NamedContainer { name: "web".into() }],
                 ..Default::default()
             }),
             status: None,
@@ -306,7 +299,7 @@ mod tests {
 
     const AMBIENT: &[(&str, &str)] = &[(rules::DATAPLANE_MODE_LABEL, "ambient")];
 
-    fn decide_for(pod: &Pod, namespace: &[(&str, &str)]) -> Verdict {
+    fn decide_for(pod: &WatchedPod, namespace: &[(&str, &str)]) -> Verdict {
         decide(
             &add(),
             Some(&Lenient::new(pod.clone())),
@@ -362,10 +355,14 @@ mod tests {
             not(NotAmbient::OptedOut)
         );
         let mut sidecar = pod(&[]);
-        sidecar.spec.as_mut().unwrap().containers.push(Container {
-            name: rules::SIDECAR_CONTAINER.into(),
-            ..Default::default()
-        });
+        sidecar
+            .spec
+            .as_mut()
+            .unwrap()
+            .containers
+            .push(NamedContainer {
+                name: rules::SIDECAR_CONTAINER.into(),
+            });
         assert_eq!(decide_for(&sidecar, AMBIENT), not(NotAmbient::Sidecar));
         let mut system = pod(AMBIENT);
         system.metadata.namespace = Some("kube-system".into());
@@ -406,7 +403,7 @@ mod tests {
 
     #[test]
     fn a_pod_object_that_does_not_parse_is_an_error_not_a_guess() {
-        let malformed: Lenient<Pod> = serde_json::from_value(serde_json::json!({
+        let malformed: Lenient<WatchedPod> = serde_json::from_value(serde_json::json!({
             "metadata": { "name": "web-0", "namespace": "shop", "uid": UID,
                           "labels": { "istio.io/dataplane-mode": "ambient" } },
             "spec": { "containers": "not a list" }
@@ -451,7 +448,7 @@ mod tests {
         let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", silent.local_addr().unwrap());
         let client = Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
-        let (pods, mut pod_writer) = reflector::store::<Lenient<Pod>>();
+        let (pods, mut pod_writer) = reflector::store::<Lenient<WatchedPod>>();
         let (namespaces, mut namespace_writer) = reflector::store::<Lenient<Namespace>>();
         pod_writer.apply_watcher_event(&watcher::Event::Apply(Lenient::new(pod(&[]))));
         let shop = Namespace {

@@ -11,7 +11,7 @@ use ambpf::{
         CmdAdd,
         selection::{self, SkipReason, Verdict},
     },
-    sources::kube::{lenient::Lenient, rules},
+    sources::kube::{WatchedPod, lenient::Lenient, rules},
 };
 use k8s_openapi::{Metadata as _, api::core::v1::Pod};
 use kube::api::ObjectList;
@@ -163,15 +163,28 @@ fn any_pod_decodes_leniently_and_is_decided_without_enrolling_what_must_not_be()
     let result = runner.run(&input, |(pods, namespace_labels)| {
         let mut items = pods.clone();
         items.push(good_pod());
-        let list: ObjectList<Lenient<Pod>> = serde_json::from_value(json!({
+        let list_json = json!({
             "apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": "9"},
             "items": items,
-        }))
-        .map_err(|e| TestCaseError::fail(format!("the list did not decode: {e}")))?;
+        });
+        let list: ObjectList<Lenient<WatchedPod>> = serde_json::from_value(list_json.clone())
+            .map_err(|e| TestCaseError::fail(format!("the list did not decode: {e}")))?;
         prop_assert_eq!(list.items.len(), pods.len() + 1);
-        let good = list.items.last().unwrap();
-        prop_assert!(good.object.is_ok(), "{:?}", good.object);
-
+        // The caches keep only what the rules read: never stricter than
+        // k8s-openapi's full Pod, and reading the same values from it.
+        let full: ObjectList<Lenient<Pod>> = serde_json::from_value(list_json)
+            .map_err(|e| TestCaseError::fail(format!("the list did not decode: {e}")))?;
+        for (watched, full) in list.items.iter().zip(&full.items) {
+            match (&watched.object, &full.object) {
+                (Ok(watched), Ok(full)) => {
+                    prop_assert_eq!(read_by_rules(watched), read_by_rules_full(full));
+                }
+                (Err(why), Ok(_)) => {
+                    prop_assert!(false, "refused what k8s-openapi reads: {}", why);
+                }
+                (_, Err(_)) => {}
+            }
+        }
         let labels: Option<BTreeMap<String, String>> =
             namespace_labels.and_then(|v| serde_json::from_value(v).ok());
         let excluded = BTreeSet::from(["kube-system".to_owned()]);
@@ -222,4 +235,68 @@ fn any_pod_decodes_leniently_and_is_decided_without_enrolling_what_must_not_be()
     if let Err(e) = result {
         panic!("{e}");
     }
+}
+
+/// The fields the ambient rules read, as one comparable value.
+type RuleFields = (
+    k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    Option<(
+        Vec<String>,
+        Option<Vec<String>>,
+        Option<bool>,
+        Option<String>,
+    )>,
+    Option<(Option<String>, Option<String>, Option<Vec<String>>)>,
+);
+
+fn read_by_rules(pod: &WatchedPod) -> RuleFields {
+    let names = |c: &[ambpf::sources::kube::pod::NamedContainer]| {
+        c.iter().map(|c| c.name.clone()).collect::<Vec<_>>()
+    };
+    (
+        pod.metadata.clone(),
+        pod.spec.as_ref().map(|s| {
+            (
+                names(&s.containers),
+                s.init_containers.as_deref().map(names),
+                s.host_network,
+                s.service_account_name.clone(),
+            )
+        }),
+        pod.status.as_ref().map(|s| {
+            (
+                s.phase.clone(),
+                s.pod_ip.clone(),
+                s.pod_ips
+                    .as_ref()
+                    .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect()),
+            )
+        }),
+    )
+}
+
+fn read_by_rules_full(pod: &Pod) -> RuleFields {
+    let names = |c: &[k8s_openapi::api::core::v1::Container]| {
+        c.iter().map(|c| c.name.clone()).collect::<Vec<_>>()
+    };
+    (
+        pod.metadata.clone(),
+        pod.spec.as_ref().map(|s| {
+            (
+                names(&s.containers),
+                s.init_containers.as_deref().map(names),
+                s.host_network,
+                s.service_account_name.clone(),
+            )
+        }),
+        pod.status.as_ref().map(|s| {
+            (
+                s.phase.clone(),
+                s.pod_ip.clone(),
+                s.pod_ips
+                    .as_ref()
+                    .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect()),
+            )
+        }),
+    )
 }

@@ -25,7 +25,7 @@ use std::{
     time::Duration,
 };
 
-use k8s_openapi::{Metadata as _, api::core::v1::Pod};
+use k8s_openapi::Metadata as _;
 use kube::{
     Api, Client,
     api::{ListParams, Patch, PatchParams},
@@ -36,7 +36,7 @@ use tokio::sync::{Notify, watch};
 use tracing::{debug, info, warn};
 
 use super::{
-    Lenient,
+    Lenient, WatchedPod,
     rules::{self, REDIRECTION_ANNOTATION, Redirection},
 };
 use crate::{
@@ -124,7 +124,7 @@ impl InFlight {
 
 pub(super) struct Annotator {
     client: Client,
-    pods: Store<Lenient<Pod>>,
+    pods: Store<Lenient<WatchedPod>>,
     /// uid -> patches whose result the watch has not shown yet.
     in_flight: HashMap<String, InFlight>,
     /// The last patch failure logged as a warning, to log a run of the same
@@ -133,7 +133,7 @@ pub(super) struct Annotator {
 }
 
 impl Annotator {
-    pub(super) fn new(client: Client, pods: Store<Lenient<Pod>>) -> Self {
+    pub(super) fn new(client: Client, pods: Store<Lenient<WatchedPod>>) -> Self {
         Self {
             client,
             pods,
@@ -263,7 +263,7 @@ async fn patch_annotation(
     let patch = json!({
         "metadata": { "annotations": { REDIRECTION_ANNOTATION: value.map(Redirection::as_str) } }
     });
-    let api: Api<Lenient<Pod>> = Api::namespaced(client.clone(), namespace);
+    let api: Api<Lenient<WatchedPod>> = Api::namespaced(client.clone(), namespace);
     let params = PatchParams {
         field_manager: Some("ambpf".into()),
         ..Default::default()
@@ -308,7 +308,7 @@ pub async fn remove_redirection_annotations(
     node_name: &str,
 ) -> Result<Vec<AnnotationRemoval>, super::KubeSourceError> {
     let params = ListParams::default().fields(&format!("spec.nodeName={node_name}"));
-    let pods = Api::<Lenient<Pod>>::all(client.clone())
+    let pods = Api::<Lenient<WatchedPod>>::all(client.clone())
         .list(&params)
         .await
         .map_err(|e| super::api_error("list", "pods", e))?;

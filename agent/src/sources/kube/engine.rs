@@ -8,7 +8,7 @@ type WatchResult<K> = Result<watcher::Event<Lenient<K>>, watcher::Error>;
 /// The source's state between events.
 pub(super) struct Engine {
     pub(super) config: KubeSourceConfig,
-    pub(super) pods: Store<Lenient<Pod>>,
+    pub(super) pods: Store<Lenient<WatchedPod>>,
     pub(super) namespaces: Store<Lenient<Namespace>>,
     /// Taken while discovery runs on a blocking thread.
     pub(super) resolver: Option<Box<dyn NetnsResolver>>,
@@ -89,7 +89,7 @@ fn describe_watch_error(what: &str, error: &watcher::Error) -> String {
 impl Engine {
     pub(super) async fn run(
         mut self,
-        pod_events: impl Stream<Item = WatchResult<Pod>> + Send,
+        pod_events: impl Stream<Item = WatchResult<WatchedPod>> + Send,
         namespace_events: impl Stream<Item = WatchResult<Namespace>> + Send,
         synced: oneshot::Sender<()>,
     ) {
@@ -245,12 +245,16 @@ impl Engine {
 
 /// Whether an event changes the caches (the store swaps in a relist only at
 /// `InitDone`); marks the stream synced at `InitDone`.
-fn on_event<K: k8s_openapi::Resource>(
+fn on_event<K>(
     what: &str,
     event: WatchResult<K>,
     synced: &mut bool,
     health: &mut StreamHealth,
-) -> bool {
+) -> bool
+where
+    K: k8s_openapi::Resource
+        + k8s_openapi::Metadata<Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta>,
+{
     // A pod's first event starts its `kube_event_to_programmed` clock.
     if let Ok(watcher::Event::Apply(object)) = &event
         && let Some(uid) = &k8s_openapi::Metadata::metadata(object).uid

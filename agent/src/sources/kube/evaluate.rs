@@ -8,10 +8,10 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Namespace;
 use tracing::{debug, info, warn};
 
-use super::{Lenient, PodQuery, rules};
+use super::{Lenient, PodQuery, WatchedPod, rules};
 use crate::{
     controller::{PodSpec, SourcePods},
     zds::{NetnsSource, Workload},
@@ -94,7 +94,7 @@ pub(super) struct Classified {
 /// Judges every pod of the caches ambient or not (logging malformed objects
 /// and pods that are not ambient).
 pub(super) fn classify(
-    pods: &[Arc<Lenient<Pod>>],
+    pods: &[Arc<Lenient<WatchedPod>>],
     namespaces: &[Arc<Lenient<Namespace>>],
     excluded_namespaces: &BTreeSet<String>,
     notes: &mut Notes,
@@ -232,7 +232,7 @@ mod tests {
 
     use super::*;
 
-    fn pod(uid: &str, namespace: &str, labels: serde_json::Value) -> Arc<Lenient<Pod>> {
+    fn pod(uid: &str, namespace: &str, labels: serde_json::Value) -> Arc<Lenient<WatchedPod>> {
         let value = json!({
             "apiVersion": "v1",
             "kind": "Pod",
@@ -346,7 +346,7 @@ mod tests {
 
     #[test]
     fn malformed_and_unnamed_pods_are_skipped_and_notes_of_gone_pods_forgotten() {
-        let malformed: Arc<Lenient<Pod>> = Arc::new(
+        let malformed: Arc<Lenient<WatchedPod>> = Arc::new(
             serde_json::from_value(json!({
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -356,7 +356,7 @@ mod tests {
             .unwrap(),
         );
         assert!(malformed.object.is_err());
-        let unnamed: Arc<Lenient<Pod>> = Arc::new(
+        let unnamed: Arc<Lenient<WatchedPod>> = Arc::new(
             serde_json::from_value(json!({
                 "apiVersion": "v1",
                 "kind": "Pod",

@@ -14,19 +14,18 @@ use serde_json::Value;
 
 #[derive(Clone, Debug)]
 pub struct Lenient<K> {
-    metadata: ObjectMeta,
     /// The typed object, or why it does not parse.
     pub object: Result<K, String>,
+    /// The metadata of an object that does not parse, as far as it reads
+    /// (a parsed object's metadata is its own: the caches keep it once).
+    salvaged: Option<Box<ObjectMeta>>,
 }
 
 impl<K> Lenient<K> {
-    pub fn new(object: K) -> Self
-    where
-        K: Metadata<Ty = ObjectMeta>,
-    {
+    pub fn new(object: K) -> Self {
         Self {
-            metadata: object.metadata().clone(),
             object: Ok(object),
+            salvaged: None,
         }
     }
 }
@@ -49,10 +48,18 @@ impl<'de, K: DeserializeOwned> Deserialize<'de> for Lenient<K> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let mut value = Value::deserialize(deserializer)?;
         strip_unused(&mut value);
-        let raw_meta = value.get("metadata").cloned().unwrap_or(Value::Null);
-        let metadata = ObjectMeta::deserialize(&raw_meta).unwrap_or_else(|_| salvage(&raw_meta));
-        let object = K::deserialize(value).map_err(|e| e.to_string());
-        Ok(Self { metadata, object })
+        match K::deserialize(&value) {
+            Ok(object) => Ok(Self::new(object)),
+            Err(e) => {
+                let raw_meta = value.get("metadata").unwrap_or(&Value::Null);
+                let metadata =
+                    ObjectMeta::deserialize(raw_meta).unwrap_or_else(|_| salvage(raw_meta));
+                Ok(Self {
+                    object: Err(e.to_string()),
+                    salvaged: Some(Box::new(metadata)),
+                })
+            }
+        }
     }
 }
 
@@ -77,28 +84,39 @@ impl<K: Resource> Resource for Lenient<K> {
     type Scope = K::Scope;
 }
 
-impl<K: Resource> Metadata for Lenient<K> {
+/// What [`Lenient::metadata`] answers for an object that does not parse and
+/// kept no metadata (none is built so: a fallback, not a panic).
+static NO_METADATA: std::sync::LazyLock<ObjectMeta> = std::sync::LazyLock::new(ObjectMeta::default);
+
+impl<K: Resource + Metadata<Ty = ObjectMeta>> Metadata for Lenient<K> {
     type Ty = ObjectMeta;
 
     fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
+        match (&self.object, &self.salvaged) {
+            (Ok(object), _) => object.metadata(),
+            (Err(_), Some(salvaged)) => salvaged,
+            (Err(_), None) => &NO_METADATA,
+        }
     }
 
     fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
+        match (&mut self.object, &mut self.salvaged) {
+            (Ok(object), _) => object.metadata_mut(),
+            (Err(_), salvaged) => salvaged.get_or_insert_default(),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::core::v1::Pod;
     use kube::api::ObjectList;
 
     use super::*;
+    use crate::sources::kube::WatchedPod;
 
     #[test]
     fn a_malformed_item_does_not_fail_its_list() {
-        let list: ObjectList<Lenient<Pod>> = serde_json::from_value(serde_json::json!({
+        let list: ObjectList<Lenient<WatchedPod>> = serde_json::from_value(serde_json::json!({
             "kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"},
             "items": [
                 {"metadata": {"name": "good", "namespace": "shop", "uid": "u1", "resourceVersion": "5"},
@@ -125,7 +143,7 @@ mod tests {
 
     #[test]
     fn managed_fields_and_the_last_applied_copy_are_not_kept() {
-        let pod: Lenient<Pod> = serde_json::from_value(serde_json::json!({
+        let pod: Lenient<WatchedPod> = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "name": "web", "namespace": "shop", "uid": "u1",
                 "labels": {"app": "web"},
@@ -138,15 +156,16 @@ mod tests {
             "spec": {"containers": [{"name": "web"}]}
         }))
         .unwrap();
+        // One copy of the metadata: the typed object's.
         let typed = pod.object.as_ref().unwrap();
-        for meta in [pod.metadata(), &typed.metadata] {
-            assert!(meta.managed_fields.is_none());
-            let annotations = meta.annotations.as_ref().unwrap();
-            assert_eq!(
-                annotations.keys().collect::<Vec<_>>(),
-                ["ambient.istio.io/redirection"]
-            );
-            assert_eq!(meta.labels.as_ref().unwrap()["app"], "web");
-        }
+        assert!(std::ptr::eq(pod.metadata(), &typed.metadata));
+        let meta = pod.metadata();
+        assert!(meta.managed_fields.is_none());
+        let annotations = meta.annotations.as_ref().unwrap();
+        assert_eq!(
+            annotations.keys().collect::<Vec<_>>(),
+            ["ambient.istio.io/redirection"]
+        );
+        assert_eq!(meta.labels.as_ref().unwrap()["app"], "web");
     }
 }

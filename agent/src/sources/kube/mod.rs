@@ -31,6 +31,7 @@ mod engine;
 mod evaluate;
 pub mod lenient;
 pub mod netns;
+pub mod pod;
 pub mod rules;
 
 use std::{
@@ -41,7 +42,7 @@ use std::{
 };
 
 use futures::{FutureExt as _, Stream, StreamExt as _};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Namespace;
 use kube::{
     Api, Client, Config,
     api::ListParams,
@@ -63,6 +64,7 @@ use self::{engine::Engine, evaluate::Notes};
 pub use self::{
     lenient::Lenient,
     netns::{NetnsResolver, PodQuery, ProcNetnsFinder},
+    pod::WatchedPod,
 };
 use crate::{
     controller::{ProgrammedPods, SourcePods},
@@ -225,7 +227,7 @@ pub struct KubeSourceHandle {
 /// its watches.
 #[derive(Clone)]
 pub struct KubeCaches {
-    pub pods: Store<Lenient<Pod>>,
+    pub pods: Store<Lenient<WatchedPod>>,
     pub namespaces: Store<Lenient<Namespace>>,
 }
 
@@ -295,11 +297,11 @@ impl KubeSource {
         preflight(&client, &node_selector).await?;
 
         let backoff = || RetryBackoff::new(config.max_backoff);
-        let (pod_store, pod_writer) = reflector::store::<Lenient<Pod>>();
+        let (pod_store, pod_writer) = reflector::store::<Lenient<WatchedPod>>();
         let pod_events = reflector::reflector(
             pod_writer,
             watcher(
-                Api::<Lenient<Pod>>::all(client.clone()),
+                Api::<Lenient<WatchedPod>>::all(client.clone()),
                 watcher::Config::default().fields(&node_selector),
             ),
         )
@@ -358,7 +360,9 @@ impl KubeSource {
 /// or RBAC are a clear start-up error rather than a retry loop.
 async fn preflight(client: &Client, node_selector: &str) -> Result<(), KubeSourceError> {
     let params = ListParams::default().fields(node_selector).limit(1);
-    let pods = Api::<Lenient<Pod>>::all(client.clone()).list(&params).await;
+    let pods = Api::<Lenient<WatchedPod>>::all(client.clone())
+        .list(&params)
+        .await;
     check("list", "pods", pods.map(drop))?;
     let namespaces = Api::<Lenient<Namespace>>::all(client.clone())
         .list(&ListParams::default().limit(1))

@@ -17,7 +17,9 @@ use std::{
     net::IpAddr,
 };
 
-use k8s_openapi::{api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::ObjectMeta};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::pod::WatchedPod;
 
 /// The label, on a pod or its namespace, that enrols it.
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
@@ -77,7 +79,7 @@ fn mode(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
 /// namespace is not known, which counts as unlabelled) and the excluded
 /// namespaces.
 pub fn ambient(
-    pod: &Pod,
+    pod: &WatchedPod,
     namespace_labels: Option<&BTreeMap<String, String>>,
     excluded_namespaces: &BTreeSet<String>,
 ) -> Result<(), NotAmbient> {
@@ -115,7 +117,7 @@ pub fn ambient(
 
 /// An Istio sidecar: the injector's status annotation, or a container (or a
 /// native sidecar, an init container) named `istio-proxy`.
-pub fn has_sidecar(pod: &Pod) -> bool {
+pub fn has_sidecar(pod: &WatchedPod) -> bool {
     if pod
         .metadata
         .annotations
@@ -134,7 +136,7 @@ pub fn has_sidecar(pod: &Pod) -> bool {
 
 /// The pod's service account (`spec.serviceAccountName`; unset or empty is
 /// `default`, as the API server fills it in).
-pub fn service_account(pod: &Pod) -> String {
+pub fn service_account(pod: &WatchedPod) -> String {
     pod.spec
         .as_ref()
         .and_then(|s| s.service_account_name.clone())
@@ -145,7 +147,7 @@ pub fn service_account(pod: &Pod) -> String {
 /// The pod's DNS capture choice from [`DNS_CAPTURE_ANNOTATION`]: `None` when
 /// absent or not a boolean (Go's `strconv.ParseBool` spellings, as Istio
 /// reads it), so the node's setting applies.
-pub fn dns_capture(pod: &Pod) -> Option<bool> {
+pub fn dns_capture(pod: &WatchedPod) -> Option<bool> {
     let value = pod
         .metadata
         .annotations
@@ -164,7 +166,7 @@ fn parse_bool(value: &str) -> Option<bool> {
 
 /// The pod's IPs: `status.podIPs`, else `status.podIP`; unparsable entries
 /// are left out.
-pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+pub fn pod_ips(pod: &WatchedPod) -> Vec<IpAddr> {
     let Some(status) = pod.status.as_ref() else {
         return Vec::new();
     };
@@ -220,8 +222,9 @@ pub fn redirection_annotation(meta: &ObjectMeta) -> Option<Redirection> {
 
 #[cfg(test)]
 mod tests {
-    use k8s_openapi::api::core::v1::{Container, PodIP, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    use crate::sources::kube::pod::{NamedContainer, PodIp, WatchedPodSpec, WatchedPodStatus};
 
     use super::*;
 
@@ -232,22 +235,19 @@ mod tests {
             .collect()
     }
 
-    fn pod(namespace: &str, pod_labels: &[(&str, &str)]) -> Pod {
-        Pod {
+    fn pod(namespace: &str, pod_labels: &[(&str, &str)]) -> WatchedPod {
+        WatchedPod {
             metadata: ObjectMeta {
                 name: Some("web-0".into()),
                 namespace: Some(namespace.into()),
                 labels: Some(labels(pod_labels)),
                 ..Default::default()
             },
-            spec: Some(PodSpec {
-                containers: vec![Container {
-                    name: "web".into(),
-                    ..Default::default()
-                }],
+            spec: Some(WatchedPodSpec {
+                containers: vec![NamedContainer { name: "web".into() }],
                 ..Default::default()
             }),
-            status: Some(PodStatus {
+            status: Some(WatchedPodStatus {
                 phase: Some("Running".into()),
                 ..Default::default()
             }),
@@ -330,9 +330,8 @@ mod tests {
             .as_mut()
             .unwrap()
             .containers
-            .push(Container {
+            .push(NamedContainer {
                 name: SIDECAR_CONTAINER.into(),
-                ..Default::default()
             });
         assert_eq!(
             ambient(&by_container, Some(&ns), &excluded()),
@@ -340,9 +339,8 @@ mod tests {
         );
 
         let mut native = pod("shop", &[]);
-        native.spec.as_mut().unwrap().init_containers = Some(vec![Container {
+        native.spec.as_mut().unwrap().init_containers = Some(vec![NamedContainer {
             name: SIDECAR_CONTAINER.into(),
-            ..Default::default()
         }]);
         assert_eq!(
             ambient(&native, Some(&ns), &excluded()),
@@ -433,13 +431,13 @@ mod tests {
         assert_eq!(pod_ips(&p), ["10.0.0.5".parse::<IpAddr>().unwrap()]);
         let status = p.status.as_mut().unwrap();
         status.pod_ips = Some(vec![
-            PodIP {
+            PodIp {
                 ip: "10.0.0.5".into(),
             },
-            PodIP {
+            PodIp {
                 ip: "fd00::5".into(),
             },
-            PodIP {
+            PodIp {
                 ip: "garbage".into(),
             },
         ]);
