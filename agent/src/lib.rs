@@ -14,6 +14,7 @@ pub mod cni;
 pub mod controller;
 pub mod http;
 pub mod logging;
+pub mod memory;
 pub mod metrics;
 pub mod mounts;
 pub mod netns;

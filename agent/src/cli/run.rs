@@ -75,6 +75,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 let mut dataplane =
                     Dataplane::load_inbound(pins.clone(), capacities, args.inbound_assign)?;
                 info!("inbound path: {}", dataplane.inbound());
+                // Loading parsed the kernel's BTF: the largest allocation
+                // the agent ever makes, freed by now.
+                crate::memory::release_freed();
                 dataplane.forward_kernel_logs()?;
                 tokio::spawn(bpf::capacity::log_misses(
                     pins.clone(),

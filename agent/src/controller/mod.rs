@@ -543,8 +543,12 @@ impl Controller {
             }
             // A repair that forgot pods has the next pass enrol them again.
             let enrolled_before = self.enrolled.len();
+            let burst = report.enrolled > 0 || report.removed > 0 || scope == CheckScope::Full;
             self.check_state(std::mem::replace(&mut scope, CheckScope::Records));
             let repass = self.enrolled.len() < enrolled_before;
+            if burst {
+                crate::memory::release_freed();
+            }
             loop {
                 // CNI-added pods are re-checked (is their netns gone?) until
                 // the source takes them over; one may have come in this loop.
