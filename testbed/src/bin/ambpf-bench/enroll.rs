@@ -32,6 +32,14 @@
 //! After the enrolment the agent's `/metrics` gives where its time went, per
 //! step (`ambpf_enrol_duration_seconds{mode,step}`: namespace inspection, reply
 //! routing, steering filter, map writes; iptables mode: inspection, rules).
+//!
+//! `--phases enrol` measures the enrolment only: iptables mode's opt-out of
+//! many pods takes minutes (about 0.5 s a pod), the enrolment seconds. The
+//! agent is then stopped with the pods enrolled and their namespaces are
+//! deleted, as after every measurement; deleting a pod's namespace is all
+//! its removal takes (Istio runs nothing in a deleted pod), so nothing of
+//! the opt-out is timed, and the JSON says so (`remove: null`, no remove
+//! ratios).
 
 use std::collections::BTreeMap;
 
@@ -67,6 +75,18 @@ pub(super) struct EnrollArgs {
     /// Measurements per pod count and mode.
     #[arg(long, default_value_t = 5)]
     runs: usize,
+    /// The phases timed, comma-separated. `enrol` alone gives no opt-out
+    /// figure: the agent is stopped with the pods enrolled and their
+    /// namespaces are deleted (which is all a deleted pod's removal takes;
+    /// Istio runs nothing in it), sparing iptables mode's opt-out of about
+    /// 0.5 s a pod. `opt-out` needs `enrol` (the pods it removes).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "enrol,opt-out"
+    )]
+    phases: Vec<MeasuredPhase>,
 }
 
 #[derive(Serialize)]
@@ -74,7 +94,19 @@ struct Config {
     pods: Vec<usize>,
     modes: Vec<&'static str>,
     runs: usize,
+    phases: Vec<MeasuredPhase>,
     agent: PathBuf,
+}
+
+/// The phases a measurement times (`--phases`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum MeasuredPhase {
+    /// The pods written to the pods file → the ztunnel double holds them all.
+    Enrol,
+    /// The pods file emptied → the double holds none (Istio's
+    /// `DeleteInpodRules` in iptables mode, about 0.5 s a pod).
+    OptOut,
 }
 
 /// One phase (enrol or remove) of one measurement, in milliseconds.
@@ -97,47 +129,12 @@ struct Sample {
     mode: Mode,
     pods: usize,
     enrol: Phase,
-    remove: Phase,
+    /// `null` when the opt-out was not measured (`--phases enrol`).
+    remove: Option<Phase>,
     /// The agent's enrolment time per pod by step (ms), from its metrics.
     enrol_steps_ms_per_pod: BTreeMap<String, f64>,
     /// Creating the measurement's fresh pod namespaces (s).
     cluster_create_s: f64,
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct PhaseSummary {
-    read_to_done_ms: Stats,
-    file_to_done_ms: Stats,
-    read_to_first_ms: Stats,
-    agent_cpu_ms: Stats,
-    /// read → done per pod, median.
-    per_pod_ms: f64,
-}
-
-#[derive(Clone, Debug, Serialize)]
-struct ModeSummary {
-    pods: usize,
-    mode: Mode,
-    /// `steady` (every run after the first, or the only one) or `first`.
-    runs: &'static str,
-    enrol: PhaseSummary,
-    remove: PhaseSummary,
-    /// Median per-pod time of each enrolment step (ms).
-    enrol_steps_ms_per_pod: BTreeMap<String, f64>,
-}
-
-/// eBPF mode's medians over a baseline's (lower is better).
-#[derive(Clone, Debug, Serialize)]
-struct Ratio {
-    pods: usize,
-    runs: &'static str,
-    /// `iptables`, `nftables` or `faster (<backend>)`: the Istio backend that
-    /// enrolled faster.
-    against: String,
-    enrol: f64,
-    enrol_cpu: f64,
-    remove: f64,
-    remove_cpu: f64,
 }
 
 pub(super) async fn run(args: EnrollArgs) -> Result<()> {
@@ -152,18 +149,28 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
         "--pods: counts between 1 and {} (the testbed cluster's limit)",
         cluster::MAX_PODS
     );
+    ensure!(
+        args.phases.contains(&MeasuredPhase::Enrol),
+        "--phases: `opt-out` needs `enrol` (the pods it removes)"
+    );
+    let opt_out = args.phases.contains(&MeasuredPhase::OptOut);
     let modes = compared_modes(&args.modes)?;
     let suite = SuiteRun::start("enroll");
     let agent = std::path::absolute(&args.common.agent)?;
     eprintln!(
-        "enroll: pods {:?}, {} runs of {} (order rotated), fresh pod namespaces for every measurement",
+        "enroll: pods {:?}, {} runs of {} (order rotated), fresh pod namespaces for every measurement{}",
         args.pods,
         args.runs,
         modes
             .iter()
             .map(|m| m.name())
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        if opt_out {
+            ""
+        } else {
+            "; enrolment only, no opt-out"
+        }
     );
     let work = TempDir::create("ambpf-bench-enroll")?;
     let cgroup = CgroupGuard::create().context("creating a throwaway cgroup")?;
@@ -182,21 +189,27 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
                     .enumerate()
                     .map(|(i, p)| (format!("{n:08x}-e0e0-4000-8000-{i:012x}"), p.ns.path()))
                     .collect();
-                let mut sample =
-                    measure(&agent, &work, &cgroup, &watcher, &cluster, &pods, mode, run)
-                        .await
-                        .with_context(|| format!("{n} pods, run {}, {}", run + 1, mode.name()))?;
+                let mut sample = measure(
+                    &agent, &work, &cgroup, &watcher, &cluster, &pods, mode, run, opt_out,
+                )
+                .await
+                .with_context(|| format!("{n} pods, run {}, {}", run + 1, mode.name()))?;
                 sample.cluster_create_s = cluster_create_s;
                 drop(cluster);
+                let remove = match &sample.remove {
+                    Some(remove) => format!(
+                        "remove {:>8.1} ms (agent cpu {:>7.1})",
+                        remove.read_to_done_ms, remove.agent_cpu_ms
+                    ),
+                    None => "remove not measured".to_owned(),
+                };
                 eprintln!(
-                    "enroll: {n:>4} pods run {} {:<8} enrol {:>8.1} ms (file→done {:>7.1}, agent cpu {:>7.1}), remove {:>8.1} ms (agent cpu {:>7.1}); namespaces made in {cluster_create_s:.1} s",
+                    "enroll: {n:>4} pods run {} {:<8} enrol {:>8.1} ms (file→done {:>7.1}, agent cpu {:>7.1}), {remove}; namespaces made in {cluster_create_s:.1} s",
                     run + 1,
                     mode.name(),
                     sample.enrol.read_to_done_ms,
                     sample.enrol.file_to_done_ms,
                     sample.enrol.agent_cpu_ms,
-                    sample.remove.read_to_done_ms,
-                    sample.remove.agent_cpu_ms,
                 );
                 samples.push(sample);
             }
@@ -210,6 +223,7 @@ pub(super) async fn run(args: EnrollArgs) -> Result<()> {
             pods: args.pods.clone(),
             modes: modes.iter().map(|m| m.name()).collect(),
             runs: args.runs,
+            phases: args.phases.clone(),
             agent,
         },
         serde_json::json!({ "summary": summaries, "ratios": ratios, "samples": samples }),
@@ -227,6 +241,7 @@ async fn measure(
     pods: &[(String, PathBuf)],
     mode: Mode,
     run: usize,
+    opt_out: bool,
 ) -> Result<Sample> {
     let n = pods.len();
     let pods_file = work.join(PODS_FILE);
@@ -265,11 +280,18 @@ async fn measure(
         let listed = agent.status_pods()?;
         ensure!(listed == n, "ambpf status lists {listed} pods, not {n}");
     }
-    let remove = phase(&agent, &double, watcher, &pods_file, &[], |count, _| {
-        (count < n, count == 0)
-    })
-    .await
-    .context("removing")?;
+    // Without the opt-out the agent stops with the pods enrolled; their
+    // namespaces go with the cluster.
+    let remove = if opt_out {
+        let remove = phase(&agent, &double, watcher, &pods_file, &[], |count, _| {
+            (count < n, count == 0)
+        })
+        .await
+        .context("removing")?;
+        Some(remove)
+    } else {
+        None
+    };
     double.shutdown().await;
     agent.stop()?;
     Ok(Sample {
@@ -387,194 +409,8 @@ async fn phase(
     })
 }
 
-fn summarize(
-    samples: &[Sample],
-    counts: &[usize],
-    measured: &[Mode],
-    runs: usize,
-) -> (Vec<ModeSummary>, Vec<Ratio>) {
-    let mut modes = Vec::new();
-    let mut ratios = Vec::new();
-    for &n in counts {
-        for (runs_label, in_group) in bench::RUN_GROUPS {
-            let mut medians = std::collections::HashMap::new();
-            for &mode in measured {
-                let of: Vec<&Sample> = samples
-                    .iter()
-                    .filter(|s| s.pods == n && s.mode == mode && in_group(s.run, runs))
-                    .collect();
-                let Some(summary) = summarize_mode(&of, n, mode, runs_label) else {
-                    continue;
-                };
-                medians.insert(
-                    mode.name(),
-                    [
-                        summary.enrol.read_to_done_ms.median,
-                        summary.enrol.agent_cpu_ms.median,
-                        summary.remove.read_to_done_ms.median,
-                        summary.remove.agent_cpu_ms.median,
-                    ],
-                );
-                modes.push(summary);
-            }
-            let Some(ebpf) = medians.get("ebpf") else {
-                continue;
-            };
-            // The faster backend by enrolment time, the headline figure.
-            for baseline in bench::istio_baselines(|b| medians.get(b).map(|m| m[0]), true) {
-                let base = medians[baseline.backend];
-                let r = |i: usize| sys::ratio(Some(ebpf[i]), Some(base[i]));
-                ratios.push(Ratio {
-                    pods: n,
-                    runs: runs_label,
-                    against: baseline.label,
-                    enrol: r(0),
-                    enrol_cpu: r(1),
-                    remove: r(2),
-                    remove_cpu: r(3),
-                });
-            }
-        }
-    }
-    (modes, ratios)
-}
-
-fn summarize_mode(of: &[&Sample], n: usize, mode: Mode, runs: &'static str) -> Option<ModeSummary> {
-    let summary = |phase: &dyn Fn(&Sample) -> &Phase| -> Option<PhaseSummary> {
-        let stats = |f: &dyn Fn(&Phase) -> f64| {
-            Stats::of(&of.iter().map(|s| f(phase(s))).collect::<Vec<_>>())
-        };
-        let read_to_done_ms = stats(&|p| p.read_to_done_ms)?;
-        Some(PhaseSummary {
-            per_pod_ms: read_to_done_ms.median / n as f64,
-            read_to_done_ms,
-            file_to_done_ms: stats(&|p| p.file_to_done_ms)?,
-            read_to_first_ms: stats(&|p| p.read_to_first_ms)?,
-            agent_cpu_ms: stats(&|p| p.agent_cpu_ms)?,
-        })
-    };
-    let mut steps: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    for sample in of {
-        for (step, ms) in &sample.enrol_steps_ms_per_pod {
-            steps.entry(step.clone()).or_default().push(*ms);
-        }
-    }
-    Some(ModeSummary {
-        pods: n,
-        mode,
-        runs,
-        enrol: summary(&|s| &s.enrol)?,
-        remove: summary(&|s| &s.remove)?,
-        enrol_steps_ms_per_pod: steps
-            .into_iter()
-            .filter_map(|(step, v)| Some((step, Stats::of(&v)?.median)))
-            .collect(),
-    })
-}
-
-fn print_tables(modes: &[ModeSummary], ratios: &[Ratio], args: &EnrollArgs) {
-    let f1 = |v: f64| format!("{v:.1}");
-    let f2 = |v: f64| format!("{v:.2}");
-    let f3 = |v: f64| format!("{v:.3}");
-    let x = |v: f64| {
-        if v.is_nan() {
-            "-".to_owned()
-        } else {
-            format!("{v:.2}x")
-        }
-    };
-    let steady_runs = if args.runs > 1 { args.runs - 1 } else { 1 };
-    for (title, pick) in [
-        (
-            "Enrol: agent reads the pods file → ztunnel double holds every pod",
-            (|m: &ModeSummary| &m.enrol) as fn(&ModeSummary) -> &PhaseSummary,
-        ),
-        (
-            "Remove: agent reads the emptied file → ztunnel double holds none",
-            |m: &ModeSummary| &m.remove,
-        ),
-    ] {
-        println!();
-        println!(
-            "{title} (ms; fresh namespaces each; `steady`: median of {steady_runs} run(s){}",
-            if args.runs > 1 {
-                ", the first run apart)"
-            } else {
-                ")"
-            }
-        );
-        let mut table = Table::new([
-            "pods",
-            "runs",
-            "mode",
-            "median",
-            "min",
-            "max",
-            "ms/pod",
-            "first change",
-            "file→done",
-            "agent cpu",
-        ]);
-        for m in modes {
-            let p = pick(m);
-            table.row([
-                m.pods.to_string(),
-                m.runs.to_owned(),
-                m.mode.name().to_owned(),
-                f1(p.read_to_done_ms.median),
-                f1(p.read_to_done_ms.min),
-                f1(p.read_to_done_ms.max),
-                f2(p.per_pod_ms),
-                f1(p.read_to_first_ms.median),
-                f1(p.file_to_done_ms.median),
-                f1(p.agent_cpu_ms.median),
-            ]);
-        }
-        print!("{table}");
-    }
-    println!();
-    println!("Where enrolment time goes, per pod (ms, the agent's own step timings, median)");
-    let mut table = Table::new(["pods", "runs", "mode", "steps"]);
-    for m in modes {
-        let steps: Vec<String> = m
-            .enrol_steps_ms_per_pod
-            .iter()
-            .map(|(step, ms)| format!("{step} {}", f3(*ms)))
-            .collect();
-        table.row([
-            m.pods.to_string(),
-            m.runs.to_owned(),
-            m.mode.name().to_owned(),
-            steps.join(", "),
-        ]);
-    }
-    print!("{table}");
-    println!();
-    println!(
-        "Ratios of medians, eBPF mode against each Istio backend and the faster of them (lower is better)"
-    );
-    let mut table = Table::new([
-        "pods",
-        "runs",
-        "against",
-        "enrol",
-        "enrol cpu",
-        "remove",
-        "remove cpu",
-    ]);
-    for r in ratios {
-        table.row([
-            r.pods.to_string(),
-            r.runs.to_owned(),
-            r.against.clone(),
-            x(r.enrol),
-            x(r.enrol_cpu),
-            x(r.remove),
-            x(r.remove_cpu),
-        ]);
-    }
-    print!("{table}");
-}
+mod report;
+use report::{print_tables, summarize};
 
 #[cfg(test)]
 mod tests {
@@ -592,5 +428,23 @@ mod tests {
         assert_eq!(steps.len(), 2);
         assert_eq!(steps["inspect"], (4.0, 0.002));
         assert_eq!(steps["maps"], (0.0, 0.5));
+    }
+
+    #[test]
+    fn phases_default_to_both_and_opt_out_can_be_left_out() {
+        use clap::Parser as _;
+        let phases = |extra: &[&str]| {
+            let cli = crate::Cli::try_parse_from(["ambpf-bench", "enroll"].iter().chain(extra))
+                .unwrap_or_else(|e| panic!("{extra:?}: {e}"));
+            let crate::Suite::Enroll(args) = cli.suite else {
+                panic!("not the enroll suite");
+            };
+            args.phases
+        };
+        assert_eq!(phases(&[]), [MeasuredPhase::Enrol, MeasuredPhase::OptOut]);
+        assert_eq!(phases(&["--phases", "enrol"]), [MeasuredPhase::Enrol]);
+        assert!(
+            crate::Cli::try_parse_from(["ambpf-bench", "enroll", "--phases", "remove"]).is_err()
+        );
     }
 }
