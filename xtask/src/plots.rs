@@ -205,6 +205,12 @@ fn bench_command(suite: &str, config: &Value) -> String {
         })
     };
     let number = |key: &str| config[key].as_f64().map(format_number);
+    let names = |key: &str| {
+        config[key].as_array().map(|values| {
+            let names: Vec<&str> = values.iter().filter_map(Value::as_str).collect();
+            names.join(",")
+        })
+    };
     let mut args: Vec<String> = Vec::new();
     let mut push = |flag: &str, value: Option<String>| {
         if let Some(value) = value {
@@ -215,6 +221,12 @@ fn bench_command(suite: &str, config: &Value) -> String {
         "enroll" => {
             push("pods", list("pods"));
             push("runs", number("runs"));
+            // Only where they differ from the suite's defaults.
+            push("phases", names("phases").filter(|v| v != "enrol,opt-out"));
+            push(
+                "modes",
+                names("modes").filter(|v| v != "iptables,nftables,ebpf"),
+            );
         }
         "redirect" => {
             push("clients", list("clients"));
@@ -239,11 +251,8 @@ fn bench_command(suite: &str, config: &Value) -> String {
             push("churn", number("churn"));
             push("snapshot", number("snapshot"));
             push("runs", number("runs"));
-            let modes = config["modes"].as_array().map(|modes| {
-                let names: Vec<&str> = modes.iter().filter_map(Value::as_str).collect();
-                names.join(",")
-            });
-            push("modes", modes);
+            push("idle", number("idle_s").filter(|v| v != "0"));
+            push("modes", names("modes"));
         }
         _ => {}
     }
@@ -670,6 +679,13 @@ mod tests {
         assert_eq!(
             bench_command("enroll", &json!({ "pods": [1, 10, 100], "runs": 3 })),
             "cargo xtask bench enroll -- --pods 1,10,100 --runs 3"
+        );
+        assert_eq!(
+            bench_command(
+                "enroll",
+                &json!({ "pods": [1000], "runs": 4, "phases": ["enrol"] })
+            ),
+            "cargo xtask bench enroll -- --pods 1000 --runs 4 --phases enrol"
         );
         assert_eq!(
             bench_command(
