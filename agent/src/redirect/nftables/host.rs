@@ -47,7 +47,9 @@ pub fn probe_set_entries(
 impl NftablesRedirection {
     /// Claims `addresses` for the pod `cookie`, releases what it claimed
     /// before (`previous`) and no longer has, and writes the members that
-    /// change in one host transaction (none when nothing changes).
+    /// change, one host transaction per address as Istio's node agent does
+    /// (its host set takes each address in its own knftables transaction);
+    /// none when nothing changes.
     pub(super) fn claim_probe_addresses(
         &mut self,
         cookie: u64,
@@ -59,7 +61,7 @@ impl NftablesRedirection {
             .filter(|ip| !addresses.contains(ip))
             .copied()
             .collect();
-        let mut script = self.release_script(cookie, &dropped);
+        let mut scripts = self.release_scripts(cookie, &dropped);
         let mut conflicts = Vec::new();
         let mut added = Vec::new();
         for ip in addresses {
@@ -81,23 +83,29 @@ impl NftablesRedirection {
                 won,
             });
         }
-        script.push_str(&add_elements(&self.in_use(added)));
-        self.apply_host(&script)?;
+        scripts.extend(
+            self.in_use(added)
+                .iter()
+                .map(|member| add_elements(std::slice::from_ref(member))),
+        );
+        self.apply_host_each(&scripts)?;
         Ok(conflicts)
     }
 
-    /// Drops the pod `cookie`'s claims on `addresses`, in one transaction.
+    /// Drops the pod `cookie`'s claims on `addresses`, one transaction per
+    /// address that changes.
     pub(super) fn release_probe_addresses(
         &mut self,
         cookie: u64,
         addresses: &[IpAddr],
     ) -> Result<(), NftablesError> {
-        let script = self.release_script(cookie, addresses);
-        self.apply_host(&script)
+        let scripts = self.release_scripts(cookie, addresses);
+        self.apply_host_each(&scripts)
     }
 
-    /// The members to delete, or to hand to the pod that claims them next.
-    fn release_script(&mut self, cookie: u64, addresses: &[IpAddr]) -> String {
+    /// The members to delete, or to hand to the pod that claims them next:
+    /// one script per address.
+    fn release_scripts(&mut self, cookie: u64, addresses: &[IpAddr]) -> Vec<String> {
         let (mut gone, mut passed) = (Vec::new(), Vec::new());
         for ip in addresses {
             match self.claims.release(*ip, cookie) {
@@ -113,9 +121,14 @@ impl NftablesRedirection {
             .into_iter()
             .filter(|ip| self.family_in_use(ip))
             .collect();
-        let mut script = delete_elements(&gone);
-        script.push_str(&add_elements(&self.in_use(passed)));
-        script
+        let deletes = gone
+            .iter()
+            .map(|ip| delete_elements(std::slice::from_ref(ip)));
+        let passes = self.in_use(passed);
+        let passes = passes
+            .iter()
+            .map(|member| add_elements(std::slice::from_ref(member)));
+        deletes.chain(passes).collect()
     }
 
     fn family_in_use(&self, ip: &IpAddr) -> bool {
@@ -134,6 +147,13 @@ impl NftablesRedirection {
             return Ok(());
         }
         self.nft.apply(&self.host, script)
+    }
+
+    /// Each script in its own transaction; stops at the first that fails.
+    fn apply_host_each(&self, scripts: &[String]) -> Result<(), NftablesError> {
+        scripts
+            .iter()
+            .try_for_each(|script| self.apply_host(script))
     }
 
     /// Removes the members that name the pod `cookie` (an earlier agent's)
