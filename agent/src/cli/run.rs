@@ -23,7 +23,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     // Validate every argument before touching the kernel.
     let pod_source = args.pod_source()?;
     raise_fd_limit();
-    limit_malloc_arenas();
+    crate::memory::limit_arenas();
     let targets = args
         .attach
         .iter()
@@ -221,8 +221,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         );
         // Start-up (the kernel's BTF parsed, the programs loaded, the initial
         // pod list decoded) frees far more than the agent keeps.
-        release_free_memory();
-        tokio::spawn(release_free_memory_periodically());
+        crate::memory::release_freed();
+        tokio::spawn(crate::memory::release_freed_periodically());
         // Its own thread: passes block (namespaces entered, iptables-restore
         // run) while ZDS, the CNI endpoint and the probes must answer.
         let _controller = controller.spawn(pods_rx, cni_requests)?;
@@ -244,47 +244,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     })
 }
 
-/// glibc's malloc gives each thread that allocates its own arena, up to
-/// eight per CPU, and freed memory stays in the arena that held it; the
-/// agent's work hops between its two workers and the blocking pool, so
-/// its heap would be spread (and kept) over many. Two arenas serve it.
-fn limit_malloc_arenas() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: called before any thread of the agent is started.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
-    }
-}
-
-/// Hands the heap memory the agent has freed back to the kernel: glibc's
-/// malloc keeps freed pages of its arenas otherwise, and the agent's RSS
-/// would stay at its start-up peak.
-fn release_free_memory() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim takes no pointers; it only returns free pages of
-    // the allocator's own arenas.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-/// [`release_free_memory`] every [`TRIM_INTERVAL`]: pod churn frees as much
-/// as it allocates (watch events decoded, passes over every pod), and glibc
-/// keeps the pages it freed (docs/soak.md's figures show the difference).
-async fn release_free_memory_periodically() {
-    let mut tick = tokio::time::interval(TRIM_INTERVAL);
-    tick.tick().await;
-    loop {
-        tick.tick().await;
-        let _ = tokio::task::spawn_blocking(release_free_memory).await;
-    }
-}
-
 /// How long the CNI endpoint's ADDs in flight have to answer at shutdown.
 const CNI_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// How often the agent hands freed heap memory back to the kernel.
-const TRIM_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Raises the soft limit on open files to the hard one, as Go's runtime does
 /// for Istio's node agent: the agent holds each enrolled pod's namespace
