@@ -249,54 +249,40 @@ type RuleFields = (
     Option<(Option<String>, Option<String>, Option<Vec<String>>)>,
 );
 
+/// [`RuleFields`] of a `WatchedPod` or of k8s-openapi's `Pod`: the same
+/// expression over both, whose fields have the same names.
+macro_rules! rule_fields {
+    ($pod:expr) => {{
+        let pod = $pod;
+        (
+            pod.metadata.clone(),
+            pod.spec.as_ref().map(|s| {
+                (
+                    s.containers.iter().map(|c| c.name.clone()).collect(),
+                    s.init_containers
+                        .as_ref()
+                        .map(|init| init.iter().map(|c| c.name.clone()).collect()),
+                    s.host_network,
+                    s.service_account_name.clone(),
+                )
+            }),
+            pod.status.as_ref().map(|s| {
+                (
+                    s.phase.clone(),
+                    s.pod_ip.clone(),
+                    s.pod_ips
+                        .as_ref()
+                        .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect()),
+                )
+            }),
+        )
+    }};
+}
+
 fn read_by_rules(pod: &WatchedPod) -> RuleFields {
-    let names = |c: &[ambpf::sources::kube::pod::NamedContainer]| {
-        c.iter().map(|c| c.name.clone()).collect::<Vec<_>>()
-    };
-    (
-        pod.metadata.clone(),
-        pod.spec.as_ref().map(|s| {
-            (
-                names(&s.containers),
-                s.init_containers.as_deref().map(names),
-                s.host_network,
-                s.service_account_name.clone(),
-            )
-        }),
-        pod.status.as_ref().map(|s| {
-            (
-                s.phase.clone(),
-                s.pod_ip.clone(),
-                s.pod_ips
-                    .as_ref()
-                    .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect()),
-            )
-        }),
-    )
+    rule_fields!(pod)
 }
 
 fn read_by_rules_full(pod: &Pod) -> RuleFields {
-    let names = |c: &[k8s_openapi::api::core::v1::Container]| {
-        c.iter().map(|c| c.name.clone()).collect::<Vec<_>>()
-    };
-    (
-        pod.metadata.clone(),
-        pod.spec.as_ref().map(|s| {
-            (
-                names(&s.containers),
-                s.init_containers.as_deref().map(names),
-                s.host_network,
-                s.service_account_name.clone(),
-            )
-        }),
-        pod.status.as_ref().map(|s| {
-            (
-                s.phase.clone(),
-                s.pod_ip.clone(),
-                s.pod_ips
-                    .as_ref()
-                    .map(|ips| ips.iter().map(|ip| ip.ip.clone()).collect()),
-            )
-        }),
-    )
+    rule_fields!(pod)
 }

@@ -13,11 +13,11 @@
 use k8s_openapi::{
     Metadata, Resource, api::core::v1::Pod, apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub struct WatchedPod {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub metadata: ObjectMeta,
     pub spec: Option<WatchedPodSpec>,
     pub status: Option<WatchedPodStatus>,
@@ -26,8 +26,8 @@ pub struct WatchedPod {
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct WatchedPodSpec {
-    /// Absent reads as none, as in k8s-openapi.
-    #[serde(default)]
+    /// Absent or null reads as none, as in k8s-openapi.
+    #[serde(default, deserialize_with = "null_as_default")]
     pub containers: Vec<NamedContainer>,
     pub init_containers: Option<Vec<NamedContainer>>,
     pub host_network: Option<bool>,
@@ -37,8 +37,8 @@ pub struct WatchedPodSpec {
 /// A container, by name only (a sidecar is found by its name).
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub struct NamedContainer {
-    /// Absent reads as empty, as in k8s-openapi.
-    #[serde(default)]
+    /// Absent or null reads as empty, as in k8s-openapi.
+    #[serde(default, deserialize_with = "null_as_default")]
     pub name: String,
 }
 
@@ -54,9 +54,20 @@ pub struct WatchedPodStatus {
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub struct PodIp {
-    /// Absent reads as empty (and so as no address), as in k8s-openapi.
-    #[serde(default)]
+    /// Absent or null reads as empty (and so as no address), as in
+    /// k8s-openapi.
+    #[serde(default, deserialize_with = "null_as_default")]
     pub ip: String,
+}
+
+/// A required field that is null reads as its default, as k8s-openapi
+/// reads every field (it decodes them all as optional).
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
 }
 
 impl Resource for WatchedPod {
@@ -136,6 +147,21 @@ mod tests {
         for (object, full_parses, parses) in [
             (serde_json::json!({}), true, true),
             (serde_json::json!({"spec": {}, "status": {}}), true, true),
+            (
+                serde_json::json!({"metadata": null, "spec": {"containers": null}}),
+                true,
+                true,
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": null}]}}),
+                true,
+                true,
+            ),
+            (
+                serde_json::json!({"status": {"podIPs": [{"ip": null}]}}),
+                true,
+                true,
+            ),
             (
                 serde_json::json!({"spec": {"containers": [{"image": "no name"}]}}),
                 true,
