@@ -219,8 +219,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             first.removed,
             first.failed.len()
         );
-        // Start-up (the kernel's BTF parsed, the programs loaded, the initial
-        // pod list decoded) frees far more than the agent keeps.
+        // The initial pod list, decoded and programmed, frees far more than
+        // the agent keeps (the BTF parse was trimmed after loading).
         crate::memory::release_freed();
         tokio::spawn(crate::memory::release_freed_periodically());
         // Its own thread: passes block (namespaces entered, iptables-restore
