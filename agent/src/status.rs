@@ -51,7 +51,10 @@ pub fn render(status: &inspect::Status, wide: bool) -> Result<String, fmt::Error
         (None, None) => {}
     }
     let inbound = match status.inbound {
-        crate::bpf::InboundPath::TcAssign => "bpf_sk_assign in the pods' tc filters",
+        crate::bpf::InboundPath::TcAssign => {
+            "an earlier agent's tc filters on the pods' interfaces (the agent moves them to \
+             sk_lookup links when it starts)"
+        }
         crate::bpf::InboundPath::SkLookup => "bpf_sk_assign in each pod's sk_lookup link",
     };
     writeln!(f, "inbound: {}, {inbound}", status.inbound)?;

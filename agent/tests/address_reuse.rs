@@ -269,7 +269,12 @@ impl Node {
                 let mut dataplane = Dataplane::load(self.pins()).unwrap();
                 let cgroup = self.cgroup.as_ref().unwrap();
                 dataplane
-                    .serve_node(cgroup, true, &self.cluster.node_addresses())
+                    .serve_node(
+                        cgroup,
+                        true,
+                        &self.cluster.node_addresses(),
+                        self.cluster.node_netns_cookie(),
+                    )
                     .unwrap();
                 Box::new(dataplane)
             }

@@ -55,7 +55,12 @@ fn load(
     assert_eq!(dataplane.capacities(), capacities);
     assert!(dataplane.capacities_kept().is_empty());
     dataplane
-        .serve_node(cgroup.path(), true, &cluster.node_addresses())
+        .serve_node(
+            cgroup.path(),
+            true,
+            &cluster.node_addresses(),
+            cluster.node_netns_cookie(),
+        )
         .unwrap();
     dataplane
 }

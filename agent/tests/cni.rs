@@ -86,7 +86,12 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
     let mut dataplane = Dataplane::load(pins.clone()).unwrap();
     dataplane
-        .serve_node(cgroup.path(), true, &cluster.node_addresses())
+        .serve_node(
+            cgroup.path(),
+            true,
+            &cluster.node_addresses(),
+            cluster.node_netns_cookie(),
+        )
         .unwrap();
 
     let zds_server = Server::start(ZdsConfig::default());

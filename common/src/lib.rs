@@ -146,9 +146,10 @@ pub mod maps {
     /// knows the sockets tagged before.
     pub const RAW_SOCKS: &str = "ambpf_raw_socks";
 
-    /// The sk_lookup path's inbound listeners: ztunnel's 15006 listener of
-    /// each pod (a SOCKHASH keyed by netns cookie), put there by the
-    /// steering program when it steers a SYN.
+    /// ztunnel's inbound listeners: its 15006 listener in each pod's
+    /// namespace (a SOCKHASH keyed by netns cookie), filed by `sock_ops`
+    /// when ztunnel calls `listen()`; the socket leaves the map when it
+    /// closes.
     pub const INBOUND_LISTENERS: &str = "ambpf_in_lsn";
     /// The sk_lookup path's steered SYNs: [`crate::TupleKey`] (cookie 0,
     /// local: the original destination, peer: the client) -> the pod's netns
@@ -157,6 +158,27 @@ pub mod maps {
     /// Capacity of [`INBOUND_SYNS`]: SYNs between the steering program and
     /// the socket lookup, a moment each.
     pub const INBOUND_SYNS_MAX: u32 = 16 * 1024;
+
+    /// Connections opened on this node rather than from outside it
+    /// ([`crate::LocalConnKey`] -> [`crate::LocalConn`], LRU), filed by
+    /// `sock_ops` at `connect()`: by the node's own namespace (kubelet's
+    /// probes) and inside an enrolled pod to its own addresses (ztunnel's
+    /// connections to the app, the app's calls to itself). They are the only
+    /// connections a pod's inbound capture lets reach its apps directly, as
+    /// Istio's rules exempt only the host's own sockets (`--socket-exists`)
+    /// and never see what a pod sends itself.
+    pub const LOCAL_CONNS: &str = "ambpf_local_conns";
+    /// Capacity of [`LOCAL_CONNS`]: a record is needed until the listener
+    /// lookup of its SYN, a moment after `connect()`; a wide margin.
+    pub const LOCAL_CONNS_MAX: u32 = 16 * 1024;
+    /// The node's network namespace: its cookie at index 0 (0: not set, and
+    /// no connection is filed as the node's).
+    pub const NODE_NETNS: &str = "ambpf_node_ns";
+    /// Per-CPU counts of inbound connections refused, indexed by
+    /// [`crate::InboundRefusal`].
+    pub const INBOUND_REFUSED: &str = "ambpf_in_refused";
+    /// Slots of [`INBOUND_REFUSED`], with room for reasons to come.
+    pub const INBOUND_REFUSED_SLOTS: u32 = 8;
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
@@ -177,6 +199,9 @@ pub mod maps {
         RAW_SOCKS,
         INBOUND_LISTENERS,
         INBOUND_SYNS,
+        LOCAL_CONNS,
+        NODE_NETNS,
+        INBOUND_REFUSED,
     ];
 }
 
@@ -284,6 +309,46 @@ pub struct TupleKey {
     pub local: SockAddr,
     /// Its peer (the app's socket).
     pub peer: SockAddr,
+}
+
+/// A connection opened on this node: key of [`maps::LOCAL_CONNS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LocalConnKey {
+    /// The address and port connected to (the pod's side).
+    pub dst: SockAddr,
+    /// The connecting socket's own address and port.
+    pub src: SockAddr,
+}
+
+/// Who opened a connection of [`maps::LOCAL_CONNS`].
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocalConn {
+    /// The node's own namespace (kubelet's probes).
+    Node = 1,
+    /// The pod itself, to one of its own addresses.
+    SamePod = 2,
+}
+
+/// Why an inbound connection to an enrolled pod was refused: indexes of
+/// [`maps::INBOUND_REFUSED`]. (No ztunnel listener is counted in
+/// [`Counter::InboundNoListener`].)
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InboundRefusal {
+    /// To a local address that none of the enrolled pods was enrolled with.
+    UnknownAddress = 0,
+}
+
+impl InboundRefusal {
+    pub const ALL: [InboundRefusal; 1] = [InboundRefusal::UnknownAddress];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            InboundRefusal::UnknownAddress => "unknown_address",
+        }
+    }
 }
 
 /// Indexes of [`maps::COUNTERS`].
@@ -463,6 +528,7 @@ mod user {
         NodeConfig,
         SockAddr,
         TupleKey,
+        LocalConnKey,
         PodCounters,
         TraceRecord,
         TraceGate,
@@ -492,6 +558,7 @@ mod tests {
         assert_eq!(size_of::<PodConfig>(), 24 + 32);
         assert_eq!(size_of::<SockAddr>(), 24);
         assert_eq!(size_of::<TupleKey>(), 8 + 48);
+        assert_eq!(size_of::<LocalConnKey>(), 48);
         assert_eq!(size_of::<PodCounters>(), 32);
     }
 

@@ -87,10 +87,14 @@ pub enum Verdict {
     OrigDstMissing = 11,
     /// Outbound TCP from a raw socket in the pod, dropped.
     RawTcpDropped = 12,
+    /// Inbound TCP to a local address of an enrolled pod that is none of
+    /// the addresses it was enrolled with (a link-local or added address):
+    /// refused, since no record tells which pod's ztunnel should take it.
+    UnknownAddress = 13,
 }
 
 impl Verdict {
-    pub const ALL: [Verdict; 13] = [
+    pub const ALL: [Verdict; 14] = [
         Verdict::Captured,
         Verdict::DnsCaptured,
         Verdict::ExemptLoopback,
@@ -104,6 +108,7 @@ impl Verdict {
         Verdict::NoListener,
         Verdict::OrigDstMissing,
         Verdict::RawTcpDropped,
+        Verdict::UnknownAddress,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -121,6 +126,7 @@ impl Verdict {
             Verdict::NoListener => "no_listener",
             Verdict::OrigDstMissing => "orig_dst_missing",
             Verdict::RawTcpDropped => "raw_tcp_dropped",
+            Verdict::UnknownAddress => "unknown_address",
         }
     }
 

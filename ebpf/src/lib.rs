@@ -8,6 +8,7 @@
 
 mod addr;
 mod iface_counter;
+mod inbound_filing;
 mod inbound_lookup;
 mod maps;
 mod orig_dst;

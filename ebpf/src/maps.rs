@@ -1,8 +1,8 @@
 //! Maps shared by the redirection programs; all pinned by the agent.
 
 use ambpf_common::{
-    Counter, IpKey, Miss, NodeConfig, PodConfig, PodCounters, SockAddr, TraceGate, TraceRecord,
-    TupleKey,
+    Counter, InboundRefusal, IpKey, LocalConnKey, Miss, NodeConfig, PodConfig, PodCounters,
+    SockAddr, TraceGate, TraceRecord, TupleKey,
 };
 use aya_ebpf::{
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf, SockHash},
@@ -48,6 +48,22 @@ pub static INBOUND_SYNS: LruHashMap<
     { ambpf_common::maps::INBOUND_SYNS_MAX as usize },
 > = LruHashMap::new();
 
+#[btf_map(name = "ambpf_local_conns")]
+pub static LOCAL_CONNS: LruHashMap<
+    LocalConnKey,
+    u8,
+    { ambpf_common::maps::LOCAL_CONNS_MAX as usize },
+> = LruHashMap::new();
+
+#[btf_map(name = "ambpf_node_ns")]
+pub static NODE_NETNS: Array<u64, 1> = Array::new();
+
+#[btf_map(name = "ambpf_in_refused")]
+pub static INBOUND_REFUSED: PerCpuArray<
+    u64,
+    { ambpf_common::maps::INBOUND_REFUSED_SLOTS as usize },
+> = PerCpuArray::new();
+
 #[btf_map(name = "ambpf_counters")]
 pub static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
 
@@ -70,6 +86,21 @@ pub static TRACE_LOST: PerCpuArray<u64, 1> = PerCpuArray::new();
 #[btf_map(name = "ambpf_misses")]
 pub static MISSES: PerCpuArray<u64, { ambpf_common::maps::MISS_SLOTS as usize }> =
     PerCpuArray::new();
+
+/// Counts an inbound connection refused for `why`.
+#[inline(always)]
+pub fn count_refusal(why: InboundRefusal) {
+    if let Some(value) = INBOUND_REFUSED.get_ptr_mut(why as u32) {
+        // Per-CPU slot: no other CPU writes it.
+        unsafe { *value += 1 };
+    }
+}
+
+/// The node's network namespace cookie (0 until the agent sets it).
+#[inline(always)]
+pub fn node_netns() -> u64 {
+    NODE_NETNS.get(0).copied().unwrap_or(0)
+}
 
 /// Counts a missing original-destination record.
 #[inline(always)]

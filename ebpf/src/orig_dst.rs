@@ -14,13 +14,14 @@
 //!   socket instead of out of the pod (Istio: connmark 0x111).
 
 use ambpf_common::{
-    Counter, IpKey, Miss, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict, trace::IPPROTO_TCP,
-    ztunnel,
+    Counter, IpKey, LocalConn, Miss, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict,
+    trace::IPPROTO_TCP, ztunnel,
 };
 use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE, SO_MARK, SOL_SOCKET, bpf_sock, bpf_sock_ops,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_SOCK_OPS_TCP_LISTEN_CB, BPF_TCP_CLOSE, SO_MARK,
+        SOL_SOCKET, bpf_sock, bpf_sock_ops,
     },
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_setsockopt},
     macros::{cgroup_sockopt, sock_ops},
@@ -31,6 +32,7 @@ use core::mem::offset_of;
 
 use crate::{
     addr::{SockaddrIn, SockaddrIn6, load_field, load_ip6, v4, v4_be, v6, v6_be},
+    inbound_filing,
     maps::{ORIG_BY_COOKIE, ORIG_BY_TUPLE, PODS_BY_NETNS, count, count_miss, is_pod_ip},
     trace::trace,
 };
@@ -48,6 +50,7 @@ pub fn ambpf_sockops(ctx: SockOpsContext) -> u32 {
         BPF_SOCK_OPS_TCP_CONNECT_CB => on_connect(&ctx),
         BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => on_accepted(&ctx),
         BPF_SOCK_OPS_STATE_CB => on_state_change(&ctx),
+        BPF_SOCK_OPS_TCP_LISTEN_CB => inbound_filing::on_listen(&ctx),
         _ => {}
     }
     1
@@ -137,10 +140,17 @@ fn accepted_tuple(ops: *mut bpf_sock_ops, netns: u64) -> (TupleKey, IpKey) {
 fn on_connect(ctx: &SockOpsContext) {
     let ops = ctx.ops;
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
+    let (key, remote) = accepted_tuple(ops, netns);
     let Some(pod) = (unsafe { PODS_BY_NETNS.get(&netns) }) else {
+        inbound_filing::on_node_connect(&key, netns);
         return;
     };
-    let (key, remote) = accepted_tuple(ops, netns);
+    // To its own address: the pod's inbound capture must let it through
+    // (ztunnel's connection to the app; an app redirected to
+    // `podIP:15001`; the app calling itself).
+    if is_pod_ip(pod, &remote) {
+        inbound_filing::file_local(&key, LocalConn::SamePod);
+    }
     let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
     if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {
         let _ = ORIG_BY_TUPLE.insert(&key, orig, 0);

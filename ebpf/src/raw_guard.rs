@@ -18,7 +18,7 @@ use ambpf_common::{
     Counter, IpKey, TraceDirection, TraceRecord, Verdict, trace::IPPROTO_TCP, ztunnel,
 };
 use aya_ebpf::{
-    bindings::{BPF_SK_STORAGE_GET_F_CREATE, __sk_buff, bpf_sock},
+    bindings::{__sk_buff, BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
     btf_maps::SkStorage,
     helpers::generated::{
         bpf_get_netns_cookie, bpf_sk_fullsock, bpf_sk_storage_get, bpf_skb_load_bytes,

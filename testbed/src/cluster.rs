@@ -387,6 +387,12 @@ impl Cluster {
         Ok(())
     }
 
+    /// The node namespace's cookie: where the node's own connections (its
+    /// probes) come from.
+    pub fn node_netns_cookie(&self) -> u64 {
+        self.node.cookie().expect("the node namespace's cookie")
+    }
+
     /// The node's own addresses (what a node agent sees in the host netns).
     pub fn node_addresses(&self) -> Vec<IpAddr> {
         let mut out: Vec<IpAddr> = vec![IpAddr::V4(REMOTE_GW.v4), IpAddr::V6(REMOTE_GW.v6)];

@@ -216,6 +216,32 @@ impl NetnsGuard {
         })
     }
 
+    /// The namespace's cookie (`SO_NETNS_COOKIE` of a socket made in it).
+    pub fn cookie(&self) -> io::Result<u64> {
+        self.run(|| {
+            use std::os::fd::AsRawFd as _;
+            const SO_NETNS_COOKIE: i32 = 71;
+            let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+            let mut cookie: u64 = 0;
+            let mut len = std::mem::size_of::<u64>() as nix::libc::socklen_t;
+            // SAFETY: `cookie` and `len` are valid for writes; `len` holds
+            // the size of `cookie`.
+            let rc = unsafe {
+                nix::libc::getsockopt(
+                    socket.as_raw_fd(),
+                    nix::libc::SOL_SOCKET,
+                    SO_NETNS_COOKIE,
+                    (&raw mut cookie).cast(),
+                    &raw mut len,
+                )
+            };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(cookie)
+        })?
+    }
+
     /// A command for `program` that runs in this namespace (entered between
     /// fork and exec), as an agent runs in its node's.
     pub fn command(&self, program: impl AsRef<OsStr>) -> io::Result<Command> {

@@ -236,9 +236,7 @@ mod tests {
 
     #[test]
     fn this_kernel_has_every_feature_and_tcx() {
-        let inbound = super::super::inbound::SK_LOOKUP
-            .iter()
-            .chain([&super::super::inbound::TC_ASSIGN_REUSEPORT]);
+        let inbound = super::super::inbound::SK_LOOKUP;
         for feature in REQUIRED.iter().chain(RAW_GUARD).chain(inbound) {
             assert_eq!((feature.probe)(), Ok(true), "{}", feature.name);
         }

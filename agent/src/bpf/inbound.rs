@@ -1,17 +1,15 @@
-//! How steered SYNs reach ztunnel's inbound listener: the two inbound paths.
+//! Inbound capture: an sk_lookup program attached to each enrolled pod's
+//! network namespace (a netns link, pinned at
+//! `links/pods/<netns cookie>/inbound`), which assigns every TCP listener
+//! lookup there to ztunnel's inbound listener ([`crate::bpf`]'s
+//! `ambpf_inbound`). The kernel runs it after reassembly and after parsing
+//! every header itself, so no packet shape escapes it.
 //!
-//! - `tc-assign`: the steering program assigns the SYN to the listener
-//!   itself (`bpf_sk_assign` from TC). Linux 6.5 and later: earlier kernels
-//!   refuse SO_REUSEPORT listeners there, and ztunnel's are.
-//! - `sk-lookup`: the steering program records the listener and the SYN in
-//!   maps, and an sk_lookup program attached to each enrolled pod's network
-//!   namespace (a netns link, pinned at `links/pods/<netns cookie>/inbound`)
-//!   assigns it where the kernel looks the listener up; sk_lookup's
-//!   assignment takes reuseport listeners since it exists (5.9).
-//!
-//! The path is chosen once per pin root: the agent pins the sk_lookup
-//! program (`progs/ambpf_inbound`) only while that path is in use, which is
-//! also how `status`, the state check and a later agent (on `auto`) know it.
+//! Agents before this one could also take a `tc-assign` path: a TC filter
+//! on each pod interface parsed SYNs and assigned them. It passed on what
+//! it could not parse (IPv4 fragments among them), so it is gone; an
+//! earlier agent's state on it is recognised (no sk_lookup program pinned)
+//! and its filters removed when the pods are enrolled again.
 
 use std::{
     io,
@@ -27,22 +25,21 @@ use aya::{
 
 use super::{
     PinLayout,
-    features::{Feature, FeatureError, KernelError},
+    features::{Feature, KernelError},
     sys,
 };
 
-/// `--inbound-assign`: which path to use (`auto`: the kernel decides).
+/// `--inbound-assign`: kept for the flag's compatibility; `sk-lookup` is
+/// the only path, which `auto` takes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum InboundAssign {
     #[default]
     Auto,
-    Tc,
     SkLookup,
 }
 
 impl InboundAssign {
-    /// The environment variable that sets the choice where no flag does
-    /// (the library's loads; tests force a path with it).
+    /// The environment variable that sets the choice where no flag does.
     pub const ENV: &'static str = "AMBPF_INBOUND_ASSIGN";
 
     /// The choice `AMBPF_INBOUND_ASSIGN` names (`auto` when unset or empty).
@@ -74,21 +71,12 @@ impl std::fmt::Display for InboundPath {
     }
 }
 
-/// The TC path's need: tried, since the helper exists on kernels that
-/// refuse the socket ([`super::assign_probe`]).
-pub const TC_ASSIGN_REUSEPORT: Feature = Feature {
-    name: "bpf_sk_assign of SO_REUSEPORT listeners in TC programs (inbound capture: \
-           ztunnel's listeners are SO_REUSEPORT)",
-    since: "6.5",
-    probe: super::assign_probe::probe,
-};
-
-/// The sk_lookup path's needs. Storing the listener from TC into a SOCKHASH
-/// (5.10) is not probed: every kernel with the required features (5.15)
+/// Inbound capture's needs. Filing a listener into a SOCKHASH from
+/// `sock_ops` at `listen()` (4.18) is not probed: every kernel with these
 /// has it.
 pub const SK_LOOKUP: &[Feature] = &[
     Feature {
-        name: "sk_lookup programs (inbound capture where TC cannot assign reuseport listeners)",
+        name: "sk_lookup programs (inbound capture)",
         since: "5.9",
         probe: || is_program_supported(ProgramType::SkLookup).map_err(|e| e.to_string()),
     },
@@ -107,33 +95,15 @@ pub const SK_LOOKUP: &[Feature] = &[
     },
 ];
 
-/// The path for `choice` on this kernel and pin root; names what the
-/// kernel lacks when it has neither path (or not the one asked for).
-pub fn choose(choice: InboundAssign, pins: &PinLayout) -> Result<InboundPath, KernelError> {
-    let sk_lookup = || -> Result<InboundPath, Vec<FeatureError>> {
-        let missing: Vec<_> = SK_LOOKUP.iter().filter_map(|f| f.check().err()).collect();
-        if missing.is_empty() {
-            Ok(InboundPath::SkLookup)
-        } else {
-            Err(missing)
-        }
-    };
-    match choice {
-        InboundAssign::Tc => TC_ASSIGN_REUSEPORT
-            .check()
-            .map(|()| InboundPath::TcAssign)
-            .map_err(|e| KernelError(vec![e])),
-        InboundAssign::SkLookup => sk_lookup().map_err(KernelError),
-        // Pods enrolled on the sk_lookup path keep it: their links are
-        // pinned, and switching would leave them to be re-enrolled.
-        InboundAssign::Auto if pinned_program(pins).is_some() => sk_lookup().map_err(KernelError),
-        InboundAssign::Auto => match TC_ASSIGN_REUSEPORT.check() {
-            Ok(()) => Ok(InboundPath::TcAssign),
-            Err(tc) => sk_lookup().map_err(|mut missing| {
-                missing.insert(0, tc);
-                KernelError(missing)
-            }),
-        },
+/// The path for `choice` on this kernel; names what the kernel lacks for
+/// it.
+pub fn choose(choice: InboundAssign, _pins: &PinLayout) -> Result<InboundPath, KernelError> {
+    let (InboundAssign::Auto | InboundAssign::SkLookup) = choice;
+    let missing: Vec<_> = SK_LOOKUP.iter().filter_map(|f| f.check().err()).collect();
+    if missing.is_empty() {
+        Ok(InboundPath::SkLookup)
+    } else {
+        Err(KernelError(missing))
     }
 }
 

@@ -1,7 +1,6 @@
 //! The kernel side as the agent sees it: loading the embedded object once,
 //! pinning its maps, attaching programs, and reading their state back.
 
-mod assign_probe;
 pub mod capacity;
 pub mod cgroup;
 pub mod compat;

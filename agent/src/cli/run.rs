@@ -97,7 +97,13 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     }
                     Err(_) => {}
                 }
-                dataplane.serve_node(&cgroup, args.dns_capture, &podnet::host_addresses()?)?;
+                // The agent runs in the node's network namespace (hostNetwork).
+                dataplane.serve_node(
+                    &cgroup,
+                    args.dns_capture,
+                    &podnet::host_addresses()?,
+                    podnet::netns_cookie_of_current_thread()?,
+                )?;
                 info!(
                     "eBPF redirection ready (pin root {}, cgroup {})",
                     pins_root(&dataplane),

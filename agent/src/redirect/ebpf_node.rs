@@ -1,4 +1,5 @@
-//! The eBPF mode's node-wide maps: settings and the node's own addresses.
+//! The eBPF mode's node-wide maps: settings, the node's network namespace
+//! (whose connections to pods are exempt from capture) and its addresses.
 
 use std::{net::IpAddr, path::Path};
 
@@ -20,14 +21,20 @@ pub enum NodeSetupError {
 
 impl Dataplane {
     /// Serves the node once the programs are loaded: the socket programs
-    /// attached to the pods' cgroup, the node's DNS capture setting, and
-    /// its own addresses exempted (kubelet probes).
+    /// attached to the pods' cgroup, the node's DNS capture setting, the
+    /// node's network namespace (`node_netns_cookie`: the connections it
+    /// opens to pods, kubelet's probes, reach the apps uncaptured) and its
+    /// addresses.
     pub fn serve_node(
         &mut self,
         cgroup: &Path,
         dns_capture: bool,
         host_addresses: &[IpAddr],
+        node_netns_cookie: u64,
     ) -> Result<(), NodeSetupError> {
+        // Before the socket programs run: the node's connections are filed
+        // from their first one.
+        self.set_node_netns(node_netns_cookie)?;
         self.attach_cgroup(cgroup)?;
         self.set_node_config(NodeConfig {
             dns_capture: u32::from(dns_capture),
@@ -35,6 +42,17 @@ impl Dataplane {
         })?;
         self.set_host_addresses(host_addresses)?;
         Ok(())
+    }
+
+    /// The node's network namespace, by cookie.
+    pub fn set_node_netns(&mut self, cookie: u64) -> Result<(), EnrollError> {
+        let map_err = |source| EnrollError::Map {
+            map: maps::NODE_NETNS,
+            cause: source,
+        };
+        let mut array: Array<_, u64> =
+            Array::try_from(self.map_mut(maps::NODE_NETNS)).map_err(map_err)?;
+        array.set(0, cookie, 0).map_err(map_err)
     }
 
     /// Node-wide settings.

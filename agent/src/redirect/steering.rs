@@ -1,6 +1,9 @@
-//! Inbound steering on a pod's interfaces: ambpf's steering program as a
-//! direct-action `cls_bpf` filter on the ingress hook of a `clsact` qdisc,
-//! set up over rtnetlink in the pod's namespace.
+//! Inbound steering on a pod's interfaces, as agents before the sk_lookup
+//! capture ([`crate::bpf::inbound`]) installed it: ambpf's steering program
+//! as a direct-action `cls_bpf` filter on the ingress hook of a `clsact`
+//! qdisc, set up over rtnetlink in the pod's namespace. This agent installs
+//! none; it finds and removes what an earlier one left (on re-enrolment,
+//! removal, repair and uninstall). What follows is why those agents chose it.
 //!
 //! Why not a TCX link: creating one waits out an RCU grace period under the
 //! RTNL lock (about 13 ms a pod on this kind of machine, and threads do not
@@ -23,7 +26,6 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 
-use ambpf_common::programs;
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
     RouteNetlinkMessage,
@@ -36,7 +38,7 @@ use super::{
     podnet,
     rtnl::{Applied, NetlinkError, Rtnl},
 };
-use crate::{bpf::Dataplane, netns::Netns};
+use crate::netns::Netns;
 
 /// The filter's priority: 1, so that it runs before filters others add with
 /// the usual priorities (it passes on everything it does not steer).
@@ -233,40 +235,6 @@ fn has_egress_filters(rtnl: &mut Rtnl, ifindex: u32) -> Result<bool, NetlinkErro
     }
 }
 
-/// Attaches `program` as the steering filter of every interface in
-/// `interfaces` (or replaces its program where it is attached), through
-/// `rtnl`, a socket in their namespace (`netns` in errors): all of them, or,
-/// on an error, none that this call attached. Returns whether a `clsact`
-/// qdisc had to be created.
-pub(super) fn attach_steering_with(
-    rtnl: &mut Rtnl,
-    netns: &std::path::Path,
-    interfaces: &[podnet::Interface],
-    program: std::os::fd::BorrowedFd<'_>,
-) -> Result<bool, EnrollError> {
-    let netlink_err = |iface: &podnet::Interface| {
-        let iface = iface.name.clone();
-        move |source| EnrollError::Steering {
-            iface,
-            netns: netns.to_owned(),
-            cause: source,
-        }
-    };
-    let mut done: Vec<(u32, Attached)> = Vec::new();
-    for iface in interfaces {
-        match attach(rtnl, iface.index, program, programs::POD_INGRESS) {
-            Ok(attached) => done.push((iface.index, attached)),
-            Err(e) => {
-                for (ifindex, attached) in done.iter().filter(|(_, a)| !a.replaced) {
-                    let _ = detach(rtnl, *ifindex, attached.qdisc_created);
-                }
-                return Err(netlink_err(iface)(e));
-            }
-        }
-    }
-    Ok(done.iter().any(|(_, a)| a.qdisc_created))
-}
-
 /// Removes ambpf's steering filter from every interface in `netns`.
 pub fn detach_steering(netns: &Netns, qdisc_created: bool) -> Result<(), EnrollError> {
     let path = netns.path();
@@ -285,20 +253,6 @@ pub fn detach_steering(netns: &Netns, qdisc_created: bool) -> Result<(), EnrollE
         }
         Ok(())
     })?
-}
-
-impl Dataplane {
-    /// The steering program's fd (a copy the enrolment can carry into the
-    /// pod's namespace).
-    pub(super) fn steering_program(&mut self) -> Result<std::os::fd::OwnedFd, EnrollError> {
-        use std::os::fd::AsFd as _;
-        let program_err = |e: &dyn std::fmt::Display| EnrollError::SteeringProgram(e.to_string());
-        let fd = self
-            .classifier(programs::POD_INGRESS)
-            .fd()
-            .map_err(|e| program_err(&e))?;
-        fd.as_fd().try_clone_to_owned().map_err(|e| program_err(&e))
-    }
 }
 
 #[cfg(test)]

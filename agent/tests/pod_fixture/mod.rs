@@ -284,7 +284,12 @@ pub fn node_redirection_with(
                 Dataplane::load_inbound(pins, Capacities::default(), inbound).unwrap();
             let cgroup = cgroup.expect("eBPF mode needs a cgroup").path();
             dataplane
-                .serve_node(cgroup, true, &cluster.node_addresses())
+                .serve_node(
+                    cgroup,
+                    true,
+                    &cluster.node_addresses(),
+                    cluster.node_netns_cookie(),
+                )
                 .unwrap();
             (Box::new(dataplane), Some(bpffs), None)
         }

@@ -7,7 +7,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use ambpf_common::{IpKey, PodConfig, maps, programs};
+use ambpf_common::{IpKey, PodConfig, maps};
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
 use tracing::{info, warn};
 
@@ -19,9 +19,7 @@ use crate::{
         PodKey,
         claims::AddressClaims,
         ebpf::{claimed, detach_steering, ip_addr},
-        link_kind, podnet, routing,
-        rtnl::Rtnl,
-        steering,
+        podnet, routing,
     },
 };
 
@@ -209,42 +207,12 @@ fn reopen(netns: &Netns) -> Option<Netns> {
     Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd())).ok()
 }
 
-/// An interface of the pod that ambpf's steering cannot serve
-/// ([`link_kind`]), come up since the pod was enrolled: its inbound SYNs
-/// bypass ztunnel. The repair's enrolment then refuses the pod by name.
-fn unsteerable_interfaces(
-    pod: &PodConfig,
-    key: &impl std::fmt::Display,
-    net: &podnet::PodNetwork,
-    netns: &Netns,
-) -> Vec<Violation> {
-    let found = netns.run(|| link_kind::unsteerable(&mut Rtnl::open()?, &net.interfaces));
-    let unreadable = |e: &dyn std::error::Error| {
-        let what = format!("reading the interfaces' kinds of the pod with {key}: {e}");
-        vec![Violation::new(ViolationKind::Unreadable, what).pod(pod)]
-    };
-    match found {
-        Ok(Ok(found)) => found
-            .into_iter()
-            .map(|why| {
-                let what = format!("the pod with {key}: {why}");
-                Violation::new(ViolationKind::SteeringMissing, what).pod(pod)
-            })
-            .collect(),
-        Ok(Err(e)) => unreadable(&e),
-        Err(e) => unreadable(&e),
-    }
-}
-
 /// Inside one enrolled pod's namespace: the addresses it was enrolled with,
-/// that every interface that is up can be steered,
-/// ambpf's steering filter running the agent's program (`steering_program`)
-/// on each interface, and the reply routing; on the sk_lookup path
-/// (`inbound`: the pod's link pin and the agent's sk_lookup program), the
-/// pod's link running that program in its namespace.
+/// the reply routing, and (`inbound`: the pod's link pin and the agent's
+/// sk_lookup program) the pod's link running that program in its
+/// namespace.
 pub fn check_pod_netns(
     pod: &PodConfig,
-    steering_program: Option<u32>,
     inbound: Option<(&Path, u32)>,
     netns: &Netns,
 ) -> Vec<Violation> {
@@ -263,45 +231,6 @@ pub fn check_pod_netns(
     let mut out = Vec::new();
     let enrolled: Vec<IpAddr> = claimed(pod).map(ip_addr).collect();
     out.extend(super::addresses_changed(key, &enrolled, &net, netns));
-    out.extend(unsteerable_interfaces(pod, &key, &net, netns));
-    let filters = netns.run(|| -> Result<Vec<_>, crate::redirect::rtnl::NetlinkError> {
-        let mut rtnl = Rtnl::open()?;
-        net.interfaces
-            .iter()
-            .map(|iface| Ok((iface, steering::find(&mut rtnl, iface.index)?)))
-            .collect()
-    });
-    match filters {
-        Ok(Ok(filters)) => {
-            for (iface, filter) in filters {
-                let why = match filter {
-                    None => "has no steering filter".to_owned(),
-                    Some(f) if f.name != programs::POD_INGRESS || !f.direct_action => {
-                        format!("has a filter at ambpf's place that runs {}", f.name)
-                    }
-                    Some(f) if steering_program.is_some() && f.prog_id != steering_program => {
-                        format!(
-                            "runs steering program {:?}, not the agent's {:?}",
-                            f.prog_id, steering_program
-                        )
-                    }
-                    Some(_) => continue,
-                };
-                out.push(
-                    Violation::new(
-                        ViolationKind::SteeringMissing,
-                        format!(
-                            "{} (ifindex {}) of the pod with {key} {why}",
-                            iface.name, iface.index
-                        ),
-                    )
-                    .pod(pod),
-                );
-            }
-        }
-        Ok(Err(e)) => out.push(unreadable("reading the steering filters", &e)),
-        Err(e) => out.push(unreadable("entering the namespace", &e)),
-    }
     if let Some((pin, program)) = inbound {
         let why = match inbound::link_info(pin) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -323,7 +252,7 @@ pub fn check_pod_netns(
             out.push(
                 Violation::new(
                     ViolationKind::SteeringMissing,
-                    format!("the pod with {key} {why}: its inbound SYNs reach no listener"),
+                    format!("the pod with {key} {why}: its inbound connections are not captured"),
                 )
                 .pod(pod),
             );
@@ -384,7 +313,7 @@ pub fn ebpf_state(
             Some(netns) => {
                 let link = inbound::link_pin(pins, pod.netns_cookie);
                 let inbound = state.inbound_program.map(|id| (link.as_path(), id));
-                out.extend(check_pod_netns(pod, state.steering_program, inbound, netns));
+                out.extend(check_pod_netns(pod, inbound, netns));
             }
         }
     }

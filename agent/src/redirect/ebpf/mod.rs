@@ -3,28 +3,29 @@
 //! The programs are loaded and attached once per node; a pod is enrolled by:
 //! 1. the reply routing in its netns (`routing`: fwmark 0x111 -> local table,
 //!    tcp_fwmark_accept), which ztunnel's inbound connections need;
-//! 2. the inbound-steering TC program attached to each of its interfaces, as
-//!    a direct-action `cls_bpf` filter ([`super::steering`]), and on the
-//!    sk_lookup inbound path its sk_lookup link ([`inbound_link`]);
+//! 2. its sk_lookup link ([`inbound_link`]): inbound capture, one netns link
+//!    and nothing on its interfaces, so any interface kind serves;
 //! 3. two map writes, by netns cookie (socket programs) and by address
-//!    (packet programs, [`addresses`]), after which new connections are
-//!    redirected.
+//!    (the sk_lookup program, [`addresses`]), after which new connections
+//!    are redirected.
 //!
 //! Removing a pod deletes its map entries first (new connections stop being
-//! redirected at once) and then its steering filters. The reply routing
-//! stays while the pod lives: it matches only connections ztunnel made to
-//! the app, so connections open at removal keep working.
+//! redirected at once) and then its link. The reply routing stays while the
+//! pod lives: it matches only connections ztunnel made to the app, so
+//! connections open at removal keep working.
 //!
 //! Everything is owned by the pod's netns cookie, which is never reused: the
-//! pods map is keyed by it and every address entry holds it; the pod's
-//! steering filters live in its own namespace. An address two enrolled pods
-//! claim belongs to the newer ([`super::claims`]); removing a pod deletes
-//! only the entries that still hold its cookie.
+//! pods map is keyed by it and every address entry holds it; the pod's link
+//! is pinned under it. An address two enrolled pods claim belongs to the
+//! newer ([`super::claims`]); removing a pod deletes only the entries that
+//! still hold its cookie. Pods an earlier agent enrolled may carry its tc
+//! steering filters: they are removed when the pod is enrolled again or
+//! removed.
 
 mod addresses;
 mod inbound_link;
 
-use std::{net::IpAddr, os::fd::AsFd as _, path::PathBuf, time::Instant};
+use std::{net::IpAddr, path::PathBuf, time::Instant};
 
 use ambpf_common::{IpKey, PodConfig, maps, pod_flags};
 use aya::maps::{HashMap, MapData};
@@ -32,10 +33,7 @@ use tracing::{info, warn};
 
 pub use self::addresses::{AddressConflict, claimed, ip_addr, ip_key};
 pub use super::steering::detach_steering;
-use super::{
-    CheckScope, PodKey, Violation, link_kind, podnet, routing, rtnl::NetlinkError,
-    steering::attach_steering_with,
-};
+use super::{CheckScope, PodKey, Violation, podnet, routing, rtnl::NetlinkError};
 use crate::{
     bpf::{Dataplane, tc::AttachError},
     netns::{Netns, NetnsError},
@@ -159,12 +157,11 @@ impl Dataplane {
         netns: &Netns,
         dns_capture: bool,
     ) -> Result<EnrolledPod, EnrollError> {
-        // One visit to the pod's namespace: what it holds, its reply
-        // routing and its steering filters.
-        let program = self.steering_program()?;
+        // One visit to the pod's namespace: what it holds and its reply
+        // routing.
         let path = netns.path();
         let visit = Instant::now();
-        let (net, qdisc_created, mut steps) = netns.run(|| -> Result<_, EnrollError> {
+        let (net, mut steps) = netns.run(|| -> Result<_, EnrollError> {
             let mut steps = super::EnrolSteps::default();
             // One netlink socket for the whole visit.
             let (mut rtnl, net) = steps.time("inspect", || -> Result<_, EnrollError> {
@@ -174,14 +171,10 @@ impl Dataplane {
             })?;
             // Addresses first: a pod without any gets nothing installed.
             super::pod_addresses(&net, netns)?;
-            link_kind::refuse_unsteerable(&mut rtnl, path, &net.interfaces)?;
             steps.time("routing", || {
                 routing::install_reply_routing_with(&mut rtnl, path)
             })?;
-            let qdisc_created = steps.time("steering", || {
-                attach_steering_with(&mut rtnl, path, &net.interfaces, program.as_fd())
-            })?;
-            Ok((net, qdisc_created, steps))
+            Ok((net, steps))
         })??;
         // Entering the namespace (a thread and setns) is what the steps leave.
         steps.rest("enter netns", visit.elapsed());
@@ -205,29 +198,30 @@ impl Dataplane {
         }
 
         let previous = self.pods_by_netns()?.get(&cookie, 0).ok();
-        if qdisc_created
-            || previous.is_some_and(|p| p.flags & pod_flags::STEERING_QDISC_CREATED != 0)
-        {
-            config.flags |= pod_flags::STEERING_QDISC_CREATED;
-        }
         self.held.insert(cookie, keep(netns)?);
-        // Before its addresses are written: the steering program hands the
-        // pod's SYNs to this link from then on.
+        // Before its addresses are written: from then on every inbound
+        // connection to the pod is ztunnel's or refused, never the app's.
         if let Err(e) = self.attach_inbound_link(netns, cookie) {
-            return Err(self.undo_new_pod(netns, cookie, previous.is_none(), qdisc_created, e));
+            return Err(self.undo_new_pod(cookie, previous.is_none(), e));
+        }
+        if let Some(previous) = previous {
+            // Enrolled by an earlier agent, whose tc filters parsed SYNs:
+            // the link above captures in their place.
+            let qdisc_created = previous.flags & pod_flags::STEERING_QDISC_CREATED != 0;
+            detach_steering(netns, qdisc_created)?;
         }
         // Its counters first, so its first redirected connection is counted;
         // a new pod that does not fit leaves nothing behind.
         if let Err(e) = self.add_pod_counters(cookie) {
             let e = self.map_full_or(netns, maps::POD_COUNTERS, e);
-            return Err(self.undo_new_pod(netns, cookie, previous.is_none(), qdisc_created, e));
+            return Err(self.undo_new_pod(cookie, previous.is_none(), e));
         }
 
         // From here on, new connections of the pod are redirected.
         let inserted = self.pods_by_netns()?.insert(cookie, config, 0);
         if let Err(e) = inserted {
             let e = self.map_full_or(netns, maps::PODS_BY_NETNS, e);
-            return Err(self.undo_new_pod(netns, cookie, previous.is_none(), qdisc_created, e));
+            return Err(self.undo_new_pod(cookie, previous.is_none(), e));
         }
         let conflicts = match self.claim_addresses(&config, previous.as_ref()) {
             Ok(conflicts) => conflicts,
@@ -270,25 +264,15 @@ impl Dataplane {
     }
 
     /// Takes back what enrolling a pod that was not enrolled before
-    /// installed (its counters and steering; the reply routing matches only
-    /// ztunnel's connections and stays, as at removal), and returns `e`.
-    fn undo_new_pod(
-        &mut self,
-        netns: &Netns,
-        cookie: u64,
-        new: bool,
-        qdisc_created: bool,
-        e: EnrollError,
-    ) -> EnrollError {
+    /// installed (its counters and sk_lookup link; the reply routing matches
+    /// only ztunnel's connections and stays, as at removal), and returns `e`.
+    fn undo_new_pod(&mut self, cookie: u64, new: bool, e: EnrollError) -> EnrollError {
         if !new {
             return e;
         }
         self.held.remove(&cookie);
         if let Err(undo) = self.remove_pod_counters(cookie) {
             warn!("removing the counters of a pod that was not enrolled: {undo}");
-        }
-        if let Err(undo) = detach_steering(netns, qdisc_created) {
-            warn!("removing the steering of a pod that was not enrolled: {undo}");
         }
         if let Err(undo) = self.remove_inbound_link(cookie) {
             warn!("removing the sk_lookup link of a pod that was not enrolled: {undo}");
@@ -316,8 +300,8 @@ impl Dataplane {
         }
         self.remove_pod_counters(cookie)
             .map_err(map_err(maps::POD_COUNTERS))?;
-        // New connections go direct from here; the steering filter goes
-        // with the namespace if that is gone already.
+        // New connections go direct from here; an earlier agent's steering
+        // filter goes with the namespace if that is gone already.
         let netns = match self.held.remove(&cookie) {
             Some(netns) => Some(netns),
             None => found.and_then(|config| {
