@@ -387,6 +387,21 @@ impl Cluster {
         Ok(())
     }
 
+    /// Pod `i`'s (0-based) link to the node, as an L2 neighbour sees it:
+    /// `(node-side device, node-side MAC, pod's MAC, pod's link-local
+    /// address, node side's link-local address)`.
+    pub fn pod_link(&self, i: usize) -> io::Result<(String, String, String, Ipv6Addr, Ipv6Addr)> {
+        let n = self.pod_number(i)?;
+        let (pod_mac, node_mac) = pod_macs(n);
+        Ok((
+            format!("vpod{n}"),
+            node_mac.to_string(),
+            pod_mac.to_string(),
+            pod_mac.link_local(),
+            node_mac.link_local(),
+        ))
+    }
+
     /// The node namespace's cookie: where the node's own connections (its
     /// probes) come from.
     pub fn node_netns_cookie(&self) -> u64 {
