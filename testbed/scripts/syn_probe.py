@@ -15,6 +15,8 @@ a "sport" of its own, "src", "dst", "dport" and a "shape" (see build()).
 Output (stdout, JSON): {id: outcome}, where the outcome is what the target
 answered to that sport:
   "syn-ack"  a SYN-ACK: a listener took the connection;
+  "syn-ack from the app"  a SYN-ACK advertising the MSS `app_mss` of the
+             spec, which only the app's own listener sets: the app took it;
   "rst"      an RST: refused (no listener, or capture towards none);
   "abort"    an SCTP ABORT;
   "icmp"     an ICMP or ICMPv6 error;
@@ -164,13 +166,14 @@ def generate(spec):
     for i in range(spec["count"]):
         family = rng.choice(["v4", "v6"])
         addrs = spec[family]
+        flags = rng.choice(flag_sets)
         probe = {
-            "id": f"random-{i}",
+            "id": f"random-{i} flags {flags or '-'}",
             "sport": spec["first_sport"] + i,
             "src": addrs["src"],
             "dst": addrs["dst"],
             "dport": rng.choice(addrs["ports"]),
-            "flags": rng.choice(flag_sets),
+            "flags": flags,
             "options": rng.sample(list(OPTIONS), rng.randint(0, 4)),
             "seq": rng.randrange(1 << 32),
             "window": rng.choice([0, 1, 1024, 65535]),
@@ -212,7 +215,9 @@ def main():
             if flags & 0x04:
                 outcome[probe] = "rst"
             elif flags & 0x12 == 0x12:
-                outcome[probe] = "syn-ack"
+                mss = dict(o for o in pkt[TCP].options if isinstance(o, tuple)).get("MSS")
+                app = spec.get("app_mss") is not None and mss == spec["app_mss"]
+                outcome[probe] = "syn-ack from the app" if app else "syn-ack"
         elif SCTP in pkt and pkt[SCTP].dport in by_sport:
             outcome[by_sport[pkt[SCTP].dport]] = "abort"
 
