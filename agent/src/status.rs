@@ -148,33 +148,24 @@ pub fn render(status: &inspect::Status, wide: bool) -> Result<String, fmt::Error
     Ok(out)
 }
 
-/// One pod: who it is, its addresses, DNS capture and steering (per
-/// interface; `-o wide` adds UID, netns cookie and inode, program ids).
+/// One pod: who it is, its addresses, DNS capture and inbound capture
+/// (`-o wide` adds UID, netns cookie and inode, the link's program id).
 fn pod_row(p: &inspect::EnrolledPodEntry, wide: bool) -> String {
     let who = p.pod.as_ref().map_or_else(
         || "(unnamed)".to_owned(),
         |pod| format!("{}/{}", pod.namespace, pod.name),
     );
     let addresses: Vec<String> = p.addresses.iter().map(ToString::to_string).collect();
-    let steering = match &p.steering {
-        None => "steering: namespace not found".to_owned(),
-        Some(filters) if filters.is_empty() => "steering: no interface".to_owned(),
-        Some(filters) => filters
-            .iter()
-            .map(|s| match (s.program_id, wide) {
-                (Some(id), true) => format!(
-                    "{} prog {id} {}",
-                    s.iface,
-                    s.program_name.as_deref().unwrap_or("?")
-                ),
-                (Some(_), false) => format!("{} steered", s.iface),
-                (None, _) => format!("{} NOT STEERED", s.iface),
-            })
-            .collect::<Vec<_>>()
-            .join(", "),
+    let inbound = match (&p.inbound_link, wide) {
+        (None, _) => "inbound: NOT CAPTURED (no sk_lookup link)".to_owned(),
+        (Some(link), _) if !link.in_pod_netns => {
+            "inbound: NOT CAPTURED (its link is in another namespace)".to_owned()
+        }
+        (Some(link), true) => format!("inbound: link prog {}", link.program_id),
+        (Some(_), false) => "inbound: captured".to_owned(),
     };
     let dns = if p.dns_capture { "dns on " } else { "dns off" };
-    let mut row = format!("{who:<32} {:<32} {dns} {steering}", addresses.join(" "));
+    let mut row = format!("{who:<32} {:<32} {dns} {inbound}", addresses.join(" "));
     if let Some(counters) = &p.counters {
         let counts: Vec<String> = counters
             .named()
@@ -273,12 +264,10 @@ mod tests {
                 addresses: vec!["10.244.1.2".parse().unwrap()],
                 dns_capture: true,
                 steering_qdisc_created: false,
-                steering: Some(vec![SteeringFilterEntry {
-                    iface: "eth0".into(),
-                    ifindex: 2,
-                    program_id: Some(77),
-                    program_name: Some("ambpf_pod_in".into()),
-                }]),
+                inbound_link: Some(InboundLinkEntry {
+                    program_id: 77,
+                    in_pod_netns: true,
+                }),
                 counters: None,
                 redirected: vec![RedirectedConnection {
                     app: "10.244.1.2:40312".parse().unwrap(),

@@ -287,6 +287,11 @@ impl Node {
     /// A new agent's ZDS server, with a new ztunnel double connected.
     async fn agent(&self) -> Agent {
         let zds = Server::start(ZdsConfig::default());
+        if self.mode == RedirectMode::Ebpf {
+            // The maps exist before ztunnel connects, as in the agent.
+            drop(Dataplane::load(self.pins()).unwrap());
+            zds.record_ztunnel_processes(self.pins());
+        }
         let ztunnel = ZtunnelDouble::connect_with_retry(zds.socket(), ZtunnelConfig::default());
         ztunnel.wait_until(|s| s.ready, PATIENCE).await.unwrap();
         Agent { zds, ztunnel }
@@ -379,24 +384,19 @@ impl Node {
                         "ambpf_pod_ips entry of {ip} (X is {x})"
                     );
                 }
-                // Steering is Y's filter alone: no namespace but Y's holds
-                // one running the agent's program, and nothing is pinned
-                // per pod.
-                let program = ambpf::bpf::pinned_steering_program(&pins).unwrap();
-                let others = ambpf::redirect::check::scan_orphan_steering(
-                    program,
-                    &std::collections::HashSet::from([y]),
-                );
-                assert_eq!(others, [], "steering outside Y (X is {x})");
+                // Inbound capture is Y's link alone, in Y's namespace,
+                // running the agent's program; no other link is pinned.
+                let program = ambpf::bpf::inbound::pinned_program(&pins).unwrap();
                 let [pod] = &inspect::read_status(&pins).unwrap().pods[..] else {
                     panic!("one pod is enrolled");
                 };
-                let filters = pod.steering.as_ref().expect("Y's namespace is found");
-                assert!(
-                    filters.iter().all(|f| f.program_id == Some(program)),
-                    "{filters:?}"
-                );
-                assert!(!pins.pod_links_root().exists(), "per-pod links are pinned");
+                let link = pod.inbound_link.as_ref().expect("Y's link is pinned");
+                assert!(link.in_pod_netns && link.program_id == program, "{link:?}");
+                let linked: Vec<_> = std::fs::read_dir(pins.pod_links_root())
+                    .unwrap()
+                    .map(|e| e.unwrap().file_name())
+                    .collect();
+                assert_eq!(linked, [std::ffi::OsString::from(y.to_string())], "X is {x}");
             }
             RedirectMode::Iptables => {
                 let host = self.host();

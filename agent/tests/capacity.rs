@@ -65,13 +65,16 @@ fn load(
     dataplane
 }
 
-/// A ZDS server for `pods` (uid, namespace path) and the ztunnel double
-/// serving them, once every pod's proxies run.
+/// A ZDS server for `pods` (uid, namespace path), recording ztunnel's
+/// process under `pins`, and the ztunnel double serving them, once every
+/// pod's proxies run.
 async fn ztunnel_for(
+    pins: &PinLayout,
     pods: &[(String, std::path::PathBuf)],
     config: ZtunnelConfig,
 ) -> (ZtunnelDouble, Server) {
     let server = Server::start(ZdsConfig::default());
+    server.record_ztunnel_processes(pins.clone());
     for (uid, path) in pods {
         server.handle.upsert(Workload {
             uid: uid.clone(),
@@ -146,6 +149,7 @@ async fn past_the_redirected_capacity_connections_reach_their_destination_or_are
         .enroll(&Netns::open(pod.ns.name()).unwrap(), ENROLL)
         .unwrap();
     let (ztunnel, _zds) = ztunnel_for(
+        &pins,
         &[("pod-1".into(), pod.ns.path())],
         ZtunnelConfig::default().original_dst_delay(ZTUNNEL_DELAY),
     )
@@ -307,6 +311,7 @@ async fn a_full_pods_map_refuses_the_next_pod_by_name_and_keeps_serving_the_rest
     // The enrolled pods are still served: pod 1's connections go through
     // ztunnel to where they were going.
     let (ztunnel, _zds) = ztunnel_for(
+        dataplane.pins(),
         &[("pod-1".into(), cluster.pods[0].ns.path())],
         ZtunnelConfig::default(),
     )

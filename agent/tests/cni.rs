@@ -95,6 +95,7 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         .unwrap();
 
     let zds_server = Server::start(ZdsConfig::default());
+    zds_server.record_ztunnel_processes(pins.clone());
     let zds = zds_server.handle.clone();
     // A ztunnel whose proxies take a while to start, as under load.
     let ztunnel = ZtunnelDouble::connect_with_retry(

@@ -76,6 +76,9 @@ impl CniNode {
             ack_timeout,
             ..Default::default()
         });
+        if let Some(bpffs) = &bpffs {
+            zds.record_ztunnel_processes(ambpf::bpf::PinLayout::new(bpffs.path().join("ambpf")));
+        }
 
         let (pods_tx, pods_rx) = tokio::sync::watch::channel(Arc::default());
         let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(64);

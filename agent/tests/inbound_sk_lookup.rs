@@ -85,19 +85,19 @@ async fn each_pod_gets_a_link_into_its_namespace_and_inbound_reaches_ztunnel() {
         let (program, netns_inode) = inbound::link_info(&link(&mut f)).unwrap();
         assert_eq!(Some(program), inbound::pinned_program(&pins));
         assert_eq!(netns_inode, Some(pod.netns_inode as u32));
-        assert!(listeners(&f).is_empty());
+        // ztunnel's listener, filed when ztunnel listened in the pod.
+        assert_eq!(listeners(&f), [pod.netns_cookie]);
 
         inbound_reaches_ztunnel(&f).await;
-        // The steering program recorded the pod's listener on the way.
-        assert_eq!(listeners(&f), [pod.netns_cookie]);
         let netns = f.pod_netns();
         assert_eq!(f.redirection.check(&[(pod, &netns)], CheckScope::Full), []);
 
-        // Removal takes the link and forgets the listener; connections go
-        // straight to the app again.
+        // Removal takes the link; connections go straight to the app again.
+        // ztunnel's listener stays filed while ztunnel holds it open (the
+        // kernel drops it from the map when it closes).
         assert!(f.redirection.unenroll(pod).unwrap());
         assert!(!pins.pod_links_dir(pod.netns_cookie).exists());
-        assert!(listeners(&f).is_empty());
+        assert_eq!(listeners(&f), [pod.netns_cookie]);
         let proxied = f.proxied().len();
         let dst = SocketAddr::new(f.pod_ip(false), APP_PORT);
         echo_once(&f.cluster.remote.ns, dst, None, None);
@@ -112,8 +112,8 @@ async fn a_lost_link_is_found_by_the_state_check_and_restored_by_enrolling_again
         let pod = the_pod(&mut f);
         let netns = f.pod_netns();
         let known = [(pod, &netns)];
-        // Unpinning the link detaches it: steered SYNs would reach no
-        // listener.
+        // Unpinning the link detaches it: inbound connections would reach
+        // the app.
         std::fs::remove_file(link(&mut f)).unwrap();
         let found = f.redirection.check(&known, CheckScope::Full);
         assert_eq!(found.len(), 1, "{found:#?}");

@@ -387,6 +387,46 @@ in_all_modes!(
     }
 );
 
+in_all_modes!(
+    ztunnels_mark_in_a_process_of_the_apps_own_is_captured_in_ebpf_mode,
+    |f| {
+        // A process of its own in the pod (root: CAP_NET_ADMIN and NET_RAW),
+        // not ztunnel's, marks its socket 0x539 and connects out. Istio's
+        // rules exempt the mark whoever set it; the eBPF mode exempts it only
+        // on ztunnel's process, the ZDS peer.
+        let remote = SocketAddr::new(f.remote_ip(false), PEER_PORT);
+        let before = f.proxied().len();
+        let script = format!(
+            "import socket\n\
+             s = socket.socket()\n\
+             s.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, 0x539)\n\
+             s.settimeout(10)\n\
+             s.connect(('{}', {}))\n\
+             s.sendall(b'ambpf')\n\
+             assert s.recv(5) == b'ambpf'\n",
+            remote.ip(),
+            remote.port()
+        );
+        let out = tokio::task::block_in_place(|| {
+            std::process::Command::new("ip")
+                .args(["netns", "exec", f.pod().name(), "/usr/bin/python3", "-c", &script])
+                .output()
+                .unwrap()
+        });
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        match f.mode {
+            RedirectMode::Ebpf => {
+                f.wait_proxied(15001, remote).await;
+                assert_eq!(f.proxied().len(), before + 1);
+            }
+            // Istio's own exposure: the marked socket leaves uncaptured.
+            RedirectMode::Iptables | RedirectMode::Nftables => {
+                assert_eq!(f.proxied().len(), before);
+            }
+        }
+    }
+);
+
 /// A TCP SYN from `from:40999` to `to`, as a raw socket sends it (the kernel
 /// adds the IP header; the checksum covers either family's pseudo-header).
 fn raw_syn(from: IpAddr, to: SocketAddr) -> [u8; 20] {

@@ -227,18 +227,16 @@ async fn killing_and_restarting_the_agent_disrupts_nothing_and_leaks_nothing() {
     let (consistent, said) = status_check(&pins);
     assert!(consistent, "{said}");
     assert!(said.contains("consistent"), "{said}");
-    // The pod's steering filter is the same, running the new agent's program.
+    // The pod's sk_lookup link is the same, running the new agent's program.
     let steering = |status: &Value| {
-        let filters = status["pods"][0]["steering"].as_array().unwrap().clone();
-        assert_eq!(filters.len(), 1, "{status}");
-        assert_eq!(filters[0]["iface"], "eth0", "{status}");
-        assert_eq!(filters[0]["program_name"], "ambpf_pod_in", "{status}");
-        filters[0]["program_id"].as_u64().unwrap()
+        let link = &status["pods"][0]["inbound_link"];
+        assert_eq!(link["in_pod_netns"], true, "{status}");
+        link["program_id"].as_u64().unwrap()
     };
     assert_ne!(
         steering(&before),
         steering(&after),
-        "the steering program was not replaced"
+        "the inbound program was not replaced"
     );
     tokio::task::block_in_place(|| {
         echo(&mut outbound, b"agent back");

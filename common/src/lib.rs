@@ -167,7 +167,7 @@ pub mod maps {
     /// connections a pod's inbound capture lets reach its apps directly, as
     /// Istio's rules exempt only the host's own sockets (`--socket-exists`)
     /// and never see what a pod sends itself.
-    pub const LOCAL_CONNS: &str = "ambpf_local_conns";
+    pub const LOCAL_CONNS: &str = "ambpf_own_conns";
     /// Capacity of [`LOCAL_CONNS`]: a record is needed until the listener
     /// lookup of its SYN, a moment after `connect()`; a wide margin.
     pub const LOCAL_CONNS_MAX: u32 = 16 * 1024;
@@ -176,9 +176,20 @@ pub mod maps {
     pub const NODE_NETNS: &str = "ambpf_node_ns";
     /// Per-CPU counts of inbound connections refused, indexed by
     /// [`crate::InboundRefusal`].
-    pub const INBOUND_REFUSED: &str = "ambpf_in_refused";
+    pub const INBOUND_REFUSED: &str = "ambpf_refusals";
     /// Slots of [`INBOUND_REFUSED`], with room for reasons to come.
     pub const INBOUND_REFUSED_SLOTS: u32 = 8;
+
+    /// ztunnel's processes: thread-group id (in the host's PID namespace)
+    /// -> its start time (clock ticks after boot, `/proc/<pid>/stat`), for
+    /// the agent to tell a live ztunnel from a reused PID. Taken from the
+    /// ZDS peer's credentials. Only a socket of one of these processes that
+    /// carries ztunnel's mark is exempt from capture, never the mark alone,
+    /// which CAP_NET_RAW may set on Linux 5.17 and later.
+    pub const ZTUNNEL_PROCS: &str = "ambpf_zt_procs";
+    /// Capacity of [`ZTUNNEL_PROCS`]: a ztunnel and its replacement during
+    /// an update, with room.
+    pub const ZTUNNEL_PROCS_MAX: u32 = 16;
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.
@@ -202,6 +213,7 @@ pub mod maps {
         LOCAL_CONNS,
         NODE_NETNS,
         INBOUND_REFUSED,
+        ZTUNNEL_PROCS,
     ];
 }
 

@@ -1,7 +1,7 @@
 //! What `sock_ops` files for inbound capture ([`crate::inbound_lookup`]).
 //!
-//! - ztunnel's inbound listener in a pod's namespace, when ztunnel calls
-//!   `listen()` on port 15006 with its mark: by netns cookie, in the
+//! - ztunnel's inbound listener in a pod's namespace, when ztunnel's process
+//!   calls `listen()` on port 15006 with its mark: by netns cookie, in the
 //!   SOCKHASH the pod's sk_lookup program assigns from. The socket leaves
 //!   the map when it closes, so a stale listener is never assigned.
 //! - Connections opened on the node, at `connect()`: in the node's
@@ -23,7 +23,7 @@ use core::mem::offset_of;
 
 use crate::{
     addr::load_field,
-    maps::{INBOUND_LISTENERS, LOCAL_CONNS, node_netns},
+    maps::{INBOUND_LISTENERS, LOCAL_CONNS, is_ztunnel, node_netns},
 };
 
 /// A socket started listening: ztunnel's inbound listener of a pod is filed.
@@ -39,7 +39,9 @@ pub fn on_listen(ctx: &SockOpsContext) {
         return;
     }
     let mark: u32 = unsafe { load_field(sk, offset_of!(bpf_sock, mark)) };
-    if mark & ztunnel::MARK_MASK != ztunnel::MARK {
+    // TCP_LISTEN_CB runs in the listening process: an app's listener on
+    // 15006 with ztunnel's mark is not ztunnel's.
+    if !is_ztunnel(mark) {
         return;
     }
     let mut netns = unsafe { bpf_get_netns_cookie(ops.cast()) };

@@ -48,7 +48,7 @@ pub static INBOUND_SYNS: LruHashMap<
     { ambpf_common::maps::INBOUND_SYNS_MAX as usize },
 > = LruHashMap::new();
 
-#[btf_map(name = "ambpf_local_conns")]
+#[btf_map(name = "ambpf_own_conns")]
 pub static LOCAL_CONNS: LruHashMap<
     LocalConnKey,
     u8,
@@ -58,11 +58,15 @@ pub static LOCAL_CONNS: LruHashMap<
 #[btf_map(name = "ambpf_node_ns")]
 pub static NODE_NETNS: Array<u64, 1> = Array::new();
 
-#[btf_map(name = "ambpf_in_refused")]
+#[btf_map(name = "ambpf_refusals")]
 pub static INBOUND_REFUSED: PerCpuArray<
     u64,
     { ambpf_common::maps::INBOUND_REFUSED_SLOTS as usize },
 > = PerCpuArray::new();
+
+#[btf_map(name = "ambpf_zt_procs")]
+pub static ZTUNNEL_PROCS: HashMap<u32, u64, { ambpf_common::maps::ZTUNNEL_PROCS_MAX as usize }> =
+    HashMap::new();
 
 #[btf_map(name = "ambpf_counters")]
 pub static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray::new();
@@ -100,6 +104,18 @@ pub fn count_refusal(why: InboundRefusal) {
 #[inline(always)]
 pub fn node_netns() -> u64 {
     NODE_NETNS.get(0).copied().unwrap_or(0)
+}
+
+/// Whether `mark` is ztunnel's and the calling process is ztunnel (as its
+/// ZDS connection told the agent): the exemption of ztunnel's sockets. Call
+/// only in the context of the socket's own process (a socket system call).
+#[inline(always)]
+pub fn is_ztunnel(mark: u32) -> bool {
+    if mark & ambpf_common::ztunnel::MARK_MASK != ambpf_common::ztunnel::MARK {
+        return false;
+    }
+    let tgid = (aya_ebpf::helpers::bpf_get_current_pid_tgid() >> 32) as u32;
+    unsafe { ZTUNNEL_PROCS.get(&tgid) }.is_some()
 }
 
 /// Counts a missing original-destination record.

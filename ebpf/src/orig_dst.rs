@@ -164,7 +164,8 @@ fn on_connect(ctx: &SockOpsContext) {
         return;
     }
     let mark: u32 = unsafe { load_field(sk, offset_of!(bpf_sock, mark)) };
-    if mark & ztunnel::MARK_MASK == ztunnel::MARK && is_pod_ip(pod, &remote) {
+    // TCP_CONNECT_CB runs in the connecting process.
+    if crate::maps::is_ztunnel(mark) && is_pod_ip(pod, &remote) {
         let mut reply_mark = ztunnel::REPLY_MARK as i32;
         let set = unsafe {
             bpf_setsockopt(

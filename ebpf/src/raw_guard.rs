@@ -11,11 +11,12 @@
 //! - `cgroup_skb/egress` looks at a packet's socket type first (one load on
 //!   the path of every stream and datagram socket), and for a tagged raw
 //!   socket of a pod still enrolled drops TCP (IPv4, or IPv6 after its
-//!   extension headers) unless it carries ztunnel's mark or goes to
-//!   loopback or the pod's own address, the exemptions of the capture.
+//!   extension headers) unless it goes to loopback or the pod's own
+//!   address, the exemptions of the capture. ztunnel's mark exempts
+//!   nothing: ztunnel has no raw sockets, and CAP_NET_RAW may set it.
 
 use ambpf_common::{
-    Counter, IpKey, TraceDirection, TraceRecord, Verdict, trace::IPPROTO_TCP, ztunnel,
+    Counter, IpKey, TraceDirection, TraceRecord, Verdict, trace::IPPROTO_TCP,
 };
 use aya_ebpf::{
     bindings::{__sk_buff, BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
@@ -196,11 +197,9 @@ pub fn ambpf_rawguard(ctx: SkBuffContext) -> i32 {
     let Some(segment) = segment else {
         return ALLOW;
     };
-    let mark = unsafe { (*skb).mark };
-    if mark & ztunnel::MARK_MASK == ztunnel::MARK
-        || is_loopback(&segment.dst)
-        || is_pod_ip(pod, &segment.dst)
-    {
+    // ztunnel's mark exempts nothing here: ztunnel sends no TCP through raw
+    // sockets, and an app with CAP_NET_RAW may set the mark (5.17+).
+    if is_loopback(&segment.dst) || is_pod_ip(pod, &segment.dst) {
         return ALLOW;
     }
     count(Counter::RawTcpDropped);

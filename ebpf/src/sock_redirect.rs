@@ -196,12 +196,13 @@ fn enrolled_pod(sa: *mut bpf_sock_addr) -> Option<(u64, &'static PodConfig)> {
     Some((netns, pod))
 }
 
-/// Whether the socket is ztunnel's own (SO_MARK 0x539).
+/// Whether the socket is ztunnel's own: SO_MARK 0x539 on a socket of
+/// ztunnel's process (sock_addr programs run in the calling process).
 #[inline(always)]
 fn is_ztunnel(sa: *mut bpf_sock_addr) -> bool {
     // SAFETY: the kernel always provides the socket in sock_addr programs.
     let mark = unsafe { (*(*sa).__bindgen_anon_1.sk).mark };
-    mark & ztunnel::MARK_MASK == ztunnel::MARK
+    crate::maps::is_ztunnel(mark)
 }
 
 /// Where a socket of the enrolled `pod` goes, or why it is left alone.

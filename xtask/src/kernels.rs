@@ -56,6 +56,7 @@ pub const KERNELS: &[Kernel] = &[
 pub const SUITES: &[&str] = &[
     "redirect",
     "parity",
+    "adversarial",
     "inbound_sk_lookup",
     "restart",
     "address_reuse",
@@ -376,6 +377,10 @@ fn guest_script(root: &Path, bins: &Binaries, plan: &Plan, out: &Path) -> String
          uname -r > {out}/kernel\ncd {}\n",
         root.join("agent").display()
     );
+    // The adversarial suite's size and seed, as the host sets them.
+    for (key, value) in std::env::vars().filter(|(k, _)| k.starts_with("AMBPF_ADVERSARIAL_")) {
+        let _ = writeln!(s, "export {key}={}", quote(&value));
+    }
     for suite in &plan.suites {
         let bin = bins
             .suites

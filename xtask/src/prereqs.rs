@@ -36,6 +36,8 @@ const TEST_TOOLS: &[(&str, &str)] = &[
     ("/usr/lib/cni/bridge", "containernetworking-plugins"),
     ("/usr/bin/busybox", "busybox-static"),
     ("protoc", "protobuf-compiler"),
+    // The adversarial suite's packet prober (testbed/scripts/syn_probe.py).
+    ("/usr/lib/python3/dist-packages/scapy", "python3-scapy"),
 ];
 
 /// The bpf filesystem and a cgroup v2 hierarchy.
@@ -78,10 +80,20 @@ pub fn ensure_test_tools() -> Result<()> {
         apt(&install)?;
     }
     if std::env::var_os("HELM").is_none() && !found("helm") {
-        bail!(
-            "the chart's tests need helm: install it with `bash .ci/install-helm`, or put any \
-             helm 3 or 4 on PATH or set HELM=/path/to/helm"
-        );
+        if euid() != 0 {
+            bail!(
+                "the chart's tests need helm: install it with `bash .ci/install-helm` (as root), \
+                 or put any helm 3 or 4 on PATH or set HELM=/path/to/helm"
+            );
+        }
+        // The pinned helm, as CI installs it (its own downloads are out of
+        // reach: see the script).
+        println!("xtask: installing helm for the chart's tests (.ci/install-helm)");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.ci/install-helm");
+        let status = Command::new("bash").arg(&script).status()?;
+        if !status.success() {
+            bail!("{} failed ({status})", script.display());
+        }
     }
     Ok(())
 }

@@ -76,12 +76,13 @@ pub struct EnrolledPodEntry {
     pub netns_inode: u64,
     pub addresses: Vec<std::net::IpAddr>,
     pub dns_capture: bool,
-    /// ambpf created the `clsact` qdisc its steering filter sits on.
+    /// An earlier agent created the `clsact` qdisc its steering filter sat
+    /// on (uninstall removes both).
     #[serde(skip)]
     pub steering_qdisc_created: bool,
-    /// ambpf's steering filter on each interface of the pod, read inside
-    /// its namespace (`None`: the namespace is gone or was not looked at).
-    pub steering: Option<Vec<SteeringFilterEntry>>,
+    /// The pod's inbound capture: its pinned sk_lookup link (`None`: none
+    /// is pinned, and inbound connections to the pod are not captured).
+    pub inbound_link: Option<InboundLinkEntry>,
     /// What the programs did for the pod, summed over CPUs (`None`: no
     /// counters, as with pods an agent older than per-pod counters enrolled).
     pub counters: Option<super::pod_counters::PodCounts>,
@@ -91,12 +92,13 @@ pub struct EnrolledPodEntry {
 }
 
 #[derive(Debug, Serialize)]
-pub struct SteeringFilterEntry {
-    pub iface: String,
-    pub ifindex: u32,
-    /// The program the filter runs (`None`: no ambpf filter there).
-    pub program_id: Option<u32>,
-    pub program_name: Option<String>,
+pub struct InboundLinkEntry {
+    /// The program the link runs.
+    pub program_id: u32,
+    /// Whether it is attached to the pod's own namespace (by the inode's
+    /// low 32 bits, which the kernel reports); `false` once that namespace
+    /// is gone.
+    pub in_pod_netns: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -201,7 +203,7 @@ pub fn read_status(pins: &PinLayout) -> Result<Status, InspectError> {
         path: pins.root().join("object"),
         cause: source,
     })?;
-    let mut pods = with_counters(with_steering(read_pods(pins)?), pins)?;
+    let mut pods = with_counters(with_inbound_links(read_pods(pins)?, pins), pins)?;
     let mut names = super::pod_names::read_all(pins)?;
     let mut redirected = super::redirected::read(pins)?;
     for pod in &mut pods {
@@ -332,7 +334,7 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
             dns_capture: pod.flags & ambpf_common::pod_flags::DNS_CAPTURE != 0,
             steering_qdisc_created: pod.flags & ambpf_common::pod_flags::STEERING_QDISC_CREATED
                 != 0,
-            steering: None,
+            inbound_link: None,
             counters: None,
             redirected: Vec::new(),
         });
@@ -353,42 +355,17 @@ fn with_counters(
     Ok(pods)
 }
 
-/// Reads each pod's steering filters inside its namespace (found by inode,
-/// confirmed by cookie).
-fn with_steering(mut pods: Vec<EnrolledPodEntry>) -> Vec<EnrolledPodEntry> {
-    use crate::redirect::{podnet, rtnl::Rtnl, steering};
-    let configs: Vec<PodConfig> = pods
-        .iter()
-        .map(|p| PodConfig {
-            netns_cookie: p.netns_cookie,
-            netns_inode: p.netns_inode,
-            ..Default::default()
-        })
-        .collect();
-    let mut located = crate::redirect::check::locate_pods(&configs, &[]);
+/// Reads each pod's pinned sk_lookup link.
+fn with_inbound_links(mut pods: Vec<EnrolledPodEntry>, pins: &PinLayout) -> Vec<EnrolledPodEntry> {
     for pod in &mut pods {
-        let Some(netns) = located.remove(&pod.netns_cookie).flatten() else {
-            continue;
-        };
-        pod.steering = netns
-            .run(|| -> Option<Vec<SteeringFilterEntry>> {
-                let mut rtnl = Rtnl::open().ok()?;
-                let interfaces = podnet::interfaces(&mut rtnl).ok()?;
-                interfaces
-                    .into_iter()
-                    .map(|iface| {
-                        let filter = steering::find(&mut rtnl, iface.index).ok()?;
-                        Some(SteeringFilterEntry {
-                            iface: iface.name,
-                            ifindex: iface.index,
-                            program_id: filter.as_ref().and_then(|f| f.prog_id),
-                            program_name: filter.map(|f| f.name),
-                        })
-                    })
-                    .collect()
-            })
-            .ok()
-            .flatten();
+        let pin = super::inbound::link_pin(pins, pod.netns_cookie);
+        pod.inbound_link =
+            super::inbound::link_info(&pin)
+                .ok()
+                .map(|(program_id, inode)| InboundLinkEntry {
+                    program_id,
+                    in_pod_netns: inode == Some(pod.netns_inode as u32),
+                });
     }
     pods
 }

@@ -7,6 +7,7 @@ pub mod compat;
 pub mod features;
 pub mod foreign;
 pub mod inbound;
+pub mod ztunnel_procs;
 pub mod inspect;
 pub mod object;
 pub mod pins;

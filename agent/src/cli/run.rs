@@ -134,6 +134,12 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             }
         };
         let zds = zds::ZdsHandle::new(zds_config);
+        if args.redirect_mode == RedirectMode::Ebpf {
+            // ztunnel's marked sockets are exempt only in its own process.
+            let (recorder, prune) = bpf::ztunnel_procs::recorder(pins.clone());
+            zds.record_peers_with(recorder);
+            tokio::spawn(prune);
+        }
         let (pods_tx, pods_rx) =
             tokio::sync::watch::channel(std::sync::Arc::new(SourcePods::default()));
         let (programmed_tx, programmed_rx) =

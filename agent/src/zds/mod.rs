@@ -190,6 +190,13 @@ struct Shared {
     newest: watch::Sender<u64>,
     /// The live connections' ids, oldest first.
     live: watch::Sender<Vec<u64>>,
+    /// The process behind each live connection (its PID in the agent's PID
+    /// namespace, from the socket's peer credentials), by connection id:
+    /// ztunnel's process, whose marked sockets the eBPF mode exempts.
+    peer_pids: Mutex<BTreeMap<u64, u32>>,
+    /// Told the live connections' PIDs whenever they change, before the new
+    /// connection is sent anything (see [`ZdsHandle::record_peers_with`]).
+    peer_recorder: Mutex<Option<PeerRecorder>>,
     /// Why the most recent connections closed, newest last (for errors).
     closed: Mutex<VecDeque<(u64, String)>>,
     /// Snapshots acked so far, for readiness.
@@ -225,6 +232,8 @@ impl ZdsHandle {
                 answers: watch::Sender::new(hold::AddAnswers::default()),
                 newest: watch::Sender::new(0),
                 live: watch::Sender::new(Vec::new()),
+                peer_pids: Mutex::new(BTreeMap::new()),
+                peer_recorder: Mutex::new(None),
                 closed: Mutex::new(VecDeque::new()),
                 snapshots: watch::Sender::new(0),
                 stats: ZdsStats::default(),
@@ -303,6 +312,20 @@ impl ZdsHandle {
         self.shared.ztunnel.subscribe()
     }
 
+    /// Has `recorder` told the PIDs of the live ZDS connections (in the
+    /// agent's PID namespace; a peer whose PID the kernel could not give is
+    /// absent) each time they change: a new connection's before it is sent
+    /// anything, since ztunnel makes a pod's sockets as soon as it has the
+    /// pod, and they must be known as ztunnel's from the first.
+    pub fn record_peers_with(&self, recorder: PeerRecorder) {
+        recorder(&[]);
+        *self
+            .shared
+            .peer_recorder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(recorder);
+    }
+
     /// Waits until some ztunnel has acked a full snapshot (readiness).
     pub async fn snapshot_acked(&self) {
         let mut snapshots = self.shared.snapshots.subscribe();
@@ -336,6 +359,18 @@ impl ZdsHandle {
             let id = next_id;
             next_id += 1;
             let shared = self.shared.clone();
+            // Before anything is sent: ztunnel makes pods' sockets only once
+            // it has them, and they must be known as its own from the first.
+            match socket.peer_cred().map(|cred| cred.pid()) {
+                Ok(Some(pid)) if pid > 0 => shared.peer_changed(|pids| {
+                    pids.insert(id, pid as u32);
+                }),
+                Ok(_) => warn!(
+                    "ZDS connection {id}: the peer's PID is not visible from the agent's PID \
+                     namespace (run the agent with hostPID): its marked sockets will be captured"
+                ),
+                Err(e) => warn!("ZDS connection {id}: reading the peer's credentials: {e}"),
+            }
             shared.register(id);
             tokio::spawn(async move {
                 let why = match connection::serve(id, &socket, &shared).await {
@@ -355,7 +390,26 @@ impl ZdsHandle {
     }
 }
 
+/// What [`ZdsHandle::record_peers_with`] calls with the peers' PIDs.
+pub type PeerRecorder = Arc<dyn Fn(&[u32]) + Send + Sync>;
+
 impl Shared {
+    /// Changes the peers' PIDs with `change` and tells the recorder.
+    fn peer_changed(&self, change: impl FnOnce(&mut BTreeMap<u64, u32>)) {
+        let mut pids = self.peer_pids.lock().unwrap_or_else(|p| p.into_inner());
+        change(&mut pids);
+        let now: Vec<u32> = pids.values().copied().collect();
+        drop(pids);
+        let recorder = self
+            .peer_recorder
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(recorder) = recorder {
+            recorder(&now);
+        }
+    }
+
     fn netns_cookie(&self, uid: &str) -> Option<u64> {
         self.netns_cookies
             .lock()
@@ -382,6 +436,9 @@ impl Shared {
     }
 
     fn unregister(&self, id: u64, why: String) {
+        self.peer_changed(|pids| {
+            pids.remove(&id);
+        });
         {
             let mut closed = self.closed.lock().unwrap_or_else(|p| p.into_inner());
             if closed.len() == 16 {

@@ -54,6 +54,13 @@ impl Server {
         self.handle.config().socket.clone()
     }
 
+    /// As the agent does in eBPF mode: the ZDS peers' processes recorded as
+    /// ztunnel's under `pins`, before anything is sent to them.
+    pub fn record_ztunnel_processes(&self, pins: ambpf::bpf::PinLayout) {
+        let (recorder, _prune) = ambpf::bpf::ztunnel_procs::recorder(pins);
+        self.handle.record_peers_with(recorder);
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir.0
     }

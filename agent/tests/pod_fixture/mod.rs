@@ -340,6 +340,9 @@ pub async fn fixture_in(
         .unwrap();
 
     let zds = crate::common::Server::start(ZdsConfig::default());
+    if let Some(bpffs) = &bpffs {
+        zds.record_ztunnel_processes(PinLayout::new(bpffs.path().join("ambpf")));
+    }
     let socket = zds.socket();
     zds.handle.upsert(Workload {
         uid: POD_UID.into(),

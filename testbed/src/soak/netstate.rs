@@ -1,6 +1,8 @@
 //! What the agent may have installed inside a network namespace, read with
-//! the tools an operator would use (`tc`, `ip`, `iptables-save`): ambpf's
-//! steering filter (priority 1, handle 0xa3bf), the reply-routing rule
+//! the tools an operator would use (`bpftool`, `tc`, `ip`, `iptables-save`):
+//! ambpf's sk_lookup link into the namespace (its inbound capture), an
+//! earlier agent's steering filter (priority 1, handle 0xa3bf), the
+//! reply-routing rule
 //! (`fwmark 0x111/0xfff lookup 100`) and table 100's route, for IPv4 and
 //! IPv6, and Istio's `ISTIO_*` iptables chains.
 
@@ -16,6 +18,9 @@ const REPLY_TABLE: &str = "100";
 /// looking for filters on `ifaces`, named; empty when there is none.
 pub fn installed(ns: &str, ifaces: &[&str], iptables: bool) -> Result<Vec<String>> {
     let mut found = Vec::new();
+    if sk_lookup_linked(ns)? {
+        found.push("sk_lookup link".to_owned());
+    }
     for iface in ifaces {
         let filters = run("tc", &["-n", ns, "filter", "show", "dev", iface, "ingress"])?;
         if filters.contains(STEERING_HANDLE) {
@@ -54,8 +59,8 @@ pub fn installed(ns: &str, ifaces: &[&str], iptables: bool) -> Result<Vec<String
 pub fn missing_for_redirected(found: &[String], ebpf: bool) -> Vec<&'static str> {
     let mut missing = Vec::new();
     let has = |what: &str| found.iter().any(|f| f.contains(what));
-    if ebpf && !has("steering filter on eth0") {
-        missing.push("the steering filter on eth0");
+    if ebpf && !has("sk_lookup link") {
+        missing.push("the sk_lookup link");
     }
     if !has("ISTIO") && !ebpf {
         missing.push("the ISTIO iptables chains");
@@ -79,6 +84,20 @@ pub fn only_reply_routing(found: &[String]) -> bool {
         .all(|f| f.starts_with("rule") || f.starts_with("route"))
 }
 
+/// Whether an sk_lookup link runs `ambpf_inbound` in namespace `ns`
+/// (`bpftool link show`: netns links name their namespace's inode).
+fn sk_lookup_linked(ns: &str) -> Result<bool> {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(inode) = std::fs::metadata(format!("/run/netns/{ns}")).map(|m| m.ino()) else {
+        return Ok(false);
+    };
+    let links: serde_json::Value =
+        serde_json::from_str(&run("bpftool", &["-j", "link", "show"])?).unwrap_or_default();
+    Ok(links.as_array().into_iter().flatten().any(|link| {
+        link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(inode)
+    }))
+}
+
 fn run(program: &str, args: &[&str]) -> Result<String> {
     let out = Command::new(program)
         .args(args)
@@ -95,7 +114,7 @@ mod tests {
     #[test]
     fn a_redirected_pod_needs_every_piece() {
         let all: Vec<String> = [
-            "steering filter on eth0",
+            "sk_lookup link",
             "rule `32764: from all fwmark 0x111/0xfff lookup 100`",
             "rule `32764: from all fwmark 0x111/0xfff lookup 100`",
             "route `local default dev lo scope host` in table 100",
@@ -106,7 +125,7 @@ mod tests {
         assert!(missing_for_redirected(&all, true).is_empty());
         assert_eq!(
             missing_for_redirected(&all[1..], true),
-            ["the steering filter on eth0"]
+            ["the sk_lookup link"]
         );
         assert_eq!(missing_for_redirected(&all[..4], true).len(), 1);
         assert_eq!(missing_for_redirected(&all, false).len(), 1);

@@ -159,19 +159,15 @@ pub(super) fn iface_hooks(
     Ok(out)
 }
 
-/// Other owners' programs on a pod's interface that run before ambpf's
-/// steering filter: TCX ingress programs (before every `clsact` filter),
-/// and `clsact` ingress filters listed ahead of ambpf's.
+/// Other owners' `clsact` ingress filters listed ahead of an earlier
+/// agent's steering filter on a pod's interface. (Inbound capture is now the
+/// pod's socket lookup, which every packet delivered in the pod meets
+/// whatever runs on its interfaces before: TCX programs and filters are
+/// listed, not warned about.)
 pub fn iface_warnings(hooks: &[IfaceHookPrograms]) -> Vec<Warning> {
     let mut out = Vec::new();
     for hooked in hooks {
-        let foreign = hooked.programs.iter().filter(|p| p.owner == Owner::Other);
         let (ahead, why): (Vec<&IfaceProgram>, &str) = match hooked.hook {
-            "tcx_ingress" => (
-                foreign.collect(),
-                "TCX programs run before every clsact filter: SYNs reach ambpf's steering \
-                 filter only while it returns TCX_NEXT",
-            ),
             "tc_ingress" => {
                 let Some(ours) = hooked.programs.iter().position(|p| p.owner == Owner::Ambpf)
                 else {

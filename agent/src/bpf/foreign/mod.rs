@@ -7,10 +7,10 @@
 //! and sendmsg must run before a load balancer's, or it records the backend
 //! the balancer chose instead of the service address, and ztunnel gets that
 //! as the original destination; its getpeername and recvmsg must run after,
-//! or another program may rewrite the address ambpf answers the app. On the
-//! pods' interfaces, TCX programs run before every `clsact` filter, so one
-//! that returns a verdict rather than `TCX_NEXT` keeps SYNs from ambpf's
-//! steering filter.
+//! or another program may rewrite the address ambpf answers the app. The
+//! pods' interfaces' programs are listed for the record: inbound capture is
+//! the pod's socket lookup, which they do not stand before (only an earlier
+//! agent's steering filter could be kept from SYNs by filters ahead of it).
 //!
 //! [`scan`] lists them in run order, marking ambpf's own, for `ambpf status
 //! --check`; [`Warning`]s name each that runs where it can break capture.
@@ -438,7 +438,7 @@ mod tests {
     }
 
     #[test]
-    fn tcx_ingress_programs_and_filters_ahead_of_the_steering_filter_are_named() {
+    fn filters_ahead_of_an_earlier_steering_filter_are_named_and_tcx_is_not() {
         let on = |hook, programs| IfaceHookPrograms {
             netns_inode: 1,
             iface: "eth0".to_owned(),
@@ -469,7 +469,7 @@ mod tests {
             .iter()
             .map(|w| w.program_id)
             .collect();
-        assert_eq!(named, [Some(2), Some(3)]);
+        assert_eq!(named, [Some(3)]);
         let shown = render(&Programs {
             interfaces: hooks.to_vec(),
             ..Programs::default()

@@ -1,0 +1,105 @@
+//! ztunnel's processes, in the pinned `ambpf_zt_procs`: the programs exempt
+//! a socket carrying ztunnel's mark only when ztunnel's process uses it, so
+//! an app that sets the mark (CAP_NET_RAW may, on Linux 5.17 and later) is
+//! captured all the same.
+//!
+//! The processes are the ZDS peers' ([`crate::zds::ZdsHandle::record_peers_with`]),
+//! each with its start time, so that a PID the kernel hands to another
+//! process later is never taken for ztunnel. A process stays in the map
+//! while it lives, connected or not (a ztunnel between two connections to a
+//! restarting agent still owns its sockets), and leaves it when it is gone.
+//! This module is the map's only writer.
+
+use std::{collections::BTreeMap, future::Future, io, time::Duration};
+
+use ambpf_common::maps;
+use aya::maps::{HashMap, Map, MapData};
+use tracing::{info, warn};
+
+use super::PinLayout;
+
+/// How often processes that died without a ZDS event are pruned.
+const PRUNE_INTERVAL: Duration = Duration::from_secs(30);
+
+/// A process's start time, in clock ticks after boot (`/proc/<pid>/stat`,
+/// field 22); `None` when the process is gone.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name, field 2, is in parentheses and may hold spaces.
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The pinned map under `pins`.
+fn open(pins: &PinLayout) -> io::Result<HashMap<MapData, u32, u64>> {
+    let data = MapData::from_pin(pins.map(maps::ZTUNNEL_PROCS)).map_err(io::Error::other)?;
+    HashMap::try_from(Map::HashMap(data)).map_err(io::Error::other)
+}
+
+/// Writes the map: the `connected` PIDs, and the processes it held that
+/// still live (same PID, same start time); the rest are removed.
+pub fn update(pins: &PinLayout, connected: &[u32]) -> io::Result<()> {
+    let mut map = open(pins)?;
+    let held: Vec<(u32, u64)> = map.iter().filter_map(Result::ok).collect();
+    let mut wanted: BTreeMap<u32, u64> = held
+        .iter()
+        .filter(|(pid, ticks)| start_ticks(*pid) == Some(*ticks))
+        .copied()
+        .collect();
+    for pid in connected {
+        if let Some(ticks) = start_ticks(*pid) {
+            wanted.insert(*pid, ticks);
+        }
+    }
+    for (pid, _) in &held {
+        if !wanted.contains_key(pid) {
+            map.remove(pid).map_err(io::Error::other)?;
+            info!("ztunnel process {pid} is gone: its marked sockets are no longer exempt");
+        }
+    }
+    for (pid, ticks) in &wanted {
+        if !held.contains(&(*pid, *ticks)) {
+            map.insert(pid, ticks, 0).map_err(io::Error::other)?;
+            info!("ztunnel process {pid}: its marked sockets are exempt from capture");
+        }
+    }
+    Ok(())
+}
+
+/// The ZDS server's recorder ([`crate::zds::ZdsHandle::record_peers_with`])
+/// writing the map under `pins`, and a task that prunes processes that died
+/// without a ZDS event every [`PRUNE_INTERVAL`].
+pub fn recorder(pins: PinLayout) -> (crate::zds::PeerRecorder, impl Future<Output = ()>) {
+    let write = {
+        let pins = pins.clone();
+        move |connected: &[u32]| {
+            if let Err(e) = update(&pins, connected) {
+                warn!("recording ztunnel's processes in {}: {e}", maps::ZTUNNEL_PROCS);
+            }
+        }
+    };
+    let recorder: crate::zds::PeerRecorder = std::sync::Arc::new(write);
+    let prune = async move {
+        let mut every = tokio::time::interval(PRUNE_INTERVAL);
+        loop {
+            every.tick().await;
+            if let Err(e) = update(&pins, &[]) {
+                warn!("pruning ztunnel's processes in {}: {e}", maps::ZTUNNEL_PROCS);
+            }
+        }
+    };
+    (recorder, prune)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_ticks_reads_this_process_and_not_a_gone_one() {
+        let mine = start_ticks(std::process::id()).unwrap();
+        assert!(mine > 0);
+        assert_eq!(start_ticks(std::process::id()), Some(mine));
+        assert_eq!(start_ticks(u32::MAX), None);
+    }
+}
