@@ -234,6 +234,7 @@ impl Node {
                 namespace: "shop".into(),
                 service_account: "app".into(),
                 netns: NetnsSource::Path(self.cluster.pods[i].ns.path()),
+                netns_inode: None,
             },
             dns_capture: None,
         }
@@ -396,7 +397,11 @@ impl Node {
                     .unwrap()
                     .map(|e| e.unwrap().file_name())
                     .collect();
-                assert_eq!(linked, [std::ffi::OsString::from(y.to_string())], "X is {x}");
+                assert_eq!(
+                    linked,
+                    [std::ffi::OsString::from(y.to_string())],
+                    "X is {x}"
+                );
             }
             RedirectMode::Iptables => {
                 let host = self.host();

@@ -38,7 +38,10 @@ mod modes;
 mod pod_fixture;
 use pod_fixture::*;
 
-const PROBER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../testbed/scripts/syn_probe.py");
+const PROBER: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../testbed/scripts/syn_probe.py"
+);
 /// Debian's python3, which has python3-scapy (not whichever is first on PATH).
 const PYTHON: &str = "/usr/bin/python3";
 const NODE_PORT: u16 = 30080;
@@ -107,7 +110,10 @@ fn shapes(tag: &str, src: IpAddr, dst: IpAddr, first_sport: u16) -> Vec<Value> {
     if dst.is_ipv4() {
         add("tiny first fragment", json!({"shape": "frag-tiny"}));
         add("fragments out of order", json!({"shape": "frag-reverse"}));
-        add("16-byte fragments", json!({"shape": "frag-sized", "fragsize": 16}));
+        add(
+            "16-byte fragments",
+            json!({"shape": "frag-sized", "fragsize": 16}),
+        );
         add(
             "overlapping fragments rewriting the port to 15008",
             json!({"shape": "frag-overlap", "overlap_dport": 15008}),
@@ -151,8 +157,20 @@ fn l2_shapes(f: &Fixture, i: usize, first_sport: u16) -> Value {
         }));
     };
     add("untagged frame", gw_v4, pod.addrs.v4.into(), "l2-plain", 0);
-    add("802.1Q frame, VLAN 0", gw_v4, pod.addrs.v4.into(), "l2-vlan", 0);
-    add("802.1Q frame, VLAN 7", gw_v4, pod.addrs.v4.into(), "l2-vlan", 7);
+    add(
+        "802.1Q frame, VLAN 0",
+        gw_v4,
+        pod.addrs.v4.into(),
+        "l2-vlan",
+        0,
+    );
+    add(
+        "802.1Q frame, VLAN 7",
+        gw_v4,
+        pod.addrs.v4.into(),
+        "l2-vlan",
+        7,
+    );
     add("QinQ frame", gw_v4, pod.addrs.v4.into(), "l2-qinq", 7);
     add(
         "to its IPv6 link-local address",
@@ -201,7 +219,16 @@ fn node_port_to_pod_1(f: &Fixture) {
         let app = APP_PORT.to_string();
         let addr = addr.to_string();
         for rule in [
-            vec!["-t", "nat", "-A", "PREROUTING", "-p", "tcp", "--dport", &port],
+            vec![
+                "-t",
+                "nat",
+                "-A",
+                "PREROUTING",
+                "-p",
+                "tcp",
+                "--dport",
+                &port,
+            ],
             vec!["-t", "nat", "-A", "POSTROUTING", "-p", "tcp", "-d", &addr],
         ] {
             let mut args = vec!["netns", "exec", f.cluster.node.name(), tool];
@@ -227,7 +254,10 @@ async fn observe(mode: RedirectMode) -> Outcomes {
         let app = SocketAddr::new(f.pod_ip(false), APP_PORT);
         let before = f.proxied().len();
         let cookie = connect(&f.cluster.remote.ns, app);
-        let proxied = f.ztunnel.wait_until(|s| s.proxied.len() > before, PATIENCE).await;
+        let proxied = f
+            .ztunnel
+            .wait_until(|s| s.proxied.len() > before, PATIENCE)
+            .await;
         out.insert(
             "SYN-cookie handshake".into(),
             format!("{cookie}, proxied by ztunnel: {}", proxied.is_ok()),
@@ -257,7 +287,10 @@ async fn observe(mode: RedirectMode) -> Outcomes {
             &json!({"iface": "eth0", "probes": probes}),
         ));
         for i in [0, 1] {
-            out.extend(probe(&f.cluster.node, &l2_shapes(&f, i, 30000 + 100 * i as u16)));
+            out.extend(probe(
+                &f.cluster.node,
+                &l2_shapes(&f, i, 30000 + 100 * i as u16),
+            ));
         }
 
         node_port_to_pod_1(&f);
@@ -268,7 +301,10 @@ async fn observe(mode: RedirectMode) -> Outcomes {
             ("NodePort from off the node, IPv6", &remote.ns, node_v6),
             ("NodePort from pod 2, IPv4", &f.cluster.pods[1].ns, node_v4),
         ] {
-            out.insert(name.into(), connect(ns, SocketAddr::new(to, NODE_PORT)).into());
+            out.insert(
+                name.into(),
+                connect(ns, SocketAddr::new(to, NODE_PORT)).into(),
+            );
         }
         out
     })
@@ -284,7 +320,10 @@ const CONTROLS: &[(&str, &str)] = &[
     ("pod 2 from its L2 neighbour: untagged frame", "syn-ack"),
     ("pod 1 IPv4 plain SYN", "rst"),
     ("pod 1 IPv6 plain SYN", "rst"),
-    ("SYN-cookie handshake", "connected, proxied by ztunnel: true"),
+    (
+        "SYN-cookie handshake",
+        "connected, proxied by ztunnel: true",
+    ),
     ("NodePort from off the node, IPv4", "refused"),
 ];
 
@@ -295,10 +334,8 @@ const CONTROLS: &[(&str, &str)] = &[
 /// comes back); the eBPF mode's lookup assigns it to ztunnel's listener,
 /// which discards it too, and with no listener refuses it (an RST). No
 /// connection either way.
-const EBPF_DIFFERENCES: &[(&str, &str)] = &[
-    ("pod 1 IPv4 SYN+FIN", "rst"),
-    ("pod 1 IPv6 SYN+FIN", "rst"),
-];
+const EBPF_DIFFERENCES: &[(&str, &str)] =
+    &[("pod 1 IPv4 SYN+FIN", "rst"), ("pod 1 IPv6 SYN+FIN", "rst")];
 
 /// Whether an outcome is a connection the enrolled pod's app took by itself.
 fn is_bypass(id: &str, outcome: &str) -> bool {
@@ -322,7 +359,9 @@ async fn hostile_shapes_and_masqueraded_node_traffic_are_captured_in_every_mode_
     for (mode, outcomes) in &observed {
         for (id, outcome) in outcomes {
             if is_bypass(id, outcome) {
-                failures.push(format!("{mode:?}: {id}: {outcome}: the app took it without ztunnel"));
+                failures.push(format!(
+                    "{mode:?}: {id}: {outcome}: the app took it without ztunnel"
+                ));
             }
             let differs_on_purpose = *mode == RedirectMode::Ebpf
                 && EBPF_DIFFERENCES.contains(&(id.as_str(), outcome.as_str()));
@@ -405,7 +444,8 @@ async fn random_syn_mutations_have_the_same_outcome_as_under_istios_rules() {
         let outcomes = with_fixture!(mode, |f| {
             let _app = marked_listener(f.pod(), MARKED_APP_PORT, MARKED_APP_MSS);
             // The control: the app's SYN-ACK is recognised, from pod 2.
-            let _neighbour = marked_listener(&f.cluster.pods[1].ns, MARKED_APP_PORT, MARKED_APP_MSS);
+            let _neighbour =
+                marked_listener(&f.cluster.pods[1].ns, MARKED_APP_PORT, MARKED_APP_MSS);
             let remote = f.cluster.remote.addrs;
             let pod = f.cluster.pods[0].addrs;
             let neighbour = f.cluster.pods[1].addrs;
@@ -423,7 +463,10 @@ async fn random_syn_mutations_have_the_same_outcome_as_under_istios_rules() {
                 }),
             );
             assert_eq!(control["to pod 2"], "syn-ack from the app", "{mode:?}");
-            assert_eq!(control["to pod 1"], "syn-ack", "{mode:?}: ztunnel's SYN-ACK");
+            assert_eq!(
+                control["to pod 1"], "syn-ack",
+                "{mode:?}: ztunnel's SYN-ACK"
+            );
             let ports = [MARKED_APP_PORT, 15001, 15006, 15008, 15053, 1];
             probe(
                 &f.cluster.remote.ns,
@@ -455,7 +498,10 @@ async fn random_syn_mutations_have_the_same_outcome_as_under_istios_rules() {
     assert_eq!(reference.len(), count as usize);
     // The prober saw answers: many SYNs reach ztunnel.
     let answered = reference.values().filter(|o| *o == "syn-ack").count();
-    assert!(answered > count as usize / 10, "only {answered} SYN-ACKs in {count}");
+    assert!(
+        answered > count as usize / 10,
+        "only {answered} SYN-ACKs in {count}"
+    );
     let mut failures = Vec::new();
     for (mode, outcomes) in &observed {
         for (id, outcome) in outcomes {
@@ -483,6 +529,11 @@ async fn random_syn_mutations_have_the_same_outcome_as_under_istios_rules() {
         failures.is_empty(),
         "seed {seed}: {} differences in {count} cases:\n{}",
         failures.len(),
-        failures.iter().take(50).cloned().collect::<Vec<_>>().join("\n")
+        failures
+            .iter()
+            .take(50)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
     );
 }

@@ -63,7 +63,11 @@ fn bpftool_prints_pinned_map_entries_with_named_fields() {
     assert_eq!(value["netns_cookie"], enrolled.netns_cookie, "{dump}");
     assert_eq!(value["netns_inode"], netns.inode(), "{dump}");
     // DNS capture; no qdisc of ambpf's (inbound capture is a netns link).
-    assert_eq!(value["flags"], ambpf_common::pod_flags::DNS_CAPTURE, "{dump}");
+    assert_eq!(
+        value["flags"],
+        ambpf_common::pod_flags::DNS_CAPTURE,
+        "{dump}"
+    );
     let first_ip: Vec<u64> = value["ips"][0]["addr"]
         .as_array()
         .unwrap_or_else(|| panic!("ips[0].addr is not an array: {dump}"))

@@ -82,6 +82,7 @@ async fn ztunnel_for(
             namespace: "shop".into(),
             service_account: "app".into(),
             netns: NetnsSource::Path(path.clone()),
+            netns_inode: None,
         });
     }
     let ztunnel = ZtunnelDouble::connect_with_retry(server.socket(), config);

@@ -944,6 +944,7 @@ async fn cni_add(
             namespace: "shop".to_owned(),
             service_account: "default".to_owned(),
             netns: NetnsSource::Path(netns.path()),
+            netns_inode: None,
         },
         dns_capture: None,
     };

@@ -254,7 +254,11 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
     // The links go with the pin root, the half-removed pod's too; nothing
     // was ever attached to the pods' interfaces.
     for ns in [pod, half_removed] {
-        assert!(!sk_lookup_linked(ns), "inbound capture left in {}", ns.name());
+        assert!(
+            !sk_lookup_linked(ns),
+            "inbound capture left in {}",
+            ns.name()
+        );
         assert!(!tc_filters(ns).contains("ambpf_pod_in"), "{}", ns.name());
     }
     let qdiscs = ns_output(pod, &["tc", "qdisc", "show", "dev", "eth0"]);
@@ -300,9 +304,11 @@ fn sk_lookup_linked(ns: &NetnsGuard) -> bool {
         .unwrap();
     let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let inode = ns.inode().unwrap();
-    links.as_array().unwrap().iter().any(|link| {
-        link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(inode)
-    })
+    links
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|link| link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(inode))
 }
 
 fn tc_filters(ns: &NetnsGuard) -> String {

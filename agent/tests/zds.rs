@@ -295,6 +295,7 @@ async fn a_pod_whose_netns_is_gone_is_kept_not_dropped() {
     server.handle.upsert(pod("live", &a));
     server.handle.upsert(Workload {
         netns: NetnsSource::Path("/run/netns/ambpf-vanished-netns".into()),
+        netns_inode: None,
         ..pod("vanished", &a)
     });
 

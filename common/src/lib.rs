@@ -52,6 +52,13 @@ pub mod programs {
     /// Global of [`POD_INGRESS`]: non-zero to hand SYNs to
     /// [`INBOUND_LOOKUP`] instead of assigning them itself.
     pub const INBOUND_VIA_SK_LOOKUP: &str = "INBOUND_VIA_SK_LOOKUP";
+    /// Set by the agent at load where the kernel lets cgroup sock_addr
+    /// programs call `bpf_get_current_pid_tgid`: ztunnel's mark exempts a
+    /// socket there only on ztunnel's process.
+    pub const ZTUNNEL_PROCESS_IN_SOCK_ADDR: &str = "ZTUNNEL_PROCESS_IN_SOCK_ADDR";
+    /// The same for sock_ops programs (Linux 6.10 on): ztunnel's listener is
+    /// filed, and its connections to the app marked, only on its process.
+    pub const ZTUNNEL_PROCESS_IN_SOCK_OPS: &str = "ZTUNNEL_PROCESS_IN_SOCK_OPS";
     /// cgroup sock_addr programs, in load order.
     pub const SOCK_ADDR: &[&str] = &[
         CONNECT4,

@@ -23,7 +23,7 @@ use core::mem::offset_of;
 
 use crate::{
     addr::load_field,
-    maps::{INBOUND_LISTENERS, LOCAL_CONNS, is_ztunnel, node_netns},
+    maps::{Hook, INBOUND_LISTENERS, LOCAL_CONNS, is_ztunnel, node_netns},
 };
 
 /// A socket started listening: ztunnel's inbound listener of a pod is filed.
@@ -41,7 +41,7 @@ pub fn on_listen(ctx: &SockOpsContext) {
     let mark: u32 = unsafe { load_field(sk, offset_of!(bpf_sock, mark)) };
     // TCP_LISTEN_CB runs in the listening process: an app's listener on
     // 15006 with ztunnel's mark is not ztunnel's.
-    if !is_ztunnel(mark) {
+    if !is_ztunnel(mark, Hook::SockOps) {
         return;
     }
     let mut netns = unsafe { bpf_get_netns_cookie(ops.cast()) };

@@ -106,13 +106,36 @@ pub fn node_netns() -> u64 {
     NODE_NETNS.get(0).copied().unwrap_or(0)
 }
 
-/// Whether `mark` is ztunnel's and the calling process is ztunnel (as its
-/// ZDS connection told the agent): the exemption of ztunnel's sockets. Call
-/// only in the context of the socket's own process (a socket system call).
+/// Set by the agent at load (read-only data, so the verifier prunes the
+/// path not taken, helper call included, on kernels that refuse it): whether
+/// sock_addr, and sock_ops, programs may ask for the calling process.
+#[unsafe(no_mangle)]
+static ZTUNNEL_PROCESS_IN_SOCK_ADDR: aya_ebpf::Global<u8> = aya_ebpf::Global::new(0);
+#[unsafe(no_mangle)]
+static ZTUNNEL_PROCESS_IN_SOCK_OPS: aya_ebpf::Global<u8> = aya_ebpf::Global::new(0);
+
+/// Where a socket's exemption is decided.
+#[derive(Clone, Copy)]
+pub enum Hook {
+    SockAddr,
+    SockOps,
+}
+
+/// Whether `mark` is ztunnel's and, where the kernel lets `hook` ask, the
+/// calling process is ztunnel (as its ZDS connection told the agent): the
+/// exemption of ztunnel's sockets. Call only in the context of the socket's
+/// own process (a socket system call).
 #[inline(always)]
-pub fn is_ztunnel(mark: u32) -> bool {
+pub fn is_ztunnel(mark: u32, hook: Hook) -> bool {
     if mark & ambpf_common::ztunnel::MARK_MASK != ambpf_common::ztunnel::MARK {
         return false;
+    }
+    let ask = match hook {
+        Hook::SockAddr => ZTUNNEL_PROCESS_IN_SOCK_ADDR.load(),
+        Hook::SockOps => ZTUNNEL_PROCESS_IN_SOCK_OPS.load(),
+    };
+    if ask == 0 {
+        return true;
     }
     let tgid = (aya_ebpf::helpers::bpf_get_current_pid_tgid() >> 32) as u32;
     unsafe { ZTUNNEL_PROCS.get(&tgid) }.is_some()

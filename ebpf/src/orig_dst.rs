@@ -165,7 +165,7 @@ fn on_connect(ctx: &SockOpsContext) {
     }
     let mark: u32 = unsafe { load_field(sk, offset_of!(bpf_sock, mark)) };
     // TCP_CONNECT_CB runs in the connecting process.
-    if crate::maps::is_ztunnel(mark) && is_pod_ip(pod, &remote) {
+    if crate::maps::is_ztunnel(mark, crate::maps::Hook::SockOps) && is_pod_ip(pod, &remote) {
         let mut reply_mark = ztunnel::REPLY_MARK as i32;
         let set = unsafe {
             bpf_setsockopt(

@@ -15,9 +15,7 @@
 //!   address, the exemptions of the capture. ztunnel's mark exempts
 //!   nothing: ztunnel has no raw sockets, and CAP_NET_RAW may set it.
 
-use ambpf_common::{
-    Counter, IpKey, TraceDirection, TraceRecord, Verdict, trace::IPPROTO_TCP,
-};
+use ambpf_common::{Counter, IpKey, TraceDirection, TraceRecord, Verdict, trace::IPPROTO_TCP};
 use aya_ebpf::{
     bindings::{__sk_buff, BPF_SK_STORAGE_GET_F_CREATE, bpf_sock},
     btf_maps::SkStorage,

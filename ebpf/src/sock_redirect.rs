@@ -202,7 +202,7 @@ fn enrolled_pod(sa: *mut bpf_sock_addr) -> Option<(u64, &'static PodConfig)> {
 fn is_ztunnel(sa: *mut bpf_sock_addr) -> bool {
     // SAFETY: the kernel always provides the socket in sock_addr programs.
     let mark = unsafe { (*(*sa).__bindgen_anon_1.sk).mark };
-    crate::maps::is_ztunnel(mark)
+    crate::maps::is_ztunnel(mark, crate::maps::Hook::SockAddr)
 }
 
 /// Where a socket of the enrolled `pod` goes, or why it is left alone.

@@ -21,10 +21,15 @@ use anyhow::{Context as _, Result, bail};
 #[path = "btf_names.rs"]
 mod btf_names;
 
+/// The nightly that builds the kernel programs, pinned by date so every
+/// machine builds the same object: rustc 1.97.0-nightly (e50aa6fba
+/// 2026-05-19), LLVM 22.1.
+pub const PINNED_NIGHTLY: &str = "nightly-2026-05-20";
+
 /// The toolchain that builds the kernel programs, unless `AMBPF_BPF_TOOLCHAIN`
 /// names another.
 pub fn toolchain_name() -> String {
-    env::var("AMBPF_BPF_TOOLCHAIN").unwrap_or_else(|_| "nightly".to_owned())
+    env::var("AMBPF_BPF_TOOLCHAIN").unwrap_or_else(|_| PINNED_NIGHTLY.to_owned())
 }
 
 pub struct Toolchain {

@@ -376,22 +376,26 @@ fn build_image(root: &Path, reference: Option<String>) -> Result<()> {
     Ok(())
 }
 
-/// Makes sure the nightly toolchain can build the kernel programs (rust-src for
-/// `-Z build-std=core`, llvm-tools for `llc`); quick and idempotent when it can.
+/// Makes sure the pinned nightly can build the kernel programs (rust-src for
+/// `-Z build-std=core`, llvm-tools for `llc`), installing the toolchain and
+/// its components when missing; quick and idempotent when it can.
 fn ensure_bpf_toolchain() -> Result<()> {
     let toolchain = ebpf_build::toolchain_name();
     if ebpf_build::Toolchain::find(&toolchain).is_ok() {
         return Ok(());
     }
     run(Command::new("rustup").args([
-        "component",
-        "add",
-        "rust-src",
-        "llvm-tools",
-        "--toolchain",
+        "toolchain",
+        "install",
         &toolchain,
+        "--profile",
+        "minimal",
+        "--component",
+        "rust-src",
+        "--component",
+        "llvm-tools",
     ]))
-    .with_context(|| format!("installing rust-src and llvm-tools for toolchain `{toolchain}`"))
+    .with_context(|| format!("installing toolchain `{toolchain}` with rust-src and llvm-tools"))
 }
 
 fn workspace_root() -> PathBuf {

@@ -220,6 +220,31 @@ fn list(errors: &[FeatureError]) -> String {
     errors.iter().map(|e| format!("\n  - {e}")).collect()
 }
 
+/// Telling ztunnel's sockets by their process, not their mark alone
+/// (optional: without it the mark alone exempts, as under Istio's rules).
+pub const ZTUNNEL_PROCESS_IN_SOCK_ADDR: Feature = Feature {
+    name: "bpf_get_current_pid_tgid in cgroup sock_addr programs (ztunnel's outbound and DNS \
+           exemption tied to its process)",
+    since: "6.1",
+    probe: || {
+        helper(
+            ProgramType::CgroupSockAddr,
+            BpfHelper::BPF_FUNC_get_current_pid_tgid,
+        )
+    },
+};
+pub const ZTUNNEL_PROCESS_IN_SOCK_OPS: Feature = Feature {
+    name: "bpf_get_current_pid_tgid in sock_ops programs (ztunnel's inbound listener and its \
+           connections to the app tied to its process)",
+    since: "6.10",
+    probe: || {
+        helper(
+            ProgramType::SockOps,
+            BpfHelper::BPF_FUNC_get_current_pid_tgid,
+        )
+    },
+};
+
 /// Whether the raw-socket guard can load, or why not.
 pub fn raw_guard_supported() -> Result<(), FeatureError> {
     RAW_GUARD.iter().try_for_each(check)
@@ -237,7 +262,13 @@ mod tests {
     #[test]
     fn this_kernel_has_every_feature_and_tcx() {
         let inbound = super::super::inbound::SK_LOOKUP;
-        for feature in REQUIRED.iter().chain(RAW_GUARD).chain(inbound) {
+        let process = [&ZTUNNEL_PROCESS_IN_SOCK_ADDR, &ZTUNNEL_PROCESS_IN_SOCK_OPS];
+        for feature in REQUIRED
+            .iter()
+            .chain(RAW_GUARD)
+            .chain(inbound)
+            .chain(process)
+        {
             assert_eq!((feature.probe)(), Ok(true), "{}", feature.name);
         }
         tcx_supported().unwrap();

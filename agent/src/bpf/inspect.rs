@@ -359,13 +359,12 @@ fn with_counters(
 fn with_inbound_links(mut pods: Vec<EnrolledPodEntry>, pins: &PinLayout) -> Vec<EnrolledPodEntry> {
     for pod in &mut pods {
         let pin = super::inbound::link_pin(pins, pod.netns_cookie);
-        pod.inbound_link =
-            super::inbound::link_info(&pin)
-                .ok()
-                .map(|(program_id, inode)| InboundLinkEntry {
-                    program_id,
-                    in_pod_netns: inode == Some(pod.netns_inode as u32),
-                });
+        pod.inbound_link = super::inbound::link_info(&pin)
+            .ok()
+            .map(|(program_id, inode)| InboundLinkEntry {
+                program_id,
+                in_pod_netns: inode == Some(pod.netns_inode as u32),
+            });
     }
     pods
 }

@@ -7,7 +7,6 @@ pub mod compat;
 pub mod features;
 pub mod foreign;
 pub mod inbound;
-pub mod ztunnel_procs;
 pub mod inspect;
 pub mod object;
 pub mod pins;
@@ -16,6 +15,7 @@ pub mod pod_names;
 pub mod redirected;
 pub mod sys;
 pub mod tc;
+pub mod ztunnel_procs;
 
 use ambpf_common::maps;
 use aya::{
@@ -193,6 +193,28 @@ impl Dataplane {
         loader.override_global(
             ambpf_common::programs::INBOUND_VIA_SK_LOOKUP,
             &via_sk_lookup,
+            true,
+        );
+        // ztunnel's sockets told by their process where the kernel allows.
+        let by_process = |feature: &features::Feature| match feature.check() {
+            Ok(()) => 1u8,
+            Err(e) => {
+                warn!("{e}: ztunnel's mark alone exempts a socket there, as under Istio's rules");
+                0
+            }
+        };
+        let (sock_addr, sock_ops) = (
+            by_process(&features::ZTUNNEL_PROCESS_IN_SOCK_ADDR),
+            by_process(&features::ZTUNNEL_PROCESS_IN_SOCK_OPS),
+        );
+        loader.override_global(
+            ambpf_common::programs::ZTUNNEL_PROCESS_IN_SOCK_ADDR,
+            &sock_addr,
+            true,
+        );
+        loader.override_global(
+            ambpf_common::programs::ZTUNNEL_PROCESS_IN_SOCK_OPS,
+            &sock_ops,
             true,
         );
         for (name, path) in &map_pins {

@@ -3,8 +3,9 @@
 //! an app that sets the mark (CAP_NET_RAW may, on Linux 5.17 and later) is
 //! captured all the same.
 //!
-//! The processes are the ZDS peers' ([`crate::zds::ZdsHandle::record_peers_with`]),
-//! each with its start time, so that a PID the kernel hands to another
+//! The processes are the ZDS peers' ([`crate::zds::ZdsHandle::record_peers_with`])
+//! and their descendants (ztunnel is one process; a ztunnel that hands its
+//! proxies to a child keeps them its own), each with its start time, so that a PID the kernel hands to another
 //! process later is never taken for ztunnel. A process stays in the map
 //! while it lives, connected or not (a ztunnel between two connections to a
 //! restarting agent still owns its sockets), and leaves it when it is gone.
@@ -30,6 +31,33 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
     after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// The descendants of `roots`, from each process's parent in `/proc`.
+fn descendants(roots: &[u32]) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let parents: Vec<(u32, u32)> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let after_name = &stat[stat.rfind(')')? + 1..];
+            Some((pid, after_name.split_whitespace().nth(1)?.parse().ok()?))
+        })
+        .collect();
+    let mut found: Vec<u32> = Vec::new();
+    let mut frontier: Vec<u32> = roots.to_vec();
+    while let Some(parent) = frontier.pop() {
+        for (pid, _) in parents.iter().filter(|(_, ppid)| *ppid == parent) {
+            if !found.contains(pid) && !roots.contains(pid) {
+                found.push(*pid);
+                frontier.push(*pid);
+            }
+        }
+    }
+    found
+}
+
 /// The pinned map under `pins`.
 fn open(pins: &PinLayout) -> io::Result<HashMap<MapData, u32, u64>> {
     let data = MapData::from_pin(pins.map(maps::ZTUNNEL_PROCS)).map_err(io::Error::other)?;
@@ -49,6 +77,12 @@ pub fn update(pins: &PinLayout, connected: &[u32]) -> io::Result<()> {
     for pid in connected {
         if let Some(ticks) = start_ticks(*pid) {
             wanted.insert(*pid, ticks);
+        }
+    }
+    let roots: Vec<u32> = wanted.keys().copied().collect();
+    for pid in descendants(&roots) {
+        if let Some(ticks) = start_ticks(pid) {
+            wanted.insert(pid, ticks);
         }
     }
     for (pid, _) in &held {
@@ -74,7 +108,10 @@ pub fn recorder(pins: PinLayout) -> (crate::zds::PeerRecorder, impl Future<Outpu
         let pins = pins.clone();
         move |connected: &[u32]| {
             if let Err(e) = update(&pins, connected) {
-                warn!("recording ztunnel's processes in {}: {e}", maps::ZTUNNEL_PROCS);
+                warn!(
+                    "recording ztunnel's processes in {}: {e}",
+                    maps::ZTUNNEL_PROCS
+                );
             }
         }
     };
@@ -84,7 +121,10 @@ pub fn recorder(pins: PinLayout) -> (crate::zds::PeerRecorder, impl Future<Outpu
         loop {
             every.tick().await;
             if let Err(e) = update(&pins, &[]) {
-                warn!("pruning ztunnel's processes in {}: {e}", maps::ZTUNNEL_PROCS);
+                warn!(
+                    "pruning ztunnel's processes in {}: {e}",
+                    maps::ZTUNNEL_PROCS
+                );
             }
         }
     };
@@ -94,6 +134,18 @@ pub fn recorder(pins: PinLayout) -> (crate::zds::PeerRecorder, impl Future<Outpu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_child_is_a_descendant() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let found = descendants(&[std::process::id()]);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(found.contains(&child.id()), "{found:?}");
+    }
 
     #[test]
     fn start_ticks_reads_this_process_and_not_a_gone_one() {

@@ -242,6 +242,7 @@ fn posted_pod(add: &CmdAdd) -> PodSpec {
             // reports the pod.
             service_account: String::new(),
             netns: NetnsSource::Path(PathBuf::from(&add.netns)),
+            netns_inode: None,
         },
         dns_capture: None,
     }
@@ -325,6 +326,7 @@ mod tests {
                     namespace: "shop".into(),
                     service_account: "web".into(),
                     netns: NetnsSource::Path("/var/run/netns/cni-1234".into()),
+                    netns_inode: None,
                 },
                 dns_capture: Some(false),
             }

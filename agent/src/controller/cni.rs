@@ -8,7 +8,7 @@
 //! leaves nothing behind; the runtime retries with a new sandbox.
 
 use std::{
-    collections::HashSet,
+    collections::HashMap,
     time::{Duration, Instant},
 };
 
@@ -89,15 +89,25 @@ impl Controller {
     /// it does not report yet (forgotten once it does, once it knows them as
     /// not ambient, or once their netns is gone: the sandbox was deleted).
     pub(super) fn desired(&mut self, source: &SourcePods) -> Vec<PodSpec> {
-        let reported: HashSet<&str> = source
+        let reported: HashMap<&str, &crate::zds::NetnsSource> = source
             .ambient
             .iter()
-            .map(|p| p.workload.uid.as_str())
+            .map(|p| (p.workload.uid.as_str(), &p.workload.netns))
             .collect();
         self.explicit.retain(|uid, cni| {
             let pod = &cni.pod;
-            if reported.contains(uid.as_str()) {
-                return false;
+            if let Some(netns) = reported.get(uid.as_str()) {
+                // The namespace a CNI ADD posts is the pod's: the source's
+                // record replaces it only once it names the same namespace
+                // (a re-created sandbox is reported with its old one for a
+                // while).
+                let caught_up = netns
+                    .open()
+                    .is_ok_and(|(_, inode)| inode == cni.netns_inode);
+                if caught_up {
+                    return false;
+                }
+                return Netns::open(&pod.workload.netns.path().to_string_lossy()).is_ok();
             }
             // As Istio's node agent: a pod opted out after its CNI add (or
             // found terminal) leaves the mesh as soon as the source sees it.
@@ -134,7 +144,7 @@ impl Controller {
             .keys()
             .filter(|uid| {
                 source.absent_means_deleted
-                    && !reported.contains(uid.as_str())
+                    && !reported.contains_key(uid.as_str())
                     && !explicit.contains_key(*uid)
                     && !source.not_ambient.contains_key(*uid)
                     && !source.waiting.contains(*uid)
@@ -142,7 +152,12 @@ impl Controller {
             })
             .cloned()
             .collect();
-        let mut pods = source.ambient.clone();
+        let mut pods: Vec<PodSpec> = source
+            .ambient
+            .iter()
+            .filter(|p| !explicit.contains_key(&p.workload.uid))
+            .cloned()
+            .collect();
         pods.extend(self.explicit.values().map(|cni| cni.pod.clone()));
         pods
     }
@@ -150,10 +165,10 @@ impl Controller {
     /// Stops reporting held-back pods once they are wanted again (the
     /// source reports them, or a CNI add), the source knows them as not
     /// ambient or has dropped them, or nobody has known them for long.
-    fn forget_held_back(&mut self, source: &SourcePods, reported: &HashSet<&str>) {
+    fn forget_held_back<V>(&mut self, source: &SourcePods, reported: &HashMap<&str, V>) {
         let explicit = &self.explicit;
         self.held_back.retain(|uid, held| {
-            if reported.contains(uid.as_str())
+            if reported.contains_key(uid.as_str())
                 || explicit.contains_key(uid)
                 || source.not_ambient.contains_key(uid)
             {

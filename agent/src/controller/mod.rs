@@ -395,7 +395,13 @@ impl Controller {
                 .map(|(uid, e)| (uid.clone(), e.key.netns_cookie))
                 .collect(),
         );
-        self.zds.replace_all(ready.iter().cloned());
+        // The namespace each pod was enrolled with is its identity towards
+        // ztunnel: a sandbox re-created at the same path gets a fresh Add.
+        let enrolled = &self.enrolled;
+        self.zds.replace_all(ready.iter().map(|w| Workload {
+            netns_inode: enrolled.get(&w.uid).map(|e| e.netns.inode()),
+            ..w.clone()
+        }));
     }
 
     /// Updates the metrics after a pass.

@@ -17,6 +17,7 @@ fn spec(uid: &str, ns: &NetnsGuard, dns: Option<bool>) -> PodSpec {
             namespace: "shop".into(),
             service_account: "default".into(),
             netns: NetnsSource::Path(ns.path()),
+            netns_inode: None,
         },
         dns_capture: dns,
     }

@@ -134,6 +134,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Parsed, LocalSourceError> {
                 namespace: pod.namespace,
                 service_account: pod.service_account,
                 netns,
+                netns_inode: None,
             },
             dns_capture: pod.dns_capture,
         });

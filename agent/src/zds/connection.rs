@@ -63,10 +63,19 @@ struct Sent {
 }
 
 impl Sent {
-    /// Whether `netns` is the namespace already sent. A new path is opened
-    /// once to compare inodes, and remembered when it names the same one, so
-    /// ztunnel gets no second Add for a pod whose path changed.
-    fn is(&mut self, netns: &NetnsSource) -> bool {
+    /// Whether `workload`'s namespace is the one already sent: by the inode
+    /// the agent enrolled when it says (a sandbox re-created at the same path
+    /// is another namespace), else by path. A new path is opened once to
+    /// compare inodes, and remembered when it names the same one, so ztunnel
+    /// gets no second Add for a pod whose path changed.
+    fn is(&mut self, workload: &Workload) -> bool {
+        let netns = &workload.netns;
+        if let Some(inode) = workload.netns_inode {
+            if inode == self.inode {
+                self.netns = netns.clone();
+            }
+            return inode == self.inode;
+        }
         if self.netns == *netns {
             return true;
         }
@@ -175,6 +184,19 @@ impl Connection<'_> {
         let started = std::time::Instant::now();
         for workload in snapshot.values() {
             match workload.netns.open() {
+                // The path names another namespace than the one enrolled (a
+                // sandbox re-created meanwhile): never send ztunnel a
+                // namespace the redirection is not in place for; the
+                // controller enrols the new one, and its Add follows.
+                Ok((_, inode)) if workload.netns_inode.is_some_and(|e| e != inode) => {
+                    let why = format!(
+                        "{} is namespace {inode}, not the one enrolled ({:?})",
+                        workload.netns.path().display(),
+                        workload.netns_inode
+                    );
+                    self.shared.not_sent(&workload.uid, why);
+                    self.schedule_retry(&workload.uid);
+                }
                 Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
                     self.pod_span(workload).in_scope(|| {
@@ -259,12 +281,25 @@ impl Connection<'_> {
             let current = self
                 .sent
                 .get_mut(&workload.uid)
-                .is_some_and(|sent| sent.is(&workload.netns));
+                .is_some_and(|sent| sent.is(workload));
             let waiting = self.retries.get(&workload.uid).is_some_and(|r| r.at > now);
             if current || waiting {
                 continue;
             }
             match workload.netns.open() {
+                // The path names another namespace than the one enrolled (a
+                // sandbox re-created meanwhile): never send ztunnel a
+                // namespace the redirection is not in place for; the
+                // controller enrols the new one, and its Add follows.
+                Ok((_, inode)) if workload.netns_inode.is_some_and(|e| e != inode) => {
+                    let why = format!(
+                        "{} is namespace {inode}, not the one enrolled ({:?})",
+                        workload.netns.path().display(),
+                        workload.netns_inode
+                    );
+                    self.shared.not_sent(&workload.uid, why);
+                    self.schedule_retry(&workload.uid);
+                }
                 Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
                     ZdsStats::bump(&self.shared.stats.send_failures);

@@ -545,6 +545,7 @@ mod tests {
             namespace: "shop".into(),
             service_account: "default".into(),
             netns: NetnsSource::Path(format!("/run/netns/{uid}").into()),
+            netns_inode: None,
         }
     }
 

@@ -44,6 +44,11 @@ pub struct Workload {
     pub namespace: String,
     pub service_account: String,
     pub netns: NetnsSource,
+    /// The inode of the namespace the agent enrolled for the pod, once it
+    /// has (`None` from pod sources): the pod's identity towards ztunnel. A
+    /// sandbox re-created at the same path is another namespace, and gets a
+    /// fresh Add.
+    pub netns_inode: Option<u64>,
 }
 
 impl Workload {

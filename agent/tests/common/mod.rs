@@ -226,6 +226,7 @@ pub fn pod(uid: &str, netns: &NetnsGuard) -> Workload {
         namespace: "shop".to_owned(),
         service_account: "web".to_owned(),
         netns: NetnsSource::Path(netns.path()),
+        netns_inode: None,
     }
 }
 

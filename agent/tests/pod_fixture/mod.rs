@@ -350,6 +350,7 @@ pub async fn fixture_in(
         namespace: "shop".into(),
         service_account: "app".into(),
         netns: NetnsSource::Path(pod.ns.path()),
+        netns_inode: None,
     });
     let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
     ztunnel

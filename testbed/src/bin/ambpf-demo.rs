@@ -573,7 +573,7 @@ fn own_program_ids(agent: &Path, pin_root: &Path) -> std::collections::BTreeSet<
     let mut all: std::collections::BTreeSet<u64> = ids(&status["links"]).into_iter().collect();
     all.extend(ids(&status["tc_links"]));
     for pod in status["pods"].as_array().into_iter().flatten() {
-        all.extend(ids(&pod["steering"]));
+        all.extend(pod["inbound_link"]["program_id"].as_u64());
     }
     all
 }

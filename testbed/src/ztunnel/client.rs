@@ -101,7 +101,7 @@ pub(super) struct Client {
     dns_answers: DnsAnswers,
     /// [`ZtunnelConfig::proxy_process`].
     proxy_process: Option<PathBuf>,
-    /// That child, once the first pod needed it.
+    /// That child, started before each connection to ZDS.
     proxy_host: Option<Arc<ProxyProcess>>,
     pods: HashMap<String, Pod>,
     pending: HashMap<String, PendingPod>,
@@ -143,6 +143,10 @@ impl Client {
     ) {
         let mut backoff = BACKOFF_INITIAL;
         let shutdown = loop {
+            // ztunnel's sockets are made by the process that speaks ZDS; the
+            // agent records that process and its children when it connects,
+            // so the proxies' child is running by then.
+            self.ensure_proxy_host();
             let socket = match first.take() {
                 Some(socket) => socket,
                 None => match connect_with_backoff(&path, &mut backoff, &mut commands).await {
@@ -471,6 +475,20 @@ impl Client {
         }
     }
 
+    /// The proxies' child process, started if configured and not running;
+    /// `None` without one (or if it cannot start: `start_proxies` says why).
+    fn ensure_proxy_host(&mut self) -> Option<Arc<ProxyProcess>> {
+        let binary = self.proxy_process.as_ref()?;
+        match &self.proxy_host {
+            Some(host) if host.is_running() => Some(host.clone()),
+            _ => {
+                let host =
+                    ProxyProcess::spawn(binary, self.dns_answers, self.shared.clone()).ok()?;
+                Some(self.proxy_host.insert(host).clone())
+            }
+        }
+    }
+
     async fn start_proxies(
         &mut self,
         uid: &str,
@@ -485,14 +503,11 @@ impl Client {
         if !self.start_proxies {
             return Ok(None);
         }
-        if let Some(binary) = &self.proxy_process {
-            let host = match &self.proxy_host {
-                Some(host) if host.is_running() => host.clone(),
-                _ => {
-                    let host = ProxyProcess::spawn(binary, self.dns_answers, self.shared.clone())
-                        .map_err(|e| e.to_string())?;
-                    self.proxy_host.insert(host).clone()
-                }
+        if let Some(binary) = self.proxy_process.clone() {
+            let host = match self.ensure_proxy_host() {
+                Some(host) => host,
+                None => ProxyProcess::spawn(&binary, self.dns_answers, self.shared.clone())
+                    .map_err(|e| e.to_string())?,
             };
             return host
                 .start(uid, netns.fd.as_fd())

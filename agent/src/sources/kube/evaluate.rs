@@ -191,6 +191,7 @@ impl Classified {
                             namespace: query.namespace,
                             service_account,
                             netns: netns.clone(),
+                            netns_inode: None,
                         },
                         dns_capture,
                     });
