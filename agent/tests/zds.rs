@@ -123,6 +123,53 @@ async fn a_new_path_to_the_same_netns_sends_nothing_and_a_new_netns_replaces() {
     peer.ack().await;
 }
 
+/// A sandbox re-created at the same path is another namespace: once the
+/// controller says which namespace it enrolled (`netns_inode`), ztunnel gets
+/// a fresh Add with the new one; while the path names a namespace other than
+/// the enrolled one, nothing is sent.
+#[tokio::test]
+async fn a_sandbox_recreated_at_the_same_path_gets_a_fresh_add_of_the_enrolled_namespace() {
+    let server = Server::start(fast_config());
+    let a = NetnsGuard::create("zds").unwrap();
+    let first = inode(&a.path());
+    let enrolled = |netns_inode| Workload {
+        netns_inode: Some(netns_inode),
+        ..pod("p", &a)
+    };
+    server.handle.upsert(enrolled(first));
+    let peer = Peer::hello(&server.socket()).await;
+    assert_eq!(peer.take_snapshot().await.len(), 1);
+
+    // The runtime re-creates the sandbox's namespace at the same path (the
+    // old one kept open, so its inode is not handed out again).
+    let _old = std::fs::File::open(a.path()).unwrap();
+    let ip = |args: &[&str]| {
+        let status = std::process::Command::new("ip").args(args).status().unwrap();
+        assert!(status.success(), "ip {args:?}");
+    };
+    ip(&["netns", "del", a.name()]);
+    ip(&["netns", "add", a.name()]);
+    let second = inode(&a.path());
+    assert_ne!(first, second);
+
+    // The pod source still names the path with the old namespace enrolled:
+    // the new namespace is never sent without its redirection.
+    server.handle.upsert(Workload {
+        name: "renamed-to-change-the-set".to_owned(),
+        ..enrolled(first)
+    });
+    assert!(peer.stays_quiet().await, "sent a namespace not enrolled");
+
+    // Enrolled: ztunnel replaces the pod's proxy with one in the new one.
+    server.handle.upsert(enrolled(second));
+    let add = peer.recv_some().await;
+    assert_eq!(
+        (add.kind(), add.uid(), add.netns_inode()),
+        ("add", "p", second)
+    );
+    peer.ack().await;
+}
+
 #[tokio::test]
 async fn a_newer_ztunnel_takes_over_and_the_older_one_resumes_when_it_leaves() {
     let server = Server::start(fast_config());

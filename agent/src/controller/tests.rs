@@ -316,6 +316,40 @@ fn a_cni_add_is_enrolled_at_once_and_kept_until_the_source_reports_it() {
     );
 }
 
+/// A pod's sandbox re-created (same UID, a new namespace) while the source
+/// still reports the old one: the CNI ADD's namespace is enrolled, answered
+/// and handed to ztunnel (by its inode), and stays the pod's until the
+/// source names the same namespace.
+#[test]
+fn a_recreated_sandbox_is_enrolled_and_handed_over_while_the_source_names_the_old_one() {
+    let (old, new) = (
+        NetnsGuard::create("ctl").unwrap(),
+        NetnsGuard::create("ctl").unwrap(),
+    );
+    let (mut ctl, zds) = controller(Recorder::default(), true);
+    let stale = ambient(vec![spec("a", &old, None)]);
+    let pods = ctl.desired(&stale);
+    ctl.apply(&pods);
+    assert_eq!(zds.workloads()["a"].netns_inode, Some(inode(&old)));
+
+    let (req, mut answer) = request(spec("a", &new, None));
+    ctl.apply_requests(&stale, vec![req]);
+    let enrolled = CniEnrolled {
+        netns_inode: inode(&new),
+    };
+    assert_eq!(answer.try_recv().unwrap(), Ok(enrolled));
+    assert_eq!(zds.workloads()["a"].netns_inode, Some(inode(&new)));
+    // The next passes over the stale source keep the new namespace.
+    let pods = ctl.desired(&stale);
+    ctl.apply(&pods);
+    assert_eq!(zds.workloads()["a"].netns_inode, Some(inode(&new)));
+    // Once the source names the new one, it decides again.
+    let pods = ctl.desired(&ambient(vec![spec("a", &new, None)]));
+    assert!(ctl.explicit.is_empty());
+    ctl.apply(&pods);
+    assert_eq!(zds.workloads()["a"].netns_inode, Some(inode(&new)));
+}
+
 fn enrolled_by_cni(ctl: &mut Controller, pods: Vec<PodSpec>) {
     let (requests, answers): (Vec<_>, Vec<_>) = pods.into_iter().map(request).unzip();
     ctl.apply_requests(&SourcePods::default(), requests);
