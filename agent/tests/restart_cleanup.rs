@@ -182,18 +182,6 @@ fn proxied(ztunnel: &ZtunnelDouble, port: u16) -> usize {
 /// namespace or an earlier agent's steering filter, and in the
 /// iptables and nftables modes the policy routing, which the restarted
 /// agent removes with the rules.
-/// Whether an sk_lookup link runs in `netns` (`bpftool link show` names
-/// each netns link's namespace by inode).
-fn sk_lookup_linked(netns: &Netns) -> bool {
-    let out = std::process::Command::new("bpftool")
-        .args(["-j", "link", "show"])
-        .output()
-        .unwrap();
-    let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    links.as_array().unwrap().iter().any(|link| {
-        link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(netns.inode())
-    })
-}
 
 fn capture_left(node: &Node, i: usize) -> Vec<String> {
     let netns = node.netns(i);
@@ -222,7 +210,7 @@ fn capture_left(node: &Node, i: usize) -> Vec<String> {
     if !filters.is_empty() {
         left.push(format!("steering: {filters:?}"));
     }
-    if sk_lookup_linked(&netns) {
+    if ambpf_testbed::sk_lookup_linked(netns.inode()).unwrap() {
         left.push("sk_lookup link".to_owned());
     }
     if node.mode != RedirectMode::Ebpf {

@@ -235,7 +235,11 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
         assert!(attached.contains(program), "{program}: {attached}");
     }
     for ns in [pod, half_removed] {
-        assert!(sk_lookup_linked(ns), "inbound capture in {}", ns.name());
+        assert!(
+            ambpf_testbed::sk_lookup_linked(ns.inode().unwrap()).unwrap(),
+            "inbound capture in {}",
+            ns.name()
+        );
     }
 
     let out = uninstall_on(&cluster.node, &[pod, half_removed], &[], pins.root(), &[]);
@@ -255,7 +259,7 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
     // was ever attached to the pods' interfaces.
     for ns in [pod, half_removed] {
         assert!(
-            !sk_lookup_linked(ns),
+            !ambpf_testbed::sk_lookup_linked(ns.inode().unwrap()).unwrap(),
             "inbound capture left in {}",
             ns.name()
         );
@@ -293,22 +297,6 @@ fn ns_output(ns: &NetnsGuard, command: &[&str]) -> String {
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Whether an sk_lookup link runs in `ns` (`bpftool link show` names each
-/// netns link's namespace by inode).
-fn sk_lookup_linked(ns: &NetnsGuard) -> bool {
-    let out = std::process::Command::new("bpftool")
-        .args(["-j", "link", "show"])
-        .output()
-        .unwrap();
-    let links: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let inode = ns.inode().unwrap();
-    links
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|link| link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(inode))
 }
 
 fn tc_filters(ns: &NetnsGuard) -> String {
@@ -1022,11 +1010,11 @@ fn other_owners_programs_are_left_attached() {
         dataplane.attach_cgroup(cgroup.path()).unwrap();
         dataplane.enroll_pod(&open(pod), true).unwrap();
     }
-    assert!(sk_lookup_linked(pod));
+    assert!(ambpf_testbed::sk_lookup_linked(pod.inode().unwrap()).unwrap());
 
     let out = uninstall_on(&cluster.node, &[pod], &[], pins.root(), &[]);
     assert!(out.status.success(), "{}", stdout(&out));
-    assert!(!sk_lookup_linked(pod));
+    assert!(!ambpf_testbed::sk_lookup_linked(pod.inode().unwrap()).unwrap());
     assert!(!cgroup_programs(&cgroup).contains("ambpf_"));
     assert_eq!(others(), before, "other owners' programs after uninstall");
 }

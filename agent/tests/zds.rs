@@ -144,7 +144,10 @@ async fn a_sandbox_recreated_at_the_same_path_gets_a_fresh_add_of_the_enrolled_n
     // old one kept open, so its inode is not handed out again).
     let _old = std::fs::File::open(a.path()).unwrap();
     let ip = |args: &[&str]| {
-        let status = std::process::Command::new("ip").args(args).status().unwrap();
+        let status = std::process::Command::new("ip")
+            .args(args)
+            .status()
+            .unwrap();
         assert!(status.success(), "ip {args:?}");
     };
     ip(&["netns", "del", a.name()]);

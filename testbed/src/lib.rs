@@ -67,6 +67,20 @@ pub fn output_with_stdin(command: &mut Command, input: &[u8]) -> io::Result<Outp
 
 /// A name no other live testbed object has: `<prefix><pid><sequence>`, short
 /// enough for an interface name (15 bytes) when `prefix` has at most 4 bytes.
+/// Whether an sk_lookup link runs in the network namespace of inode
+/// `netns_inode` (`bpftool link show` names each netns link's namespace by
+/// inode): ambpf's inbound capture of a pod, as an operator would look.
+pub fn sk_lookup_linked(netns_inode: u64) -> io::Result<bool> {
+    let out = Command::new("bpftool")
+        .args(["-j", "link", "show"])
+        .output()?;
+    let links: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| io::Error::other(format!("bpftool link show: {e}")))?;
+    Ok(links.as_array().into_iter().flatten().any(|link| {
+        link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(netns_inode)
+    }))
+}
+
 pub fn unique_name(prefix: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);

@@ -17,10 +17,7 @@
 use std::path::Path;
 
 use ambpf_common::{Miss, maps};
-use aya::{
-    EbpfLoader,
-    maps::{Map, MapData, PerCpuArray},
-};
+use aya::EbpfLoader;
 
 use super::inspect::InspectError;
 
@@ -142,24 +139,11 @@ impl Capacities {
 /// Original-destination records found missing, by reason, summed over
 /// CPUs (empty before the agent first pinned the map).
 pub fn read_misses(pins: &super::PinLayout) -> Result<Vec<(Miss, u64)>, InspectError> {
-    let path = pins.map(maps::MISSES);
-    if !path.exists() {
-        return Ok(Vec::new());
-    }
-    let map_err = |source| InspectError::Map {
-        path: path.clone(),
-        cause: source,
-    };
-    let data = MapData::from_pin(&path).map_err(map_err)?;
-    let array: PerCpuArray<_, u64> =
-        PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(map_err)?;
-    Miss::ALL
-        .iter()
-        .map(|miss| {
-            let per_cpu = array.get(&(*miss as u32), 0).map_err(map_err)?;
-            Ok((*miss, per_cpu.iter().sum()))
-        })
-        .collect()
+    let slots: Vec<u32> = Miss::ALL.iter().map(|m| *m as u32).collect();
+    let sums = super::inspect::per_cpu_sums(&pins.map(maps::MISSES), &slots)?;
+    Ok(sums.map_or_else(Vec::new, |sums| {
+        Miss::ALL.iter().copied().zip(sums).collect()
+    }))
 }
 
 /// The entries the map pinned at `pin` was created with.

@@ -371,23 +371,47 @@ fn with_inbound_links(mut pods: Vec<EnrolledPodEntry>, pins: &PinLayout) -> Vec<
 
 /// The kernel's redirection counters, summed over CPUs.
 pub fn read_counters(pins: &PinLayout) -> Result<Vec<(&'static str, u64)>, InspectError> {
-    let path = pins.map(maps::COUNTERS);
-    if !path.exists() {
+    let slots: Vec<u32> = Counter::ALL.iter().map(|c| *c as u32).collect();
+    let Some(sums) = per_cpu_sums(&pins.map(maps::COUNTERS), &slots)? else {
         return Ok(Vec::new());
+    };
+    let mut out: Vec<(&'static str, u64)> =
+        Counter::ALL.iter().map(|c| c.name()).zip(sums).collect();
+    // Inbound connections refused, by reason (absent before an agent that
+    // counts them pinned the map).
+    let refusals = &ambpf_common::InboundRefusal::ALL;
+    let slots: Vec<u32> = refusals.iter().map(|r| *r as u32).collect();
+    if let Some(sums) = per_cpu_sums(&pins.map(maps::INBOUND_REFUSED), &slots)? {
+        out.extend(refusals.iter().zip(sums).map(|(why, sum)| {
+            let name = match why {
+                ambpf_common::InboundRefusal::UnknownAddress => "inbound_refused_unknown_address",
+            };
+            (name, sum)
+        }));
+    }
+    Ok(out)
+}
+
+/// The pinned per-CPU array at `path`, each of `slots` summed over CPUs
+/// (`None` when nothing is pinned there).
+pub(super) fn per_cpu_sums(
+    path: &std::path::Path,
+    slots: &[u32],
+) -> Result<Option<Vec<u64>>, InspectError> {
+    if !path.exists() {
+        return Ok(None);
     }
     let map_err = |source| InspectError::Map {
-        path: path.clone(),
+        path: path.to_owned(),
         cause: source,
     };
     let array: PerCpuArray<_, u64> =
-        PerCpuArray::try_from(Map::PerCpuArray(open_map(&path)?)).map_err(map_err)?;
-    Counter::ALL
+        PerCpuArray::try_from(Map::PerCpuArray(open_map(path)?)).map_err(map_err)?;
+    slots
         .iter()
-        .map(|counter| {
-            let per_cpu = array.get(&(*counter as u32), 0).map_err(map_err)?;
-            Ok((counter.name(), per_cpu.iter().sum()))
-        })
-        .collect()
+        .map(|slot| Ok(array.get(slot, 0).map_err(map_err)?.iter().sum()))
+        .collect::<Result<_, _>>()
+        .map(Some)
 }
 
 /// Links pinned outside `links/tc` (cgroup socket programs, pods' steering).

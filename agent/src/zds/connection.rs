@@ -183,20 +183,13 @@ impl Connection<'_> {
     async fn snapshot(&mut self, snapshot: &WorkloadSet) -> Result<(), ConnError> {
         let started = std::time::Instant::now();
         for workload in snapshot.values() {
-            match workload.netns.open() {
-                // The path names another namespace than the one enrolled (a
-                // sandbox re-created meanwhile): never send ztunnel a
-                // namespace the redirection is not in place for; the
-                // controller enrols the new one, and its Add follows.
-                Ok((_, inode)) if workload.netns_inode.is_some_and(|e| e != inode) => {
-                    let why = format!(
-                        "{} is namespace {inode}, not the one enrolled ({:?})",
-                        workload.netns.path().display(),
-                        workload.netns_inode
-                    );
-                    self.shared.not_sent(&workload.uid, why);
-                    self.schedule_retry(&workload.uid);
-                }
+            // A namespace not enrolled is kept as ztunnel has it, as one that
+            // cannot be opened is.
+            let opened = self.open_for_add(workload).and_then(|opened| {
+                opened
+                    .ok_or_else(|| std::io::Error::other("its path names a namespace not enrolled"))
+            });
+            match opened {
                 Ok((netns, inode)) => self.add(workload, netns, inode).await?,
                 Err(e) => {
                     self.pod_span(workload).in_scope(|| {
@@ -286,21 +279,9 @@ impl Connection<'_> {
             if current || waiting {
                 continue;
             }
-            match workload.netns.open() {
-                // The path names another namespace than the one enrolled (a
-                // sandbox re-created meanwhile): never send ztunnel a
-                // namespace the redirection is not in place for; the
-                // controller enrols the new one, and its Add follows.
-                Ok((_, inode)) if workload.netns_inode.is_some_and(|e| e != inode) => {
-                    let why = format!(
-                        "{} is namespace {inode}, not the one enrolled ({:?})",
-                        workload.netns.path().display(),
-                        workload.netns_inode
-                    );
-                    self.shared.not_sent(&workload.uid, why);
-                    self.schedule_retry(&workload.uid);
-                }
-                Ok((netns, inode)) => self.add(workload, netns, inode).await?,
+            match self.open_for_add(workload) {
+                Ok(Some((netns, inode))) => self.add(workload, netns, inode).await?,
+                Ok(None) => {}
                 Err(e) => {
                     ZdsStats::bump(&self.shared.stats.send_failures);
                     self.pod_span(workload).in_scope(|| {
@@ -325,6 +306,30 @@ impl Connection<'_> {
             span.record("netns_cookie", cookie);
         }
         span
+    }
+
+    /// Opens the pod's namespace for an Add. `None` (recorded as not sent,
+    /// and retried) when its path names another namespace than the one
+    /// enrolled, a sandbox re-created meanwhile: ztunnel is never sent a
+    /// namespace the redirection is not in place for; the controller enrols
+    /// the new one, and its Add follows.
+    fn open_for_add(
+        &mut self,
+        workload: &Workload,
+    ) -> std::io::Result<Option<(std::fs::File, u64)>> {
+        let (netns, inode) = workload.netns.open()?;
+        match workload.netns_inode {
+            Some(enrolled) if enrolled != inode => {
+                let why = format!(
+                    "{} is namespace {inode}, not the one enrolled ({enrolled})",
+                    workload.netns.path().display()
+                );
+                self.shared.not_sent(&workload.uid, why);
+                self.schedule_retry(&workload.uid);
+                Ok(None)
+            }
+            _ => Ok(Some((netns, inode))),
+        }
     }
 
     /// Sends an Add with the pod's netns fd and records the result.

@@ -84,18 +84,13 @@ pub fn only_reply_routing(found: &[String]) -> bool {
         .all(|f| f.starts_with("rule") || f.starts_with("route"))
 }
 
-/// Whether an sk_lookup link runs `ambpf_inbound` in namespace `ns`
-/// (`bpftool link show`: netns links name their namespace's inode).
+/// Whether an sk_lookup link runs in namespace `ns`.
 fn sk_lookup_linked(ns: &str) -> Result<bool> {
     use std::os::unix::fs::MetadataExt as _;
     let Ok(inode) = std::fs::metadata(format!("/run/netns/{ns}")).map(|m| m.ino()) else {
         return Ok(false);
     };
-    let links: serde_json::Value =
-        serde_json::from_str(&run("bpftool", &["-j", "link", "show"])?).unwrap_or_default();
-    Ok(links.as_array().into_iter().flatten().any(|link| {
-        link["attach_type"] == "sk_lookup" && link["netns_ino"].as_u64() == Some(inode)
-    }))
+    Ok(crate::sk_lookup_linked(inode)?)
 }
 
 fn run(program: &str, args: &[&str]) -> Result<String> {
