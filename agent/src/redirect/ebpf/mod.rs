@@ -201,9 +201,12 @@ impl Dataplane {
         self.held.insert(cookie, keep(netns)?);
         // Before its addresses are written: from then on every inbound
         // connection to the pod is ztunnel's or refused, never the app's.
+        let linking = Instant::now();
         if let Err(e) = self.attach_inbound_link(netns, cookie) {
             return Err(self.undo_new_pod(cookie, previous.is_none(), e));
         }
+        let linked = linking.elapsed();
+        steps.0.push(("link", linked));
         if let Some(previous) = previous {
             // Enrolled by an earlier agent, whose tc filters parsed SYNs:
             // the link above captures in their place.
@@ -230,7 +233,7 @@ impl Dataplane {
                 return Err(e);
             }
         };
-        steps.0.push(("maps", maps_started.elapsed()));
+        steps.0.push(("maps", maps_started.elapsed().saturating_sub(linked)));
         info!(
             "enrolled pod in {} (cookie {cookie}, {addresses:?}, dns capture {dns_capture})",
             netns.path().display(),

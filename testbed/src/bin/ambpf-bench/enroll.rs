@@ -31,7 +31,7 @@
 //!
 //! After the enrolment the agent's `/metrics` gives where its time went, per
 //! step (`ambpf_enrol_duration_seconds{mode,step}`: namespace inspection, reply
-//! routing, steering filter, map writes; iptables mode: inspection, rules).
+//! routing, sk_lookup link, map writes; iptables mode: inspection, rules).
 //!
 //! `--phases enrol` measures the enrolment only: iptables mode's opt-out of
 //! many pods takes minutes (about 0.5 s a pod), the enrolment seconds. The
