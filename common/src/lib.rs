@@ -294,9 +294,13 @@ pub struct PodConfig {
 pub mod pod_flags {
     /// Redirect the pod's DNS (port 53) to ztunnel's DNS proxy.
     pub const DNS_CAPTURE: u32 = 1 << 0;
-    /// The agent created the `clsact` qdisc its steering filter sits on (it
-    /// removes it with the filter when nothing else uses it).
+    /// An earlier agent created the `clsact` qdisc its steering filter sat
+    /// on (removed with the filter when nothing else uses it).
     pub const STEERING_QDISC_CREATED: u32 = 1 << 1;
+    /// Enrolled with its sk_lookup link and no tc steering: an entry without
+    /// it is an earlier agent's, whose filters go when the pod is enrolled
+    /// again.
+    pub const INBOUND_LINK: u32 = 1 << 2;
 }
 
 /// Node-wide settings.

@@ -39,8 +39,10 @@ pub fn on_listen(ctx: &SockOpsContext) {
         return;
     }
     let mark: u32 = unsafe { load_field(sk, offset_of!(bpf_sock, mark)) };
-    // TCP_LISTEN_CB runs in the listening process: an app's listener on
-    // 15006 with ztunnel's mark is not ztunnel's.
+    // TCP_LISTEN_CB runs in the listening process: where the kernel lets
+    // sock_ops ask (6.10+), an app's listener on 15006 with ztunnel's mark
+    // is not taken for ztunnel's; before, the mark decides, as for Istio's
+    // REDIRECT to whatever listens on 15006.
     if !is_ztunnel(mark, Hook::SockOps) {
         return;
     }

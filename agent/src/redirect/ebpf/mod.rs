@@ -207,7 +207,8 @@ impl Dataplane {
         }
         let linked = linking.elapsed();
         steps.0.push(("link", linked));
-        if let Some(previous) = previous {
+        config.flags |= pod_flags::INBOUND_LINK;
+        if let Some(previous) = previous.filter(|p| p.flags & pod_flags::INBOUND_LINK == 0) {
             // Enrolled by an earlier agent, whose tc filters parsed SYNs:
             // the link above captures in their place.
             let qdisc_created = previous.flags & pod_flags::STEERING_QDISC_CREATED != 0;
@@ -233,7 +234,9 @@ impl Dataplane {
                 return Err(e);
             }
         };
-        steps.0.push(("maps", maps_started.elapsed().saturating_sub(linked)));
+        steps
+            .0
+            .push(("maps", maps_started.elapsed().saturating_sub(linked)));
         info!(
             "enrolled pod in {} (cookie {cookie}, {addresses:?}, dns capture {dns_capture})",
             netns.path().display(),
