@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
 use super::{Controller, PodSpec, SourcePods};
-use crate::{cni::AddError, netns::Netns};
+use crate::{cni::AddError, netns::Netns, zds::Workload};
 
 /// A pod the CNI plugin posted, kept until the source decides.
 #[derive(Debug)]
@@ -159,6 +159,22 @@ impl Controller {
             .cloned()
             .collect();
         pods.extend(self.explicit.values().map(|cni| cni.pod.clone()));
+        // A pod the source knows but cannot resolve this moment keeps the
+        // capture it has, and ztunnel its proxy: never one without the other.
+        for uid in &source.waiting {
+            let Some(enrolled) = self.enrolled.get(uid) else {
+                continue;
+            };
+            if !pods.iter().any(|p| p.workload.uid == *uid) {
+                pods.push(PodSpec {
+                    workload: Workload {
+                        netns_inode: None,
+                        ..enrolled.workload.clone()
+                    },
+                    dns_capture: Some(enrolled.options.dns_capture),
+                });
+            }
+        }
         pods
     }
 

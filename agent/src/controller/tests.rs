@@ -350,6 +350,37 @@ fn a_recreated_sandbox_is_enrolled_and_handed_over_while_the_source_names_the_ol
     assert_eq!(zds.workloads()["a"].netns_inode, Some(inode(&new)));
 }
 
+/// An enrolled pod the source briefly cannot resolve (listed as waiting)
+/// keeps its capture and its place with ztunnel.
+#[test]
+fn a_pod_the_source_briefly_cannot_resolve_keeps_its_capture() {
+    let a = NetnsGuard::create("ctl").unwrap();
+    let recorder = Recorder::default();
+    let log = recorder.log.clone();
+    let (mut ctl, zds) = controller(recorder, true);
+    let pods = ctl.desired(&ambient(vec![spec("a", &a, None)]));
+    ctl.apply(&pods);
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+
+    let mut waiting = SourcePods {
+        absent_means_deleted: true,
+        ..SourcePods::default()
+    };
+    waiting.waiting.insert("a".to_owned());
+    let pods = ctl.desired(&waiting);
+    let report = ctl.apply(&pods);
+    assert_eq!(report.removed, 0);
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+    assert!(
+        !log.lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with("unenroll")),
+        "{:?}",
+        log.lock().unwrap()
+    );
+}
+
 fn enrolled_by_cni(ctl: &mut Controller, pods: Vec<PodSpec>) {
     let (requests, answers): (Vec<_>, Vec<_>) = pods.into_iter().map(request).unzip();
     ctl.apply_requests(&SourcePods::default(), requests);

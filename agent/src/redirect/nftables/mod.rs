@@ -381,10 +381,13 @@ impl PodRedirection for NftablesRedirection {
         let conflicts = steps.time("probes", || {
             self.claim_probe_addresses(cookie, &addresses, &stale)
         })?;
+        // The tables first: a pod whose tables another tool holds is refused
+        // before anything of its policy routing (which may be that tool's,
+        // Istio's the same) is touched.
         let written = steps.time("rules", || {
-            routing::install_policy_routing(netns)?;
             self.write_pod(netns, options.dns_capture, known)
-                .map_err(EnrollError::from)
+                .map_err(EnrollError::from)?;
+            routing::install_policy_routing(netns).map_err(EnrollError::from)
         });
         if let Err(e) = written {
             if !known {
@@ -394,16 +397,10 @@ impl PodRedirection for NftablesRedirection {
                 if !matches!(
                     e,
                     EnrollError::Nftables(NftablesError::ForeignTables { .. })
-                ) {
-                    if let Err(undo) = remove_pod_tables(&self.nft, netns) {
-                        warn!(
-                            "undoing the failed enrolment of {}: {undo}",
-                            netns.path().display()
-                        );
-                    }
-                } else if let Err(undo) = routing::remove_policy_routing(netns) {
+                ) && let Err(undo) = remove_pod_tables(&self.nft, netns)
+                {
                     warn!(
-                        "undoing the policy routing of {}: {undo}",
+                        "undoing the failed enrolment of {}: {undo}",
                         netns.path().display()
                     );
                 }

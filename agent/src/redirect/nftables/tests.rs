@@ -219,6 +219,9 @@ fn a_pod_with_another_tools_table_is_refused_and_left_untouched() {
          add chain inet istio-ambient-mangle output { type route hook output priority -150 ; }\n\
          add rule inet istio-ambient-mangle output counter\n",
     );
+    // And its policy routing (`fwmark 0x111/0xfff lookup 100`, the same as
+    // ambpf's): another owner's, which a refusal must leave.
+    routing::install_policy_routing(&pod).unwrap();
     let before = ruleset(&pn.pod);
     let mut redirection = NftablesRedirection::new(open(&pn.node)).unwrap();
     let err = redirection.enroll(&pod, dns(true)).unwrap_err();
@@ -238,9 +241,10 @@ fn a_pod_with_another_tools_table_is_refused_and_left_untouched() {
             .is_empty()
     );
     assert!(
-        !routing::reply_routing_status(&pod)
+        routing::reply_routing_status(&pod)
             .unwrap()
-            .policy_routing_installed()
+            .policy_routing_installed(),
+        "the other owner's policy routing was removed"
     );
     assert!(redirection.enrolled().unwrap().is_empty());
     redirection.uninstall().unwrap();
