@@ -295,9 +295,23 @@ impl Controller {
                 pass.ready.push(pod.workload.clone());
             }
             Err(e) => {
-                warn!("pod {name} ({uid}) not enrolled: {e}");
                 pass.failed_inodes.insert(netns.inode());
                 pass.report.failed.insert(uid.clone(), e.to_string());
+                // A failed enrolment again of the same namespace (new
+                // options) keeps the redirection it had, and so ztunnel
+                // keeps its proxy: never the capture without the proxy.
+                if let Some(current) = self.enrolled.get(uid)
+                    && current.netns.inode() == netns.inode()
+                {
+                    warn!(
+                        "pod {name} ({uid}) not enrolled again: {e}; it keeps its previous \
+                         redirection and its place in ztunnel"
+                    );
+                    pass.wanted_cookies.insert(current.key.netns_cookie);
+                    pass.ready.push(current.workload.clone());
+                } else {
+                    warn!("pod {name} ({uid}) not enrolled: {e}");
+                }
             }
         }
     }

@@ -118,7 +118,7 @@ fn a_pod_that_cannot_be_enrolled_is_kept_from_ztunnel_and_the_rest_proceed() {
         NetnsGuard::create("ctl").unwrap(),
     );
     let mut recorder = Recorder::default();
-    recorder.refuse.insert(inode(&a));
+    recorder.refuse.lock().unwrap().insert(inode(&a));
     let (mut ctl, zds) = controller(recorder, true);
     let mut missing = spec("gone", &a, None);
     missing.workload.netns = NetnsSource::Path("/run/netns/ambpf-no-such-pod".into());
@@ -171,7 +171,7 @@ fn programmed_pods_are_reported_after_each_pass_that_changes_them() {
         NetnsGuard::create("ctl").unwrap(),
     );
     let mut recorder = Recorder::default();
-    recorder.refuse.insert(inode(&b));
+    recorder.refuse.lock().unwrap().insert(inode(&b));
     let (mut ctl, _zds) = controller(recorder, true);
     let (tx, mut rx) = watch::channel(Arc::default());
     ctl.report_programmed(tx);
@@ -271,7 +271,7 @@ fn a_cni_add_is_enrolled_at_once_and_kept_until_the_source_reports_it() {
         NetnsGuard::create("ctl").unwrap(),
     );
     let mut recorder = Recorder::default();
-    recorder.refuse.insert(inode(&b));
+    recorder.refuse.lock().unwrap().insert(inode(&b));
     let log = recorder.log.clone();
     let (mut ctl, zds) = controller(recorder, true);
 
@@ -369,6 +369,32 @@ fn a_pod_the_source_briefly_cannot_resolve_keeps_its_capture() {
     waiting.waiting.insert("a".to_owned());
     let pods = ctl.desired(&waiting);
     let report = ctl.apply(&pods);
+    assert_eq!(report.removed, 0);
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+    assert!(
+        !log.lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.starts_with("unenroll")),
+        "{:?}",
+        log.lock().unwrap()
+    );
+}
+
+/// A pod that fails to be enrolled again (its DNS setting changed) keeps its
+/// previous redirection and its place in ztunnel together.
+#[test]
+fn a_failed_enrolment_again_keeps_the_capture_and_ztunnels_proxy_together() {
+    let a = NetnsGuard::create("ctl").unwrap();
+    let recorder = Recorder::default();
+    let (refuse, log) = (recorder.refuse.clone(), recorder.log.clone());
+    let (mut ctl, zds) = controller(recorder, true);
+    ctl.apply(&[spec("a", &a, Some(true))]);
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+
+    refuse.lock().unwrap().insert(inode(&a));
+    let report = ctl.apply(&[spec("a", &a, Some(false))]);
+    assert!(report.failed.contains_key("a"), "{report:?}");
     assert_eq!(report.removed, 0);
     assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
     assert!(

@@ -20,8 +20,9 @@ pub struct Recorder {
     pub log: Arc<Mutex<Vec<String>>>,
     /// The netns inodes of the pods enrolled now.
     pub enrolled: Arc<Mutex<BTreeSet<u64>>>,
-    /// Netns inodes whose enrolment fails (as a pod with no address does).
-    pub refuse: BTreeSet<u64>,
+    /// Netns inodes whose enrolment fails (as a pod with no address does);
+    /// shared, so a test can make a pod fail after it was enrolled.
+    pub refuse: Arc<Mutex<BTreeSet<u64>>>,
 }
 
 impl PodRedirection for Recorder {
@@ -39,7 +40,7 @@ impl PodRedirection for Recorder {
             netns.inode(),
             options.dns_capture
         ));
-        if self.refuse.contains(&netns.inode()) {
+        if self.refuse.lock().unwrap().contains(&netns.inode()) {
             return Err(EnrollError::NoAddress {
                 netns: netns.path().to_owned(),
             });
