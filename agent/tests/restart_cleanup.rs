@@ -182,7 +182,6 @@ fn proxied(ztunnel: &ZtunnelDouble, port: u16) -> usize {
 /// namespace or an earlier agent's steering filter, and in the
 /// iptables and nftables modes the policy routing, which the restarted
 /// agent removes with the rules.
-
 fn capture_left(node: &Node, i: usize) -> Vec<String> {
     let netns = node.netns(i);
     let mut left = Vec::new();

@@ -117,7 +117,7 @@ fn a_pod_that_cannot_be_enrolled_is_kept_from_ztunnel_and_the_rest_proceed() {
         NetnsGuard::create("ctl").unwrap(),
         NetnsGuard::create("ctl").unwrap(),
     );
-    let mut recorder = Recorder::default();
+    let recorder = Recorder::default();
     recorder.refuse.lock().unwrap().insert(inode(&a));
     let (mut ctl, zds) = controller(recorder, true);
     let mut missing = spec("gone", &a, None);
@@ -170,7 +170,7 @@ fn programmed_pods_are_reported_after_each_pass_that_changes_them() {
         NetnsGuard::create("ctl").unwrap(),
         NetnsGuard::create("ctl").unwrap(),
     );
-    let mut recorder = Recorder::default();
+    let recorder = Recorder::default();
     recorder.refuse.lock().unwrap().insert(inode(&b));
     let (mut ctl, _zds) = controller(recorder, true);
     let (tx, mut rx) = watch::channel(Arc::default());
@@ -270,7 +270,7 @@ fn a_cni_add_is_enrolled_at_once_and_kept_until_the_source_reports_it() {
         NetnsGuard::create("ctl").unwrap(),
         NetnsGuard::create("ctl").unwrap(),
     );
-    let mut recorder = Recorder::default();
+    let recorder = Recorder::default();
     recorder.refuse.lock().unwrap().insert(inode(&b));
     let log = recorder.log.clone();
     let (mut ctl, zds) = controller(recorder, true);
