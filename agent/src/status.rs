@@ -299,7 +299,7 @@ mod tests {
         }
         assert_eq!(text.matches("(none)").count(), 4, "{text}");
         assert!(text.contains("shop/web-0"), "{text}");
-        assert!(text.contains("eth0 steered"), "{text}");
+        assert!(text.contains("inbound: captured"), "{text}");
         assert!(text.contains("\ninbound: sk-lookup, "), "{text}");
         assert!(!text.contains("4144"), "the cookie is for -o wide:\n{text}");
         assert!(
@@ -340,7 +340,7 @@ mod tests {
             text.contains("uid 6f1c netns cookie 4144 inode 4026532318"),
             "{text}"
         );
-        assert!(text.contains("eth0 prog 77 ambpf_pod_in"), "{text}");
+        assert!(text.contains("inbound: link prog 77"), "{text}");
     }
 
     #[test]

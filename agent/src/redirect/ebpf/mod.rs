@@ -306,20 +306,21 @@ impl Dataplane {
         }
         self.remove_pod_counters(cookie)
             .map_err(map_err(maps::POD_COUNTERS))?;
-        // New connections go direct from here; an earlier agent's steering
-        // filter goes with the namespace if that is gone already.
-        let netns = match self.held.remove(&cookie) {
-            Some(netns) => Some(netns),
-            None => found.and_then(|config| {
+        // New connections go direct from here. Only a pod an earlier agent
+        // enrolled has a steering filter to remove (it goes with the
+        // namespace if that is gone already); nothing of this agent's is in
+        // the pod's namespace but its reply routing, which stays.
+        let held = self.held.remove(&cookie);
+        if let Some(config) = found.filter(|c| c.flags & pod_flags::INBOUND_LINK == 0) {
+            let netns = held.or_else(|| {
                 super::check::locate_pods(&[config], &[])
                     .remove(&cookie)
                     .flatten()
-            }),
-        };
-        if let Some(netns) = netns {
-            let qdisc_created =
-                found.is_some_and(|c| c.flags & pod_flags::STEERING_QDISC_CREATED != 0);
-            detach_steering(&netns, qdisc_created)?;
+            });
+            if let Some(netns) = netns {
+                let qdisc_created = config.flags & pod_flags::STEERING_QDISC_CREATED != 0;
+                detach_steering(&netns, qdisc_created)?;
+            }
         }
         self.remove_inbound_link(cookie)?;
         if let Err(e) = crate::bpf::pod_names::remove(self.pins(), cookie) {
