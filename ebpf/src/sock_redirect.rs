@@ -348,14 +348,7 @@ fn redirect4(ctx: &SockAddrContext, tcp: bool, connect: bool) -> i32 {
             (*sa).user_port = u32::from(to.1);
         }
     }
-    report(
-        sa,
-        netns,
-        &decision,
-        to,
-        (dst, port_be),
-        (tcp, connect, false),
-    );
+    report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, false));
     ALLOW
 }
 
@@ -392,14 +385,7 @@ fn redirect6(ctx: &SockAddrContext, tcp: bool, connect: bool) -> i32 {
             (*sa).user_port = u32::from(to.1);
         }
     }
-    report(
-        sa,
-        netns,
-        &decision,
-        to,
-        (dst, port_be),
-        (tcp, connect, true),
-    );
+    report(sa, netns, &decision, to, (dst, port_be), (tcp, connect, true));
     ALLOW
 }
 
