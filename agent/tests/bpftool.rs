@@ -62,10 +62,10 @@ fn bpftool_prints_pinned_map_entries_with_named_fields() {
     let value = &formatted["value"];
     assert_eq!(value["netns_cookie"], enrolled.netns_cookie, "{dump}");
     assert_eq!(value["netns_inode"], netns.inode(), "{dump}");
-    // DNS capture; no qdisc of ambpf's (inbound capture is a netns link).
+    // DNS capture, and inbound capture by its netns link (no qdisc).
     assert_eq!(
         value["flags"],
-        ambpf_common::pod_flags::DNS_CAPTURE,
+        ambpf_common::pod_flags::DNS_CAPTURE | ambpf_common::pod_flags::INBOUND_LINK,
         "{dump}"
     );
     let first_ip: Vec<u64> = value["ips"][0]["addr"]

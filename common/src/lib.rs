@@ -194,9 +194,10 @@ pub mod maps {
     /// carries ztunnel's mark is exempt from capture, never the mark alone,
     /// which CAP_NET_RAW may set on Linux 5.17 and later.
     pub const ZTUNNEL_PROCS: &str = "ambpf_zt_procs";
-    /// Capacity of [`ZTUNNEL_PROCS`]: a ztunnel and its replacement during
-    /// an update, with room.
-    pub const ZTUNNEL_PROCS_MAX: u32 = 16;
+    /// Capacity of [`ZTUNNEL_PROCS`]: ztunnel and its replacement during an
+    /// update, and their children (ztunnel has none; a process that hands
+    /// its proxies to children may have many), with room.
+    pub const ZTUNNEL_PROCS_MAX: u32 = 1024;
 
     /// Maps the agent pins under `<pin root>/maps/`. `AYA_LOGS` is not pinned: it
     /// belongs to the agent process that drains it.

@@ -112,7 +112,7 @@ pub const REQUIRED: &[Feature] = &[
         since: "5.14",
         probe: || {
             let socket = std::net::UdpSocket::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-            match crate::redirect::podnet::socket_netns_cookie(socket.as_fd()) {
+            match crate::netns::socket_netns_cookie(socket.as_fd()) {
                 Ok(_) => Ok(true),
                 Err(e) if e.raw_os_error() == Some(libc::ENOPROTOOPT) => Ok(false),
                 Err(e) => Err(e.to_string()),

@@ -11,7 +11,7 @@
 //! restarting agent still owns its sockets), and leaves it when it is gone.
 //! This module is the map's only writer.
 
-use std::{collections::BTreeMap, future::Future, io, time::Duration};
+use std::{future::Future, io, time::Duration};
 
 use ambpf_common::maps;
 use aya::maps::{HashMap, Map, MapData};
@@ -64,38 +64,58 @@ fn open(pins: &PinLayout) -> io::Result<HashMap<MapData, u32, u64>> {
     HashMap::try_from(Map::HashMap(data)).map_err(io::Error::other)
 }
 
-/// Writes the map: the `connected` PIDs, and the processes it held that
-/// still live (same PID, same start time); the rest are removed.
+/// Writes the map: the `connected` PIDs and their descendants, and the
+/// processes it held that still live (same PID, same start time); the rest
+/// are removed. The connected processes themselves are written first, so a
+/// full map never leaves ztunnel out.
 pub fn update(pins: &PinLayout, connected: &[u32]) -> io::Result<()> {
     let mut map = open(pins)?;
     let held: Vec<(u32, u64)> = map.iter().filter_map(Result::ok).collect();
-    let mut wanted: BTreeMap<u32, u64> = held
+    let alive = |pid: u32| start_ticks(pid).map(|ticks| (pid, ticks));
+    let mut wanted: Vec<(u32, u64)> = connected.iter().filter_map(|pid| alive(*pid)).collect();
+    let held_alive = held
         .iter()
         .filter(|(pid, ticks)| start_ticks(*pid) == Some(*ticks))
+        .copied();
+    let roots: Vec<u32> = connected
+        .iter()
         .copied()
+        .chain(held_alive.clone().map(|(pid, _)| pid))
         .collect();
-    for pid in connected {
-        if let Some(ticks) = start_ticks(*pid) {
-            wanted.insert(*pid, ticks);
-        }
+    wanted.extend(held_alive);
+    wanted.extend(descendants(&roots).into_iter().filter_map(alive));
+    let mut seen = std::collections::HashSet::new();
+    wanted.retain(|(pid, _)| seen.insert(*pid));
+
+    let wanted_pids: std::collections::HashSet<u32> = wanted.iter().map(|(p, _)| *p).collect();
+    let gone: Vec<u32> = held
+        .iter()
+        .map(|(pid, _)| *pid)
+        .filter(|pid| !wanted_pids.contains(pid))
+        .collect();
+    for pid in &gone {
+        map.remove(pid).map_err(io::Error::other)?;
     }
-    let roots: Vec<u32> = wanted.keys().copied().collect();
-    for pid in descendants(&roots) {
-        if let Some(ticks) = start_ticks(pid) {
-            wanted.insert(pid, ticks);
-        }
-    }
-    for (pid, _) in &held {
-        if !wanted.contains_key(pid) {
-            map.remove(pid).map_err(io::Error::other)?;
-            info!("ztunnel process {pid} is gone: its marked sockets are no longer exempt");
-        }
-    }
+    let mut unrecorded = 0;
     for (pid, ticks) in &wanted {
-        if !held.contains(&(*pid, *ticks)) {
-            map.insert(pid, ticks, 0).map_err(io::Error::other)?;
-            info!("ztunnel process {pid}: its marked sockets are exempt from capture");
+        if !held.contains(&(*pid, *ticks)) && map.insert(pid, ticks, 0).is_err() {
+            unrecorded += 1;
         }
+    }
+    if !gone.is_empty() || wanted.len() != held.len() {
+        info!(
+            "ztunnel's processes: {} (ZDS peers {connected:?} and their children); {} gone",
+            wanted.len() - unrecorded,
+            gone.len()
+        );
+    }
+    if unrecorded > 0 {
+        warn!(
+            "{unrecorded} of ztunnel's processes did not fit {} ({} entries): their marked \
+             sockets are captured",
+            maps::ZTUNNEL_PROCS,
+            maps::ZTUNNEL_PROCS_MAX
+        );
     }
     Ok(())
 }

@@ -162,7 +162,13 @@ impl Controller {
         // A pod the source knows but cannot resolve this moment keeps the
         // capture it has, and ztunnel its proxy: never one without the other.
         for uid in &source.waiting {
-            let Some(enrolled) = self.enrolled.get(uid) else {
+            // Not a pod whose CNI ADD failed: the runtime tears its sandbox
+            // down, and its capture goes.
+            let Some(enrolled) = self
+                .enrolled
+                .get(uid)
+                .filter(|_| !self.held_back.contains_key(uid))
+            else {
                 continue;
             };
             if !pods.iter().any(|p| p.workload.uid == *uid) {

@@ -12,7 +12,7 @@
 use std::{
     io,
     net::IpAddr,
-    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    os::fd::{AsFd, BorrowedFd},
     path::{Path, PathBuf},
 };
 
@@ -25,12 +25,6 @@ use nix::libc;
 
 pub use super::rtnl::{Applied, NetlinkError, Rtnl};
 use crate::netns::{Netns, NetnsError};
-
-/// `SO_NETNS_COOKIE` from `asm-generic/socket.h` (Linux 5.14): the 64-bit
-/// cookie of the network namespace a socket belongs to. It is the value the
-/// kernel programs read with `bpf_get_netns_cookie`, unique for the life of
-/// the host (never reused, unlike an nsfs inode number).
-pub const SO_NETNS_COOKIE: libc::c_int = 71;
 
 /// Where [`host_addresses`] and [`netns_cookie_of_current_thread`] look: the
 /// namespace of the calling thread, named the way errors show it.
@@ -101,33 +95,7 @@ pub fn netns_cookie_of_current_thread() -> Result<u64, PodNetError> {
     cookie_here(Path::new(CURRENT_THREAD_NETNS))
 }
 
-/// The cookie of the network namespace `socket` belongs to (the namespace of
-/// the thread that created it, wherever the descriptor has travelled since).
-/// Fails with `ENOPROTOOPT` before Linux 5.14.
-pub fn socket_netns_cookie(socket: BorrowedFd<'_>) -> io::Result<u64> {
-    let mut cookie: u64 = 0;
-    let mut len = size_of::<u64>() as libc::socklen_t;
-    // SAFETY: `cookie` and `len` are valid for writes and `len` holds the
-    // size of `cookie`; the kernel writes at most `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_NETNS_COOKIE,
-            (&raw mut cookie).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if len as usize != size_of::<u64>() {
-        return Err(io::Error::other(format!(
-            "SO_NETNS_COOKIE returned {len} bytes, expected 8"
-        )));
-    }
-    Ok(cookie)
-}
+pub use crate::netns::{SO_NETNS_COOKIE, socket_netns_cookie};
 
 /// Every address of the network namespace the calling thread is in, on any
 /// interface (loopback included: nodes often hold service or BGP addresses on
