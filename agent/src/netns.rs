@@ -156,6 +156,41 @@ fn is_nsfs(file: &File) -> bool {
     nix::sys::statfs::fstatfs(file).is_ok_and(|fs| fs.filesystem_type() == NSFS_MAGIC)
 }
 
+/// `SO_NETNS_COOKIE` from `asm-generic/socket.h` (Linux 5.14): the 64-bit
+/// cookie of the network namespace a socket belongs to. It is the value the
+/// kernel programs read with `bpf_get_netns_cookie`, unique for the life of
+/// the host (never reused, unlike an nsfs inode number).
+pub const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// The cookie of the network namespace `socket` belongs to (the namespace of
+/// the thread that created it, wherever the descriptor has travelled since).
+/// Fails with `ENOPROTOOPT` before Linux 5.14.
+pub fn socket_netns_cookie(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<u64> {
+    let mut cookie: u64 = 0;
+    use std::os::fd::AsRawFd as _;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `cookie` and `len` are valid for writes and `len` holds the
+    // size of `cookie`; the kernel writes at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if len as usize != size_of::<u64>() {
+        return Err(std::io::Error::other(format!(
+            "SO_NETNS_COOKIE returned {len} bytes, expected 8"
+        )));
+    }
+    Ok(cookie)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,39 +242,4 @@ mod tests {
         assert_eq!(ns.inode(), own);
         assert_eq!(ns.run(|| 40 + 2).unwrap(), 42);
     }
-}
-
-/// `SO_NETNS_COOKIE` from `asm-generic/socket.h` (Linux 5.14): the 64-bit
-/// cookie of the network namespace a socket belongs to. It is the value the
-/// kernel programs read with `bpf_get_netns_cookie`, unique for the life of
-/// the host (never reused, unlike an nsfs inode number).
-pub const SO_NETNS_COOKIE: libc::c_int = 71;
-
-/// The cookie of the network namespace `socket` belongs to (the namespace of
-/// the thread that created it, wherever the descriptor has travelled since).
-/// Fails with `ENOPROTOOPT` before Linux 5.14.
-pub fn socket_netns_cookie(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Result<u64> {
-    let mut cookie: u64 = 0;
-    use std::os::fd::AsRawFd as _;
-    let mut len = size_of::<u64>() as libc::socklen_t;
-    // SAFETY: `cookie` and `len` are valid for writes and `len` holds the
-    // size of `cookie`; the kernel writes at most `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_NETNS_COOKIE,
-            (&raw mut cookie).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    if len as usize != size_of::<u64>() {
-        return Err(std::io::Error::other(format!(
-            "SO_NETNS_COOKIE returned {len} bytes, expected 8"
-        )));
-    }
-    Ok(cookie)
 }
