@@ -384,7 +384,7 @@ pub fn read_counters(pins: &PinLayout) -> Result<Vec<(&'static str, u64)>, Inspe
     if let Some(sums) = per_cpu_sums(&pins.map(maps::INBOUND_REFUSED), &slots)? {
         out.extend(refusals.iter().zip(sums).map(|(why, sum)| {
             let name = match why {
-                ambpf_common::InboundRefusal::UnknownAddress => "inbound_refused_unknown_address",
+                ambpf_common::InboundRefusal::UnknownAddress => "inbound_unknown_address",
             };
             (name, sum)
         }));
