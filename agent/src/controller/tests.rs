@@ -350,6 +350,13 @@ fn a_recreated_sandbox_is_enrolled_and_handed_over_while_the_source_names_the_ol
     assert_eq!(zds.workloads()["a"].netns_inode, Some(inode(&new)));
 }
 
+/// Pod "a" is still enrolled (never removed) and in ztunnel's set.
+fn assert_still_held(zds: &ZdsHandle, log: &std::sync::Mutex<Vec<String>>) {
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
+    let log = log.lock().unwrap();
+    assert!(!log.iter().any(|l| l.starts_with("unenroll")), "{log:?}");
+}
+
 /// An enrolled pod the source briefly cannot resolve (listed as waiting)
 /// keeps its capture and its place with ztunnel.
 #[test]
@@ -370,15 +377,7 @@ fn a_pod_the_source_briefly_cannot_resolve_keeps_its_capture() {
     let pods = ctl.desired(&waiting);
     let report = ctl.apply(&pods);
     assert_eq!(report.removed, 0);
-    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
-    assert!(
-        !log.lock()
-            .unwrap()
-            .iter()
-            .any(|l| l.starts_with("unenroll")),
-        "{:?}",
-        log.lock().unwrap()
-    );
+    assert_still_held(&zds, &log);
 }
 
 /// A pod that fails to be enrolled again (its DNS setting changed) keeps its
@@ -396,15 +395,7 @@ fn a_failed_enrolment_again_keeps_the_capture_and_ztunnels_proxy_together() {
     let report = ctl.apply(&[spec("a", &a, Some(false))]);
     assert!(report.failed.contains_key("a"), "{report:?}");
     assert_eq!(report.removed, 0);
-    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a"]);
-    assert!(
-        !log.lock()
-            .unwrap()
-            .iter()
-            .any(|l| l.starts_with("unenroll")),
-        "{:?}",
-        log.lock().unwrap()
-    );
+    assert_still_held(&zds, &log);
 }
 
 fn enrolled_by_cni(ctl: &mut Controller, pods: Vec<PodSpec>) {
