@@ -122,7 +122,6 @@ fn interface_named(f: &Fixture, kind: PodLinkKind, case: &str) {
     };
     assert_eq!(found.to_string(), expected, "{case}");
     eprintln!("{case}: eth0 is {found}, link type {:?}", found.link_layer);
-    assert_eq!(found.unsteerable_because(), None, "{case}");
 }
 
 async fn outbound(f: &Fixture, case: &str) {

@@ -89,15 +89,6 @@ pub enum EnrollError {
         netns: PathBuf,
         cause: NetlinkError,
     },
-    #[error("cannot enrol the pod in {netns}: its interface {iface} is {kind}, and {reason}")]
-    UnsteerableInterface {
-        iface: String,
-        netns: PathBuf,
-        kind: String,
-        reason: String,
-    },
-    #[error("the steering program: {0}")]
-    SteeringProgram(String),
     #[error("the sk_lookup link of the pod in {netns}: {cause}")]
     InboundLink {
         netns: PathBuf,
