@@ -348,9 +348,9 @@ fn encode_map_fill(
     Ok(())
 }
 
-/// One series per enrolled pod (and direction) that this agent knows by
-/// name; a pod's series go with its map entry, when it is removed. The
-/// counts are [`crate::bpf::pod_counters::read`]'s, as `ambpf status`
+/// One series per enrolled pod (and direction, or reason) that this agent
+/// knows by name; a pod's series go with its map entry, when it is removed.
+/// The counts are [`crate::bpf::pod_counters::read`]'s, as `ambpf status`
 /// shows them.
 fn encode_pod_counters(
     encoder: &mut DescriptorEncoder,
@@ -359,44 +359,49 @@ fn encode_pod_counters(
 ) -> Result<(), std::fmt::Error> {
     let mut pods: Vec<_> = counters
         .iter()
-        .filter_map(|(cookie, counts)| Some((names.get(cookie)?, counts.0)))
+        .filter_map(|(cookie, counts)| Some((names.get(cookie)?, *counts)))
         .collect();
     pods.sort_by(|a, b| a.0.cmp(b.0));
-    /// A series of a family: its `direction` label (none if empty) and its count.
-    type Series = (&'static str, fn(&ambpf_common::PodCounters) -> u64);
-    let families: [(&str, &str, &[Series]); 3] = [
+    /// A series of a family: its extra label (none if the name is empty),
+    /// the label's value and its count.
+    type Series = (&'static str, &'static str, fn(&PodCounts) -> u64);
+    let families: [(&str, &str, &[Series]); 4] = [
         (
             "pod_connections_redirected",
             "Connections of the pod sent to ztunnel, by direction.",
             &[
-                ("outbound", |c| c.outbound_redirected),
-                ("inbound", |c| c.inbound_redirected),
+                ("direction", "outbound", |c| c.counters.outbound_redirected),
+                ("direction", "inbound", |c| c.counters.inbound_redirected),
             ],
         ),
         (
             "pod_dns_redirected",
             "DNS of the pod sent to ztunnel's DNS proxy (UDP queries, TCP connections).",
-            &[("", |c| c.dns_redirected)],
+            &[("", "", |c| c.counters.dns_redirected)],
         ),
         (
             "pod_probes_bypassed",
             "Connections from the node's own addresses (kubelet probes) let through to the pod.",
-            &[("", |c| c.probes_bypassed)],
+            &[("", "", |c| c.counters.probes_bypassed)],
+        ),
+        (
+            "pod_inbound_refused",
+            "Inbound connections to the pod refused (the client gets an RST), by reason: \
+             no_listener, ztunnel's 15006 listener is not open in the pod. Refusals for a \
+             local address no pod was enrolled with name no pod: \
+             ambpf_kernel_inbound_unknown_address_total.",
+            &[("reason", "no_listener", |c| c.drops.inbound_no_listener)],
         ),
     ];
     for (name, help, series) in families {
         let mut family = family(encoder, name, help, MetricType::Counter)?;
         for ((namespace, pod), counts) in &pods {
-            for (direction, value) in series.iter() {
+            for (label, label_value, value) in series.iter() {
                 let metric = ConstCounter::new(value(counts));
-                let labels: &[(&str, &str)] = if direction.is_empty() {
+                let labels: &[(&str, &str)] = if label.is_empty() {
                     &[("namespace", namespace), ("pod", pod)]
                 } else {
-                    &[
-                        ("namespace", namespace),
-                        ("pod", pod),
-                        ("direction", direction),
-                    ]
+                    &[("namespace", namespace), ("pod", pod), (label, label_value)]
                 };
                 metric.encode(family.encode_family(&labels)?)?;
             }

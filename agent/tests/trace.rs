@@ -9,7 +9,9 @@
 //! second reader is refused while one reads; a reader that dies frees the
 //! gate; filters select; a reader that stops reading loses records (counted
 //! and shown) while the connections go on; the per-pod counters and their
-//! `/metrics` series grow for the pod whose traffic it was and go with it.
+//! `/metrics` series grow for the pod whose traffic it was and go with it;
+//! web-1's refused connections are counted for it and logged once per
+//! report, never per connection.
 
 use std::{
     io::{BufRead, BufReader, Read, Write},
@@ -222,13 +224,19 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     let any = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), APP_PORT);
     serve(&web0.ns, any);
     serve(&web1.ns, any);
-    let _agent = common::agent::spawn_agent(
-        &cluster.node,
-        &pins,
-        &socket,
-        &pods_file,
-        cgroup.path(),
-        METRICS,
+    let log = dir.join("agent.log");
+    let _agent = Proc(
+        common::agent::agent_command(
+            &cluster.node,
+            &pins,
+            &socket,
+            &pods_file,
+            cgroup.path(),
+            METRICS,
+        )
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap(),
     );
     let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default().nack(WEB1));
     ztunnel
@@ -255,7 +263,7 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
     let (cookie0, cookie1) = (cookie(web0_ip), cookie(web1_ip));
     let zero = serde_json::json!({
         "outbound_redirected": 0, "inbound_redirected": 0,
-        "dns_redirected": 0, "probes_bypassed": 0,
+        "dns_redirected": 0, "probes_bypassed": 0, "inbound_no_listener": 0,
     });
     assert_eq!(
         pod_status(&before, web0_ip).unwrap()["counters"],
@@ -306,11 +314,13 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
             PATIENCE
         ));
         // web-1 has no ztunnel listener: its inbound SYNs are dropped.
-        assert!(!connect(
-            &cluster.remote.ns,
-            to_app(web1_ip),
-            Duration::from_millis(300)
-        ));
+        for _ in 0..3 {
+            assert!(!connect(
+                &cluster.remote.ns,
+                to_app(web1_ip),
+                Duration::from_millis(300)
+            ));
+        }
         // Straight to ztunnel's 15001, bypassing the capture: ztunnel asks
         // for an original destination ambpf never recorded.
         connect(&web0.ns, SocketAddr::new(web0_ip, 15001), PATIENCE);
@@ -428,7 +438,7 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         "a dead reader's lease must run out (until {until})"
     );
 
-    // The counters: web-0's grew, web-1's did not.
+    // The counters: web-0's grew; web-1's refusals alone, each counted.
     let counted = status(&pins);
     let counters = |ip| pod_status(&counted, ip).unwrap()["counters"].clone();
     let web0_counters = counters(web0_ip);
@@ -443,13 +453,20 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
             "{name}: {web0_counters}"
         );
     }
-    assert_eq!(counters(web1_ip), zero, "{counted}");
+    assert_eq!(web0_counters["inbound_no_listener"], 0, "{counted}");
+    let mut web1_refused = zero.clone();
+    web1_refused["inbound_no_listener"] = 3.into();
+    assert_eq!(counters(web1_ip), web1_refused, "{counted}");
+    // Node-wide, as before.
+    assert_eq!(counted["counters"]["inbound_no_listener"], 3, "{counted}");
     let text = ambpf(&pins).arg("status").output().unwrap();
-    assert!(
-        String::from_utf8_lossy(&text.stdout).contains("[outbound_redirected "),
-        "{}",
-        String::from_utf8_lossy(&text.stdout)
-    );
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("[outbound_redirected "), "{text}");
+    let web1_row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("shop/web-1 "))
+        .unwrap_or_else(|| panic!("no row of web-1 in {text}"));
+    assert!(web1_row.contains("inbound_no_listener 3]"), "{web1_row}");
     let scraped = tokio::task::block_in_place(|| metrics(&cluster.node));
     let outbound = web0_counters["outbound_redirected"].as_u64().unwrap();
     for series in [
@@ -458,9 +475,37 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         ),
         r#"ambpf_pod_dns_redirected_total{namespace="shop",pod="web-0"}"#.to_owned(),
         r#"ambpf_pod_probes_bypassed_total{namespace="shop",pod="web-1"} 0"#.to_owned(),
+        r#"ambpf_pod_inbound_refused_total{namespace="shop",pod="web-1",reason="no_listener"} 3"#
+            .to_owned(),
+        r#"ambpf_pod_inbound_refused_total{namespace="shop",pod="web-0",reason="no_listener"} 0"#
+            .to_owned(),
+        "ambpf_kernel_inbound_no_listener_total 3".to_owned(),
     ] {
         assert!(scraped.contains(&series), "{series} missing from {scraped}");
     }
+    // The agent says so, once per report and pod, not per connection.
+    let said = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("pod shop/web-1: ") && l.contains("inbound connections refused"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    wait_until(
+        || !said(&std::fs::read_to_string(&log).unwrap()).is_empty(),
+        "the agent to log web-1's refusals",
+    )
+    .await;
+    // One line, unless a report fell between the three connections.
+    let lines = said(&std::fs::read_to_string(&log).unwrap());
+    let reported: u64 = lines
+        .iter()
+        .map(|l| {
+            let count = l.split("pod shop/web-1: ").nth(1).unwrap();
+            count.split(' ').next().unwrap().parse::<u64>().unwrap()
+        })
+        .sum();
+    assert_eq!(reported, 3, "{lines:?}");
+    assert!(lines.len() <= 2, "{lines:?}");
 
     // web-0 goes: its counters and its series go with it.
     std::fs::write(&pods_file, pods_json(&[(WEB1, "web-1", &web1.ns)])).unwrap();
@@ -469,8 +514,10 @@ async fn trace_shows_every_decision_and_counters_follow_the_pod() {
         "web-0 to be removed",
     )
     .await;
-    let entries = PerCpuKeys::read(&pins);
-    assert_eq!(entries, vec![cookie1], "counters left behind");
+    for map in [maps::POD_COUNTERS, maps::POD_DROPS] {
+        let entries = PerCpuKeys::read(&pins, map);
+        assert_eq!(entries, vec![cookie1], "counters left behind in {map}");
+    }
     let scraped = tokio::task::block_in_place(|| metrics(&cluster.node));
     assert!(!scraped.contains(r#"pod="web-0""#), "{scraped}");
     assert!(scraped.contains(r#"pod="web-1""#), "{scraped}");
@@ -560,8 +607,9 @@ async fn a_reader_that_stops_reading_loses_records_and_slows_nothing() {
 struct PerCpuKeys;
 
 impl PerCpuKeys {
-    fn read(pins: &Path) -> Vec<u64> {
-        let data = MapData::from_pin(pins.join("maps").join(maps::POD_COUNTERS)).unwrap();
+    /// Both per-pod maps' values are 32 bytes.
+    fn read(pins: &Path, name: &str) -> Vec<u64> {
+        let data = MapData::from_pin(pins.join("maps").join(name)).unwrap();
         let map: aya::maps::PerCpuHashMap<_, u64, ambpf_common::PodCounters> =
             aya::maps::PerCpuHashMap::try_from(Map::PerCpuHashMap(data)).unwrap();
         map.keys().map(Result::unwrap).collect()

@@ -125,6 +125,11 @@ pub mod maps {
     /// ([`crate::PodCounters`]); the agent adds the entry at enrolment and
     /// deletes it with the pod.
     pub const POD_COUNTERS: &str = "ambpf_pod_cnt";
+    /// Per-CPU counts of each enrolled pod's refused inbound connections, by
+    /// netns cookie ([`crate::PodDrops`]), kept as [`POD_COUNTERS`] is. A map
+    /// of its own, so that the pinned [`POD_COUNTERS`] keeps its layout and
+    /// an agent upgraded over it adopts it.
+    pub const POD_DROPS: &str = "ambpf_pod_drops";
     /// Trace records ([`crate::TraceRecord`]), a ring buffer read by
     /// `ambpf trace`.
     pub const TRACE_RING: &str = "ambpf_trace";
@@ -158,9 +163,9 @@ pub mod maps {
     /// when ztunnel calls `listen()`; the socket leaves the map when it
     /// closes.
     pub const INBOUND_LISTENERS: &str = "ambpf_in_lsn";
-    /// The sk_lookup path's steered SYNs: [`crate::TupleKey`] (cookie 0,
-    /// local: the original destination, peer: the client) -> the pod's netns
-    /// cookie, the key of its listener in [`INBOUND_LISTENERS`] (LRU).
+    /// The sk_lookup path's steered SYNs: [`crate::SteeredSynKey`] -> the
+    /// pod's netns cookie, the key of its listener in [`INBOUND_LISTENERS`]
+    /// (LRU). Only earlier agents' tc filters write it.
     pub const INBOUND_SYNS: &str = "ambpf_in_syns";
     /// Capacity of [`INBOUND_SYNS`]: SYNs between the steering program and
     /// the socket lookup, a moment each.
@@ -211,6 +216,7 @@ pub mod maps {
         ORIG_BY_TUPLE,
         COUNTERS,
         POD_COUNTERS,
+        POD_DROPS,
         TRACE_RING,
         TRACE_GATE,
         TRACE_LOST,
@@ -335,6 +341,20 @@ pub struct TupleKey {
     pub peer: SockAddr,
 }
 
+/// A SYN an earlier agent's tc filter steered to the pod's sk_lookup
+/// program: key of [`maps::INBOUND_SYNS`]. Its layout is [`TupleKey`]'s, so
+/// that the pinned map keeps its shape across upgrades.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SteeredSynKey {
+    /// Always 0 (where [`TupleKey`] has the netns cookie).
+    pub _zero: u64,
+    /// The SYN's destination: the original destination.
+    pub dst: SockAddr,
+    /// Its source: the client.
+    pub src: SockAddr,
+}
+
 /// A connection opened on this node: key of [`maps::LOCAL_CONNS`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -385,7 +405,8 @@ pub enum Counter {
     ProbeBypassed = 3,
     OriginalDstAnswered = 4,
     ReplyMarked = 5,
-    /// SYNs to an enrolled pod with no ztunnel listener to take them.
+    /// SYNs to an enrolled pod with no ztunnel listener to take them (also
+    /// counted for the pod, [`PodDrops::inbound_no_listener`]).
     InboundNoListener = 6,
     /// TCP segments from raw sockets in enrolled pods, dropped: Istio's nat
     /// rules would have sent them to ztunnel, the socket hooks never see them.
@@ -479,6 +500,28 @@ impl PodCounters {
     }
 }
 
+/// Value of [`maps::POD_DROPS`], one per CPU: the inbound connections the
+/// pod's sk_lookup program refused. A refusal for a local address no pod was
+/// enrolled with names no pod (the lookup carries no namespace) and is
+/// counted node-wide only ([`InboundRefusal::UnknownAddress`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodDrops {
+    /// Refused for want of ztunnel's 15006 listener in the pod.
+    pub inbound_no_listener: u64,
+    /// Room for reasons to come without a new layout.
+    pub _spare: [u64; 3],
+}
+
+impl PodDrops {
+    /// Adds another CPU's share.
+    pub fn accumulate(&mut self, other: &PodDrops) {
+        self.inbound_no_listener = self
+            .inbound_no_listener
+            .wrapping_add(other.inbound_no_listener);
+    }
+}
+
 /// Kernel object names are at most `BPF_OBJ_NAME_LEN - 1` bytes.
 pub const BPF_OBJ_NAME_MAX: usize = 15;
 
@@ -552,8 +595,10 @@ mod user {
         NodeConfig,
         SockAddr,
         TupleKey,
+        SteeredSynKey,
         LocalConnKey,
         PodCounters,
+        PodDrops,
         TraceRecord,
         TraceGate,
     );
@@ -582,6 +627,8 @@ mod tests {
         assert_eq!(size_of::<PodConfig>(), 24 + 32);
         assert_eq!(size_of::<SockAddr>(), 24);
         assert_eq!(size_of::<TupleKey>(), 8 + 48);
+        assert_eq!(size_of::<SteeredSynKey>(), size_of::<TupleKey>());
+        assert_eq!(size_of::<PodDrops>(), 32);
         assert_eq!(size_of::<LocalConnKey>(), 48);
         assert_eq!(size_of::<PodCounters>(), 32);
     }

@@ -38,7 +38,7 @@ use aya_ebpf::{
 use crate::{
     addr::{is_loopback, v4, v6},
     maps::{INBOUND_LISTENERS, LOCAL_CONNS, PODS_BY_IP, count, count_refusal},
-    trace::{PodEvent, count_pod, trace},
+    trace::{PodEvent, count_pod, count_pod_no_listener, trace},
 };
 
 const AF_INET: u32 = 2;
@@ -141,6 +141,7 @@ pub fn ambpf_inbound(ctx: SkLookupContext) -> u32 {
         // gone), or one the kernel refuses for this lookup.
         Err(_) => {
             count(Counter::InboundNoListener);
+            count_pod_no_listener(netns);
             report(&lookup, netns, ztunnel::INBOUND_PORT, Verdict::NoListener);
             SK_DROP
         }

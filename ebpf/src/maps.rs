@@ -2,7 +2,7 @@
 
 use ambpf_common::{
     Counter, InboundRefusal, IpKey, LocalConnKey, Miss, NodeConfig, PodConfig, PodCounters,
-    SockAddr, TraceGate, TraceRecord, TupleKey,
+    PodDrops, SockAddr, SteeredSynKey, TraceGate, TraceRecord, TupleKey,
 };
 use aya_ebpf::{
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf, SockHash},
@@ -43,7 +43,7 @@ pub static INBOUND_LISTENERS: SockHash<u64, { MAX_PODS }> = SockHash::new();
 
 #[btf_map(name = "ambpf_in_syns")]
 pub static INBOUND_SYNS: LruHashMap<
-    TupleKey,
+    SteeredSynKey,
     u64,
     { ambpf_common::maps::INBOUND_SYNS_MAX as usize },
 > = LruHashMap::new();
@@ -73,6 +73,9 @@ pub static COUNTERS: PerCpuArray<u64, { Counter::COUNT as usize }> = PerCpuArray
 
 #[btf_map(name = "ambpf_pod_cnt")]
 pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters, { MAX_PODS }> = PerCpuHashMap::new();
+
+#[btf_map(name = "ambpf_pod_drops")]
+pub static POD_DROPS: PerCpuHashMap<u64, PodDrops, { MAX_PODS }> = PerCpuHashMap::new();
 
 /// Bytes of trace records held for a reader: about 3,000 records of 80
 /// bytes (a power of two of pages, as the kernel requires).

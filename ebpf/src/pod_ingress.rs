@@ -20,7 +20,7 @@
 //! 15006 ([`crate::tcp_reset`]); it never reaches the app.
 
 use ambpf_common::{
-    Counter, IpKey, SockAddr, TraceDirection, TraceRecord, TupleKey, Verdict, ztunnel,
+    Counter, IpKey, SockAddr, SteeredSynKey, TraceDirection, TraceRecord, Verdict, ztunnel,
 };
 use aya_ebpf::{
     Global,
@@ -186,20 +186,20 @@ fn hand_to_sk_lookup(syn: &Syn, netns: u64, listener: *mut bpf_sock) -> i64 {
     if stored != 0 {
         return stored;
     }
-    let tuple = TupleKey {
-        netns_cookie: 0,
-        local: SockAddr {
+    let steered = SteeredSynKey {
+        _zero: 0,
+        dst: SockAddr {
             ip: syn.dst,
             port_be: syn.dport.to_be(),
             ..SockAddr::default()
         },
-        peer: SockAddr {
+        src: SockAddr {
             ip: syn.src,
             port_be: syn.sport_be,
             ..SockAddr::default()
         },
     };
-    match INBOUND_SYNS.insert(&tuple, &netns, 0) {
+    match INBOUND_SYNS.insert(&steered, &netns, 0) {
         Ok(()) => 0,
         Err(e) => i64::from(e),
     }

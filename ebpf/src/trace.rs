@@ -9,7 +9,7 @@
 use ambpf_common::TraceRecord;
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 
-use crate::maps::{POD_COUNTERS, TRACE_GATE, TRACE_LOST, TRACE_RING};
+use crate::maps::{POD_COUNTERS, POD_DROPS, TRACE_GATE, TRACE_LOST, TRACE_RING};
 
 /// Which of a pod's counters an event adds to.
 #[derive(Clone, Copy)]
@@ -36,6 +36,17 @@ pub fn count_pod(netns_cookie: u64, event: PodEvent) {
             PodEvent::Probe => &raw mut (*counters).probes_bypassed,
         };
         *field += 1;
+    }
+}
+
+/// Counts an inbound connection of the pod refused for want of ztunnel's
+/// listener (the agent made the pod's entry at enrolment, as for
+/// [`count_pod`]).
+#[inline(always)]
+pub fn count_pod_no_listener(netns_cookie: u64) {
+    if let Some(drops) = POD_DROPS.get_ptr_mut(&netns_cookie) {
+        // Per-CPU value: no other CPU writes it.
+        unsafe { (*drops).inbound_no_listener += 1 };
     }
 }
 

@@ -114,9 +114,10 @@ impl Capacities {
     /// of a fixed size.
     pub fn of(&self, map: &str) -> Option<(u32, &'static str)> {
         Some(match map {
-            maps::PODS_BY_NETNS | maps::POD_COUNTERS | maps::INBOUND_LISTENERS => {
-                (self.pods, "--max-pods")
-            }
+            maps::PODS_BY_NETNS
+            | maps::POD_COUNTERS
+            | maps::POD_DROPS
+            | maps::INBOUND_LISTENERS => (self.pods, "--max-pods"),
             maps::PODS_BY_IP => (self.pods.saturating_mul(2), "--max-pods"),
             maps::ORIG_BY_COOKIE | maps::ORIG_BY_TUPLE => {
                 (self.redirected_connections, "--max-redirected-connections")

@@ -84,6 +84,10 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     dataplane.capacities(),
                     bpf::capacity::MISS_LOG_INTERVAL,
                 ));
+                tokio::spawn(bpf::pod_counters::log_refusals(
+                    pins.clone(),
+                    bpf::pod_counters::REFUSAL_LOG_INTERVAL,
+                ));
                 // The counters are an observation aid: without TCX they are
                 // skipped, the redirection does not need them.
                 match bpf::features::tcx_supported() {

@@ -207,8 +207,8 @@ impl Dataplane {
         }
         // Its counters first, so its first redirected connection is counted;
         // a new pod that does not fit leaves nothing behind.
-        if let Err(e) = self.add_pod_counters(cookie) {
-            let e = self.map_full_or(netns, maps::POD_COUNTERS, e);
+        if let Err((map, e)) = self.add_pod_counters(cookie) {
+            let e = self.map_full_or(netns, map, e);
             return Err(self.undo_new_pod(cookie, previous.is_none(), e));
         }
 
@@ -268,8 +268,8 @@ impl Dataplane {
             return e;
         }
         self.held.remove(&cookie);
-        if let Err(undo) = self.remove_pod_counters(cookie) {
-            warn!("removing the counters of a pod that was not enrolled: {undo}");
+        if let Err((map, undo)) = self.remove_pod_counters(cookie) {
+            warn!("removing the counters of a pod that was not enrolled from {map}: {undo}");
         }
         if let Err(undo) = self.remove_inbound_link(cookie) {
             warn!("removing the sk_lookup link of a pod that was not enrolled: {undo}");
@@ -296,7 +296,7 @@ impl Dataplane {
             }
         }
         self.remove_pod_counters(cookie)
-            .map_err(map_err(maps::POD_COUNTERS))?;
+            .map_err(|(map, e)| map_err(map)(e))?;
         // New connections go direct from here. Only a pod an earlier agent
         // enrolled has a steering filter to remove (it goes with the
         // namespace if that is gone already); nothing of this agent's is in
