@@ -29,11 +29,13 @@ pub mod apiserver;
 pub mod bench;
 pub mod cluster;
 pub mod foreign_programs;
+pub mod kube;
 /// The host's cgroup v2 and bpffs, shared with the agent (which owns it).
 #[path = "../../agent/src/mounts.rs"]
 pub mod mounts;
 #[cfg(feature = "node")]
 pub mod node;
+pub mod oci;
 pub mod privileges;
 pub mod soak;
 pub mod storm;

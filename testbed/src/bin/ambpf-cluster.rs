@@ -1,0 +1,76 @@
+//! `ambpf-cluster`: the real Kubernetes node (`ambpf_testbed::kube`), usually
+//! through `cargo xtask cluster <command>`.
+
+use std::path::PathBuf;
+
+use ambpf_testbed::kube::{self, Components, Layout, UpOptions};
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ambpf-cluster", about = "A real Kubernetes node in a box")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build Kubernetes and etcd from the Go module proxy, unless cached.
+    Build,
+    /// Start the node (or finish starting it) and wait until it is Ready.
+    Up {
+        /// ambpf's image archive (`cargo xtask image`).
+        #[arg(long, requires = "ambpf_reference")]
+        ambpf_image: Option<PathBuf>,
+        /// The reference the chart gives ambpf's image.
+        #[arg(long)]
+        ambpf_reference: Option<String>,
+        /// Where `ztunnel-double` and `ztunnel-proxies` are (default: beside
+        /// this program).
+        #[arg(long)]
+        ztunnel_binaries: Option<PathBuf>,
+    },
+    /// Stop everything and give the host back as it was.
+    Down,
+    /// Each daemon's state and the node's.
+    Status,
+    /// kubectl as cluster admin, inside the node.
+    Kubectl {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let layout = Layout::default();
+    let components = Components::from_env();
+    match Cli::parse().command {
+        Cmd::Build => components.build(),
+        Cmd::Up {
+            ambpf_image,
+            ambpf_reference,
+            ztunnel_binaries,
+        } => {
+            let beside_me = std::env::current_exe()?
+                .parent()
+                .map(PathBuf::from)
+                .unwrap_or_default();
+            kube::up(
+                &layout,
+                &components,
+                &UpOptions {
+                    ambpf_image: ambpf_image.zip(ambpf_reference),
+                    ztunnel_binaries: ztunnel_binaries.unwrap_or(beside_me),
+                },
+            )
+        }
+        Cmd::Down => kube::down(&layout),
+        Cmd::Status => kube::status(&layout, &components),
+        Cmd::Kubectl { args } => {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            print!("{}", kube::kubectl(&layout, &components, &args)?);
+            Ok(())
+        }
+    }
+}

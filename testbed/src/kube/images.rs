@@ -1,0 +1,130 @@
+//! The images the node runs, imported into its containerd (no registry is
+//! reachable): a pause image and the test app from Debian's static busybox,
+//! the ztunnel double from this workspace's build, and ambpf's own image
+//! from `cargo xtask image`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+
+use super::{Layout, in_node};
+use crate::oci;
+
+/// The sandbox image (`sandbox_image` in containerd's configuration).
+pub const PAUSE: &str = "localhost/ambpf/pause:3.10";
+/// The test apps: busybox's `nc`, `httpd` and `wget`.
+pub const APP: &str = "localhost/ambpf/app:1";
+/// The ztunnel double (`ztunnel-double`).
+pub const ZTUNNEL: &str = "localhost/ambpf/ztunnel-double:1";
+
+const BUSYBOX: &str = "/usr/bin/busybox";
+/// busybox applets the app image links, for tests' `kubectl exec`.
+const APPLETS: [&str; 14] = [
+    "sh", "nc", "httpd", "wget", "sleep", "cat", "echo", "ls", "ps", "kill", "ip", "date", "seq",
+    "timeout",
+];
+
+/// Builds the node's own images under `<state>/images` and imports them, and
+/// `ambpf` (an OCI archive from `cargo xtask image`) as `ambpf_reference`.
+pub fn import_all(
+    layout: &Layout,
+    ambpf: Option<(&Path, &str)>,
+    ztunnel_binaries: &Path,
+) -> Result<()> {
+    let work = layout.state.join("images");
+    let busybox = PathBuf::from(BUSYBOX);
+    if !busybox.is_file() {
+        bail!("{BUSYBOX} not found: install Debian's busybox-static");
+    }
+    let pause = oci::build(
+        &work.join("pause"),
+        &oci::ImageSpec {
+            reference: PAUSE,
+            files: &[(busybox.clone(), "/bin/busybox".into())],
+            links: &[],
+            // It only has to outlive the pod.
+            entrypoint: &["/bin/busybox", "sleep", "2147483647"],
+            env: &["PATH=/bin"],
+        },
+    )?;
+    import(layout, &pause, None)?;
+    let links: Vec<(String, String)> = APPLETS
+        .iter()
+        .map(|a| (format!("/bin/{a}"), "busybox".to_owned()))
+        .collect();
+    let app = oci::build(
+        &work.join("app"),
+        &oci::ImageSpec {
+            reference: APP,
+            files: &[(busybox, "/bin/busybox".into())],
+            links: &links,
+            entrypoint: &["/bin/sh"],
+            env: &["PATH=/bin"],
+        },
+    )?;
+    import(layout, &app, None)?;
+    let mut files = Vec::new();
+    for program in ["ztunnel-double", "ztunnel-proxies"] {
+        let path = ztunnel_binaries.join(program);
+        files.extend(
+            oci::program_with_libraries(&path, &format!("/usr/local/bin/{program}"))
+                .with_context(|| format!("{}: build it first", path.display()))?,
+        );
+    }
+    files.sort();
+    files.dedup();
+    let ztunnel = oci::build(
+        &work.join("ztunnel"),
+        &oci::ImageSpec {
+            reference: ZTUNNEL,
+            files: &files,
+            links: &[],
+            entrypoint: &["/usr/local/bin/ztunnel-double"],
+            env: &["PATH=/usr/local/bin"],
+        },
+    )?;
+    import(layout, &ztunnel, None)?;
+    if let Some((archive, reference)) = ambpf {
+        import(layout, archive, Some(reference))?;
+    }
+    Ok(())
+}
+
+/// `ctr images import`; an archive from skopeo names its image by tag only
+/// (`org.opencontainers.image.ref.name`), so `--base-name` gives the
+/// repository.
+fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()> {
+    let mut cmd = in_node(layout, "ctr");
+    cmd.args([
+        "--address",
+        "/run/containerd/containerd.sock",
+        "--namespace",
+        "k8s.io",
+    ])
+    .args(["images", "import", "--no-unpack"]);
+    if let Some(reference) = reference {
+        let (repository, _) = reference
+            .rsplit_once(':')
+            .with_context(|| format!("{reference} has no tag"))?;
+        cmd.args(["--base-name", repository]);
+    }
+    cmd.arg(archive);
+    super::run_checked(&mut cmd).with_context(|| format!("importing {}", archive.display()))
+}
+
+/// The references in the node's image store.
+pub fn list(layout: &Layout) -> Result<Vec<String>> {
+    let out = in_node(layout, "ctr")
+        .args([
+            "--address",
+            "/run/containerd/containerd.sock",
+            "--namespace",
+            "k8s.io",
+        ])
+        .args(["images", "list", "-q"])
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect())
+}
