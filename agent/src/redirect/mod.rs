@@ -14,6 +14,7 @@ pub mod check;
 pub mod claims;
 pub mod ebpf;
 mod ebpf_node;
+pub mod in_pod;
 pub use ebpf_node::NodeSetupError;
 pub mod iptables;
 pub mod link_kind;

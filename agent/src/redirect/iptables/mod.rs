@@ -101,31 +101,21 @@
 //! chosen explicitly or, with [`IptablesBackend::Auto`], the one the host
 //! namespace already has rules in (nft when neither or both equally).
 
+mod adopted;
 pub mod ipset;
 mod nat_table;
 mod node;
 mod probes;
-pub(in crate::redirect) mod records;
 mod rules;
 #[cfg(test)]
 mod tests;
 mod tools;
 
-use std::{
-    cell::RefCell,
-    collections::BTreeMap,
-    io,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    os::fd::AsRawFd,
-    path::PathBuf,
-};
+use std::{cell::RefCell, collections::BTreeMap, io, net::IpAddr};
 
 use tracing::{info, warn};
 
-#[cfg(test)]
-pub(in crate::redirect) use self::tools::PROCESSES_STARTED;
-use self::tools::{FALLBACK_DIRS, Tools, detect_backend};
-pub(in crate::redirect) use self::tools::{find_binary, run_in};
+use self::tools::{Tools, detect_backend};
 pub use self::{
     node::{
         NodeUninstall, PodRulesFound, find_pod_capture, find_pod_rules, probe_set_members,
@@ -134,19 +124,19 @@ pub use self::{
     probes::{ProbeMember, probe_set_entries},
     rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
 };
+pub use super::in_pod::{PROBE_SNAT_V4, PROBE_SNAT_V6};
 use super::{
     AddressConflict, CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection,
-    RedirectMode, Violation, ViolationKind, check, claims::AddressClaims, podnet, routing,
+    RedirectMode, Violation, ViolationKind, check,
+    claims::AddressClaims,
+    in_pod::{
+        ToolError, keep_netns,
+        records::{self, PodRecords},
+        tools::FALLBACK_DIRS,
+    },
+    podnet, routing,
 };
-use crate::netns::{Netns, NetnsError};
-
-/// Where Istio SNATs host-process traffic to ambient pods (IPv4).
-pub const PROBE_SNAT_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 7, 127);
-/// Where Istio SNATs host-process traffic to ambient pods (IPv6; a ULA,
-/// Istio's `HOST_PROBE_V6_SNAT_ADDRESS` default).
-pub const PROBE_SNAT_V6: Ipv6Addr = Ipv6Addr::new(
-    0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
-);
+use crate::netns::Netns;
 /// The host ipsets of enrolled pods' addresses.
 pub const PROBE_IPSET_V4: &str = "istio-inpod-probes-v4";
 pub const PROBE_IPSET_V6: &str = "istio-inpod-probes-v6";
@@ -259,30 +249,8 @@ pub enum IptablesError {
         needed_for: String,
         package: &'static str,
     },
-    #[error(
-        "the kernel lacks netfilter support that `{command}` needs in {} (a kernel module \
-         that is not loaded, or an option built out of this kernel): {stderr}",
-        netns.display()
-    )]
-    MissingKernelSupport {
-        command: String,
-        netns: PathBuf,
-        stderr: String,
-    },
-    #[error("`{command}` failed in {}: {stderr}", netns.display())]
-    Failed {
-        command: String,
-        netns: PathBuf,
-        stderr: String,
-    },
-    #[error("cannot run `{command}` in {}: {cause}", netns.display())]
-    Spawn {
-        command: String,
-        netns: PathBuf,
-        cause: io::Error,
-    },
-    #[error("keeping a handle on {}: {cause}", netns.display())]
-    Keep { netns: PathBuf, cause: NetnsError },
+    #[error(transparent)]
+    Tool(#[from] ToolError),
     #[error("removing the pod records: {0}")]
     Records(io::Error),
     #[error("{0}")]
@@ -311,7 +279,7 @@ pub struct IptablesRedirection {
     /// Which enrolled pod owns each address's probe ipset member.
     claims: AddressClaims<IpAddr>,
     /// Where each enrolled pod is recorded for the next agent ([`records`]).
-    records: Option<records::PodRecords>,
+    records: Option<PodRecords>,
     /// Pods an earlier agent enrolled, by netns cookie, until enrolled
     /// again or removed.
     adopted: BTreeMap<u64, records::AdoptedPod>,
@@ -418,23 +386,6 @@ impl IptablesRedirection {
     }
 }
 
-/// A handle of our own on `netns` (the caller's may close): reopened by
-/// path when that still names the same namespace, else through our fd.
-pub(in crate::redirect) fn keep_netns(netns: &Netns) -> Result<Netns, IptablesError> {
-    if let Some(path) = netns.path().to_str()
-        && let Ok(again) = Netns::open(path)
-        && again.inode() == netns.inode()
-    {
-        return Ok(again);
-    }
-    Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd())).map_err(|source| {
-        IptablesError::Keep {
-            netns: netns.path().to_owned(),
-            cause: source,
-        }
-    })
-}
-
 impl PodRedirection for IptablesRedirection {
     fn mode(&self) -> RedirectMode {
         RedirectMode::Iptables
@@ -458,7 +409,7 @@ impl PodRedirection for IptablesRedirection {
             .map(|e| e.addresses.clone());
         let kept = match previous {
             Some(_) => None,
-            None => Some(keep_netns(netns)?),
+            None => Some(keep_netns(netns).map_err(IptablesError::from)?),
         };
         let stale = previous.clone().unwrap_or_default();
         let applied = steps.time("rules", || {

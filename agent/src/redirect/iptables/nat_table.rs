@@ -13,8 +13,9 @@
 //! The legacy backend's tables belong to the kernel modules and cannot be
 //! removed; without the `nft` binary nothing is marked, and nothing removed.
 
-use super::{Family, IptablesError, tools::find_binary, tools::run_in};
+use super::{Family, IptablesError};
 use crate::netns::Netns;
+use crate::redirect::in_pod::tools::{find_binary, run_in};
 
 /// The comment on a `nat` table ambpf created.
 pub const OWNED_COMMENT: &str = "ambpf: created for its host probe rules";

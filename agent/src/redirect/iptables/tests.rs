@@ -4,10 +4,8 @@ use std::process::Command;
 
 use ambpf_testbed::{NetnsGuard, PodAndNode};
 
-use super::{
-    tools::{find_binary, run_in},
-    *,
-};
+use super::*;
+use crate::redirect::in_pod::tools::{find_binary, run_in};
 
 pub(super) fn open(guard: &NetnsGuard) -> Netns {
     Netns::open(guard.path().to_str().unwrap()).unwrap()
@@ -355,9 +353,9 @@ fn the_full_check_removes_capture_no_enrolled_pod_owns() {
 
 /// Processes started on this thread by `f`.
 fn processes_started(f: impl FnOnce()) -> u64 {
-    let before = super::tools::PROCESSES_STARTED.with(|n| n.get());
+    let before = crate::redirect::in_pod::tools::PROCESSES_STARTED.with(|n| n.get());
     f();
-    super::tools::PROCESSES_STARTED.with(|n| n.get()) - before
+    crate::redirect::in_pod::tools::PROCESSES_STARTED.with(|n| n.get()) - before
 }
 
 #[test]

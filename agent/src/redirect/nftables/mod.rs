@@ -94,7 +94,10 @@ use super::{
     CheckScope, EnrollError, EnrollOptions, EnrolledPod, PodKey, PodRedirection, RedirectMode,
     Violation, ViolationKind, check,
     claims::AddressClaims,
-    iptables::{IptablesError, keep_netns, records},
+    in_pod::{
+        ToolError, keep_netns,
+        records::{self, PodRecords},
+    },
     podnet, routing,
 };
 use crate::netns::Netns;
@@ -151,7 +154,7 @@ pub enum NftablesError {
     #[error("reading {what}: {cause}")]
     Unreadable { what: String, cause: String },
     #[error("{0}")]
-    Run(IptablesError),
+    Run(ToolError),
     #[error("removing the pod records: {0}")]
     Records(std::io::Error),
 }
@@ -185,7 +188,7 @@ pub struct NftablesRedirection {
     ipv6: bool,
     pods: BTreeMap<u64, PodEntry>,
     claims: AddressClaims<IpAddr>,
-    records: Option<records::PodRecords>,
+    records: Option<PodRecords>,
     adopted: BTreeMap<u64, records::AdoptedPod>,
 }
 
@@ -230,9 +233,9 @@ impl NftablesRedirection {
     }
 
     /// Records enrolled pods under `dir` and adopts those an earlier agent
-    /// recorded there (see the iptables mode's records).
+    /// recorded there ([`records`]).
     pub fn with_records(mut self, dir: PathBuf) -> Self {
-        let (records, adopted) = records::PodRecords::adopt(dir);
+        let (records, adopted) = PodRecords::adopt(dir);
         self.records = records;
         self.adopted = adopted;
         self
@@ -261,7 +264,7 @@ impl NftablesRedirection {
         }
         let fresh = script.replace("add table ", "create table ");
         match self.nft.apply(netns, &fresh) {
-            Err(NftablesError::Run(IptablesError::Failed { stderr, .. }))
+            Err(NftablesError::Run(ToolError::Failed { stderr, .. }))
                 if stderr.contains("File exists") => {}
             done => return done,
         }
@@ -375,7 +378,7 @@ impl PodRedirection for NftablesRedirection {
         let kept = if known {
             None
         } else {
-            Some(keep_netns(netns)?)
+            Some(keep_netns(netns).map_err(NftablesError::from)?)
         };
         let stale = previous.unwrap_or_default();
         let conflicts = steps.time("probes", || {

@@ -8,7 +8,7 @@ use std::fmt::Write;
 use super::{
     MANGLE_TABLE, NAT_TABLE, OWNED_COMMENT, PROBE_SET_V4, PROBE_SET_V6, RAW_TABLE, ZONE_DNS,
 };
-use crate::redirect::iptables::{PROBE_SNAT_V4, PROBE_SNAT_V6};
+use crate::redirect::in_pod::{PROBE_SNAT_V4, PROBE_SNAT_V6};
 
 const MARK: &str = "0x539";
 const MASK: &str = "0xfff";

@@ -6,7 +6,7 @@ use std::{path::PathBuf, process::Command};
 use ambpf_testbed::{NetnsGuard, PodAndNode};
 
 use super::*;
-use crate::redirect::iptables::PROCESSES_STARTED;
+use crate::redirect::in_pod::tools::PROCESSES_STARTED;
 
 fn open(guard: &NetnsGuard) -> Netns {
     Netns::open(guard.path().to_str().unwrap()).unwrap()
@@ -264,7 +264,7 @@ fn a_host_with_another_tools_probe_table_is_refused() {
 /// A script standing in for `nft`: `body` is sh, with the real nft as
 /// `$REAL`.
 fn fake_nft(dir: &std::path::Path, body: &str) -> PathBuf {
-    let real = crate::redirect::iptables::find_binary("nft").unwrap();
+    let real = crate::redirect::in_pod::tools::find_binary("nft").unwrap();
     let path = dir.join("nft");
     // Written by a child process, never opened for writing here: a fork by
     // another test thread while this process held the file open would keep

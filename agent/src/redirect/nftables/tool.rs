@@ -10,7 +10,10 @@ use std::{
 use super::{MIN_NFT_VERSION, NftablesError, OWNED_COMMENT};
 use crate::{
     netns::Netns,
-    redirect::iptables::{IptablesError, find_binary, run_in},
+    redirect::in_pod::{
+        ToolError,
+        tools::{find_binary, run_in},
+    },
 };
 
 /// What `nft` prints when it was built without libjansson.
@@ -168,8 +171,8 @@ fn table_comment(text: &str) -> Option<String> {
     None
 }
 
-impl From<IptablesError> for NftablesError {
-    fn from(e: IptablesError) -> Self {
+impl From<ToolError> for NftablesError {
+    fn from(e: ToolError) -> Self {
         Self::Run(e)
     }
 }
