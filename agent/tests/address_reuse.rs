@@ -277,7 +277,7 @@ impl Node {
                         self.cluster.node_netns_cookie(),
                     )
                     .unwrap();
-                Box::new(dataplane)
+                Box::new(ambpf::redirect::EbpfRedirection::new(dataplane))
             }
             RedirectMode::Iptables => {
                 Box::new(IptablesRedirection::new(self.host(), IptablesBackend::Auto).unwrap())

@@ -6,7 +6,7 @@ use std::{path::Path, process::Command};
 use ambpf::{
     bpf::{Dataplane, PinLayout},
     netns::Netns,
-    redirect::ebpf::ip_key,
+    redirect::{EbpfRedirection, ebpf::ip_key},
 };
 use ambpf_common::maps;
 use ambpf_testbed::{BpffsMount, cluster::Cluster};
@@ -35,7 +35,7 @@ fn bpftool_prints_pinned_map_entries_with_named_fields() {
     let cluster = Cluster::create(1).unwrap();
     let pod = &cluster.pods[0];
     let netns = Netns::open(pod.ns.name()).unwrap();
-    let mut dataplane = Dataplane::load(pins.clone()).unwrap();
+    let mut dataplane = EbpfRedirection::new(Dataplane::load(pins.clone()).unwrap());
     let enrolled = dataplane.enroll_pod(&netns, true).unwrap();
 
     // Every pinned map with a key and value was created with BTF for them

@@ -18,7 +18,7 @@ use std::{net::SocketAddr, time::Duration};
 use ambpf::{
     bpf::{Capacities, Dataplane, PinLayout, capacity},
     netns::Netns,
-    redirect::{CheckScope, EnrollOptions, PodRedirection},
+    redirect::{CheckScope, EbpfRedirection, EnrollOptions, PodRedirection},
     zds::{NetnsSource, Workload, ZdsConfig, ZdsHandle},
 };
 use ambpf_common::{Miss, maps};
@@ -49,7 +49,7 @@ fn load(
     bpffs: &BpffsMount,
     cgroup: &CgroupGuard,
     capacities: Capacities,
-) -> Dataplane {
+) -> EbpfRedirection {
     let mut dataplane =
         Dataplane::load_with(PinLayout::new(bpffs.path().join("ambpf")), capacities).unwrap();
     assert_eq!(dataplane.capacities(), capacities);
@@ -62,7 +62,7 @@ fn load(
             cluster.node_netns_cookie(),
         )
         .unwrap();
-    dataplane
+    EbpfRedirection::new(dataplane)
 }
 
 /// A ZDS server for `pods` (uid, namespace path), recording ztunnel's

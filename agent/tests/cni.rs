@@ -102,7 +102,11 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         zds_server.socket(),
         ZtunnelConfig::default().proxy_start_delay(Duration::from_millis(300)),
     );
-    let controller = Controller::new(Box::new(dataplane), zds.clone(), true);
+    let controller = Controller::new(
+        Box::new(ambpf::redirect::EbpfRedirection::new(dataplane)),
+        zds.clone(),
+        true,
+    );
     // The regular source knows no pods yet: the race the plugin closes.
     let (pods_tx, pods_rx) = tokio::sync::watch::channel(Arc::default());
     let (requests_tx, requests_rx) = tokio::sync::mpsc::channel(8);

@@ -852,7 +852,8 @@ async fn upgrading_the_steering_program_under_inbound_load_loses_no_connection()
             tokio::time::sleep(Duration::from_millis(100)).await;
             // What a restarted or upgraded agent does: load, then enrol the
             // pod again, which replaces the program of its filter.
-            let mut upgraded = Dataplane::load(pins.clone()).unwrap();
+            let mut upgraded =
+                ambpf::redirect::EbpfRedirection::new(Dataplane::load(pins.clone()).unwrap());
             let enrolled = upgraded.enroll_pod(&netns, true).unwrap();
             assert_eq!(enrolled.netns_inode, netns.inode());
             programs.push(ambpf::bpf::pinned_steering_program(&pins).unwrap());

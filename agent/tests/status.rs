@@ -17,7 +17,7 @@ use std::{
 use ambpf::{
     bpf::{Dataplane, PinLayout, pod_names::PodIdentity},
     netns::Netns,
-    redirect::{PodKey, PodRedirection, RedirectMode},
+    redirect::{EbpfRedirection, PodKey, PodRedirection, RedirectMode},
 };
 use ambpf_testbed::{BpffsMount, CgroupGuard, cluster::Cluster};
 use serde_json::{Value, json};
@@ -76,7 +76,7 @@ fn pods_are_named_and_another_builds_programs_are_flagged() {
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
     let cluster = Cluster::create(1).unwrap();
     let netns = Netns::open(cluster.pods[0].ns.name()).unwrap();
-    let mut dataplane = Dataplane::load(pins.clone()).unwrap();
+    let mut dataplane = EbpfRedirection::new(Dataplane::load(pins.clone()).unwrap());
     let enrolled = dataplane.enroll_pod(&netns, true).unwrap();
     let identity = PodIdentity {
         namespace: "shop".into(),

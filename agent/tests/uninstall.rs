@@ -20,7 +20,7 @@ use ambpf::{
     bpf::{Dataplane, PinLayout},
     netns::Netns,
     redirect::{
-        EnrollOptions, PodRedirection,
+        EbpfRedirection, EnrollOptions, PodRedirection,
         iptables::{self, Family, IptablesBackend, IptablesRedirection},
         nftables::{self, NftablesRedirection},
         routing,
@@ -219,6 +219,7 @@ fn ebpf_pods_lose_their_steering_routes_and_pins() {
     {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
         dataplane.attach_cgroup(cgroup.path()).unwrap();
+        let mut dataplane = EbpfRedirection::new(dataplane);
         dataplane.enroll_pod(&netns, true).unwrap();
         // An agent that died while removing this pod: its map entry is
         // gone, its steering filter is not.
@@ -1008,6 +1009,7 @@ fn other_owners_programs_are_left_attached() {
     {
         let mut dataplane = Dataplane::load(pins.clone()).unwrap();
         dataplane.attach_cgroup(cgroup.path()).unwrap();
+        let mut dataplane = EbpfRedirection::new(dataplane);
         dataplane.enroll_pod(&open(pod), true).unwrap();
     }
     assert!(ambpf_testbed::sk_lookup_linked(pod.inode().unwrap()).unwrap());

@@ -175,3 +175,21 @@ pub fn link_info(pin: &Path) -> io::Result<(u32, Option<u32>)> {
     let info = sys::link_info(link.as_fd())?;
     Ok((info.prog_id, Some(info.target).filter(|ino| *ino != 0)))
 }
+
+impl super::Dataplane {
+    /// Attaches (or updates) the sk_lookup link of the pod in `netns`, whose
+    /// netns cookie is `cookie` ([`attach_link`]).
+    pub fn attach_inbound_link(
+        &mut self,
+        netns: &crate::netns::Netns,
+        cookie: u64,
+    ) -> io::Result<()> {
+        let pin = link_pin(self.pins(), cookie);
+        let program: &mut aya::programs::SkLookup = self
+            .program_mut(ambpf_common::programs::INBOUND_LOOKUP)
+            .try_into()
+            .map_err(io::Error::other)?;
+        let program = program.fd().map_err(io::Error::other)?;
+        attach_link(&pin, program.as_fd(), netns.file().as_fd(), netns.inode())
+    }
+}

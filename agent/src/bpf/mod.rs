@@ -8,6 +8,8 @@ pub mod features;
 pub mod foreign;
 pub mod inbound;
 pub mod inspect;
+pub mod keys;
+pub mod node;
 pub mod object;
 pub mod pins;
 pub mod pod_counters;
@@ -26,6 +28,7 @@ use tracing::{debug, warn};
 
 pub use capacity::Capacities;
 pub use inbound::{InboundAssign, InboundPath};
+pub use node::{MapWriteError, NodeSetupError};
 pub use pins::{DEFAULT_PIN_ROOT, PinLayout};
 
 #[derive(Debug, thiserror::Error)]
@@ -57,13 +60,6 @@ pub enum LoadError {
 pub struct Dataplane {
     ebpf: Ebpf,
     pins: PinLayout,
-    /// Every enrolled pod's claim on its addresses, read from the pinned
-    /// pods map when first needed and kept in step by enrolment and removal
-    /// (the agent is the maps' only writer); `None` after anything that may
-    /// have left it behind the map, so it is read again.
-    pub(crate) address_claims: Option<crate::redirect::claims::AddressClaims<ambpf_common::IpKey>>,
-    /// The namespaces of the pods this process enrolled, by netns cookie.
-    pub(crate) held: std::collections::HashMap<u64, crate::netns::Netns>,
     /// The maps' capacities in effect (pinned maps keep theirs).
     capacities: Capacities,
     /// Pinned maps adopted with another capacity than asked.
@@ -266,8 +262,6 @@ impl Dataplane {
         Ok(Self {
             ebpf,
             pins,
-            address_claims: None,
-            held: std::collections::HashMap::new(),
             capacities,
             capacities_kept,
             raw_guard,

@@ -96,7 +96,7 @@ impl PinLayout {
     }
 
     /// Where the iptables mode records its enrolled pods, one empty
-    /// directory each (see `redirect::in_pod::records`).
+    /// directory each.
     pub fn iptables_pods_dir(&self) -> PathBuf {
         self.root.join("iptables/pods")
     }

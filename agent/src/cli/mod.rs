@@ -432,7 +432,7 @@ fn status_check(pins: &PinLayout, json: bool) -> Result<()> {
         crate::redirect::check::ebpf_state(pins, &[], crate::redirect::CheckScope::Full);
     // Other owners' programs warn, as a foreign build does in `status`;
     // only violations fail the check.
-    let programs = bpf::foreign::scan(pins);
+    let programs = crate::redirect::check::foreign::scan(pins);
     if json {
         let report = serde_json::json!({
             "violations": violations,

@@ -113,7 +113,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     pins_root(&dataplane),
                     cgroup.display()
                 );
-                Box::new(dataplane)
+                Box::new(crate::redirect::EbpfRedirection::new(dataplane))
             }
             RedirectMode::Iptables => {
                 // The host side (probe SNAT) lives in the agent's own namespace.

@@ -13,9 +13,8 @@
 pub mod check;
 pub mod claims;
 pub mod ebpf;
-mod ebpf_node;
 pub mod in_pod;
-pub use ebpf_node::NodeSetupError;
+pub use crate::bpf::NodeSetupError;
 pub mod iptables;
 pub mod link_kind;
 pub mod nftables;
@@ -29,7 +28,7 @@ pub mod steering;
 use std::path::PathBuf;
 
 pub use check::{CheckScope, Violation, ViolationKind};
-pub use ebpf::{AddressConflict, EnrollError, EnrolledPod};
+pub use ebpf::{AddressConflict, EbpfRedirection, EnrollError, EnrolledPod};
 
 use crate::netns::Netns;
 

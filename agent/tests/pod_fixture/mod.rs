@@ -291,7 +291,11 @@ pub fn node_redirection_with(
                     cluster.node_netns_cookie(),
                 )
                 .unwrap();
-            (Box::new(dataplane), Some(bpffs), None)
+            (
+                Box::new(ambpf::redirect::EbpfRedirection::new(dataplane)),
+                Some(bpffs),
+                None,
+            )
         }
         RedirectMode::Iptables => {
             // The node namespace is the host: the probe SNAT goes there.

@@ -12,10 +12,11 @@
 //! the pod's socket lookup, which they do not stand before (only an earlier
 //! agent's steering filter could be kept from SYNs by filters ahead of it).
 //!
-//! [`scan`] lists them in run order, marking ambpf's own, for `ambpf status
-//! --check`; [`Warning`]s name each that runs where it can break capture.
+//! [`scan_cgroup`] lists the cgroup's in run order, marking ambpf's own, for
+//! `ambpf status --check`; the pods' interfaces are listed by whoever finds
+//! the pods and enters their namespaces, with [`iface_warnings`].
+//! [`Warning`]s name each program that runs where it can break capture.
 
-mod iface;
 mod render;
 
 use std::{
@@ -29,8 +30,6 @@ use std::{
 use serde::Serialize;
 use tracing::warn;
 
-use iface::iface_hooks;
-pub use iface::iface_warnings;
 pub use render::render;
 
 use super::{
@@ -135,7 +134,7 @@ fn own_cgroup_programs(links_dir: &Path) -> HashSet<u32> {
         .collect()
 }
 
-fn hook_program(id: u32, own: &HashSet<u32>) -> HookProgram {
+pub(crate) fn hook_program(id: u32, own: &HashSet<u32>) -> HookProgram {
     HookProgram {
         id,
         name: sys::prog_info_by_id(id).map_or_else(|_| "?".to_owned(), |info| info.name),
@@ -318,9 +317,9 @@ fn pinned_cgroup(pins: &PinLayout) -> Option<(PathBuf, PathBuf)> {
     })
 }
 
-/// Every program on the hooks ambpf uses under `pins`: its cgroup's, and
-/// those of the enrolled pods' interfaces.
-pub fn scan(pins: &PinLayout) -> Programs {
+/// The programs on ambpf's cgroup hooks under `pins`, with their warnings;
+/// the pods' interfaces are left to the caller, which finds the pods.
+pub fn scan_cgroup(pins: &PinLayout) -> Programs {
     let mut found = Programs::default();
     if let Some((cgroup, links_dir)) = pinned_cgroup(pins) {
         match cgroup_hooks(&cgroup, &links_dir) {
@@ -334,41 +333,58 @@ pub fn scan(pins: &PinLayout) -> Programs {
         }
         found.cgroup = Some(cgroup);
     }
-    let own_tcx: HashSet<u32> = super::inspect::read_tc_links(pins)
-        .map(|links| links.into_iter().map(|l| l.program_id).collect())
-        .unwrap_or_default();
-    let pods = match crate::redirect::check::read_pinned_pods(pins) {
-        Ok(pinned) => pinned.pods,
-        Err(e) => {
-            found.unreadable.push(e.to_string());
-            Vec::new()
-        }
-    };
-    for (_, netns) in crate::redirect::check::locate_pods(&pods, &[]) {
-        let Some(netns) = netns else { continue };
-        match netns.run(|| iface_hooks(netns.inode(), &own_tcx)) {
-            Ok(Ok(hooks)) => found.interfaces.extend(hooks),
-            Ok(Err(e)) => found.unreadable.push(format!(
-                "the interfaces of netns {}: {e}",
-                netns.path().display()
-            )),
-            Err(e) => found.unreadable.push(e.to_string()),
-        }
-    }
-    found.interfaces.sort_by_key(|h| (h.netns_inode, h.ifindex));
-    found.warnings.extend(iface_warnings(&found.interfaces));
     found
 }
 
-/// Logs [`scan`]'s warnings (the agent, at each full state check).
-pub fn log_warnings(pins: &PinLayout) {
-    let found = scan(pins);
-    for warning in &found.warnings {
-        warn!("other eBPF programs: {warning}");
+/// The ids of ambpf's TCX programs pinned under `pins` (the interface
+/// counters'), to mark them among an interface's.
+pub fn own_tcx_programs(pins: &PinLayout) -> HashSet<u32> {
+    super::inspect::read_tc_links(pins)
+        .map(|links| links.into_iter().map(|l| l.program_id).collect())
+        .unwrap_or_default()
+}
+
+/// Other owners' `clsact` ingress filters listed ahead of an earlier
+/// agent's steering filter on a pod's interface. (Inbound capture is now the
+/// pod's socket lookup, which every packet delivered in the pod meets
+/// whatever runs on its interfaces before: TCX programs and filters are
+/// listed, not warned about.)
+pub fn iface_warnings(hooks: &[IfaceHookPrograms]) -> Vec<Warning> {
+    let mut out = Vec::new();
+    for hooked in hooks {
+        let (ahead, why): (Vec<&IfaceProgram>, &str) = match hooked.hook {
+            "tc_ingress" => {
+                let Some(ours) = hooked.programs.iter().position(|p| p.owner == Owner::Ambpf)
+                else {
+                    continue;
+                };
+                (
+                    hooked.programs[..ours]
+                        .iter()
+                        .filter(|p| p.owner == Owner::Other)
+                        .collect(),
+                    "SYNs reach ambpf's steering filter only while it returns TC_ACT_UNSPEC",
+                )
+            }
+            _ => continue,
+        };
+        for p in ahead {
+            out.push(Warning {
+                hook: hooked.hook.to_owned(),
+                program_id: p.id,
+                program_name: p.name.clone(),
+                detail: format!(
+                    "program {} {} of another owner runs before ambpf's steering filter on {} \
+                     (netns inode {}): {why}",
+                    p.id.map_or_else(|| "?".to_owned(), |id| id.to_string()),
+                    p.name,
+                    hooked.iface,
+                    hooked.netns_inode
+                ),
+            });
+        }
     }
-    for what in &found.unreadable {
-        warn!("listing other eBPF programs: {what}");
-    }
+    out
 }
 
 #[cfg(test)]

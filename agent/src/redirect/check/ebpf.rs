@@ -13,12 +13,12 @@ use tracing::{info, warn};
 
 use super::{CheckScope, Violation, ViolationKind, key_of};
 use crate::{
-    bpf::{Dataplane, PinLayout, inbound, pinned_steering_program},
+    bpf::{PinLayout, inbound, pinned_steering_program},
     netns::Netns,
     redirect::{
         PodKey,
         claims::AddressClaims,
-        ebpf::{claimed, detach_steering, ip_addr},
+        ebpf::{EbpfRedirection, claimed, detach_steering, ip_addr},
         podnet, routing,
     },
 };
@@ -336,7 +336,10 @@ pub fn ebpf_state(
 
 /// Repairs the eBPF mode's records in place; returns the pods to enrol
 /// again (missing steering or routing, changed addresses).
-pub fn repair_ebpf_state(dataplane: &mut Dataplane, violations: &[Violation]) -> Vec<PodKey> {
+pub fn repair_ebpf_state(
+    redirection: &mut EbpfRedirection,
+    violations: &[Violation],
+) -> Vec<PodKey> {
     let mut addresses: Vec<IpAddr> = Vec::new();
     let mut again = Vec::new();
     for violation in violations {
@@ -348,7 +351,7 @@ pub fn repair_ebpf_state(dataplane: &mut Dataplane, violations: &[Violation]) ->
             ViolationKind::CaptureOrphan => super::repair_stray_capture(violation),
             ViolationKind::PodNetnsGone => {
                 let Some(pod) = violation.pod else { continue };
-                match dataplane.unenroll_pod(pod) {
+                match redirection.unenroll_pod(pod) {
                     Ok(_) => info!("repaired: removed the pod with {pod} (its namespace is gone)"),
                     Err(e) => warn!("repairing {violation}: {e}"),
                 }
@@ -365,7 +368,7 @@ pub fn repair_ebpf_state(dataplane: &mut Dataplane, violations: &[Violation]) ->
     if !addresses.is_empty() {
         addresses.sort_unstable();
         addresses.dedup();
-        match dataplane.rewrite_address_entries(&addresses) {
+        match redirection.rewrite_address_entries(&addresses) {
             Ok(()) => info!(
                 "repaired the entries of {addresses:?} in {}",
                 maps::PODS_BY_IP

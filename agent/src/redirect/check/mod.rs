@@ -17,6 +17,8 @@
 //! `iptables/probes.rs`.
 
 mod ebpf;
+pub mod foreign;
+mod foreign_iface;
 mod stray;
 
 use std::{

@@ -7,9 +7,9 @@ use std::net::IpAddr;
 use ambpf_common::{IpKey, PodConfig, maps};
 use tracing::info;
 
-use super::{EnrollError, map_err};
+use super::{EbpfRedirection, EnrollError, map_err, pinned_pods, pods_by_ip, pods_by_netns};
 use crate::{
-    bpf::Dataplane,
+    bpf::keys::{ip_addr, ip_key},
     redirect::claims::{AddressClaims, Claim, Release},
 };
 
@@ -23,17 +23,7 @@ pub struct AddressConflict {
     pub won: bool,
 }
 
-pub fn ip_key(ip: IpAddr) -> IpKey {
-    match ip {
-        IpAddr::V4(v4) => IpKey::v4(v4.octets()),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpKey::v4(v4.octets()),
-            None => IpKey::v6(v6.octets()),
-        },
-    }
-}
-
-impl Dataplane {
+impl EbpfRedirection {
     /// Writes the address entries `pod` owns ([`claims`]), after releasing
     /// those of `previous` (its earlier enrolment) it no longer has.
     pub(super) fn claim_addresses(
@@ -54,7 +44,7 @@ impl Dataplane {
             let claim = self.claims()?.claim(ip, cookie);
             let (other, won) = match claim {
                 Claim::Owner { displaced } => {
-                    self.pods_by_ip()?
+                    pods_by_ip(&mut self.dataplane)?
                         .insert(ip, *pod, 0)
                         .map_err(map_err(maps::PODS_BY_IP))?;
                     match displaced {
@@ -75,13 +65,8 @@ impl Dataplane {
 
     /// The address claims, read from the pinned pods map when not known.
     pub(super) fn claims(&mut self) -> Result<&mut AddressClaims<IpKey>, EnrollError> {
-        if self.address_claims.is_none() {
-            let pods = self.pinned_pods()?;
-            self.address_claims = Some(AddressClaims::from_pods(
-                pods.iter().map(|pod| (pod.netns_cookie, claimed(pod))),
-            ));
-        }
-        Ok(self.address_claims.get_or_insert_default())
+        let dataplane = &mut self.dataplane;
+        self.pods.claims(|| pinned_pods(dataplane))
     }
 
     /// Carries out what releasing `cookie`'s claim on `ip` left to do.
@@ -101,7 +86,7 @@ impl Dataplane {
         match release {
             Release::NotOwner => Ok(()),
             Release::Delete => {
-                let mut by_ip = self.pods_by_ip()?;
+                let mut by_ip = pods_by_ip(&mut self.dataplane)?;
                 match by_ip.get(&ip, 0) {
                     Ok(entry) if entry.netns_cookie == cookie => match by_ip.remove(&ip) {
                         Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
@@ -112,12 +97,12 @@ impl Dataplane {
                 }
             }
             Release::PassTo(next) => {
-                let Ok(owner) = self.pods_by_netns()?.get(&next, 0) else {
+                let Ok(owner) = pods_by_netns(&mut self.dataplane)?.get(&next, 0) else {
                     // The claims were behind the map: read them again.
-                    self.address_claims = None;
+                    self.pods.forget_claims();
                     return Ok(());
                 };
-                self.pods_by_ip()?
+                pods_by_ip(&mut self.dataplane)?
                     .insert(ip, owner, 0)
                     .map_err(map_err(maps::PODS_BY_IP))?;
                 info!(
@@ -135,7 +120,7 @@ impl Dataplane {
     pub fn rewrite_address_entries(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
         // Re-read the claims: whatever made the entries wrong may have left
         // them behind too.
-        self.address_claims = None;
+        self.pods.forget_claims();
         let pods: std::collections::HashMap<u64, PodConfig> = self
             .pinned_pods()?
             .into_iter()
@@ -146,7 +131,7 @@ impl Dataplane {
                 .claims()?
                 .owner(&ip)
                 .and_then(|c| pods.get(&c).copied());
-            let mut by_ip = self.pods_by_ip()?;
+            let mut by_ip = pods_by_ip(&mut self.dataplane)?;
             let result = match owner {
                 Some(owner) => by_ip.insert(ip, owner, 0),
                 None => match by_ip.remove(&ip) {
@@ -163,10 +148,4 @@ impl Dataplane {
 /// The addresses a pod's entry claims (its non-empty slots).
 pub fn claimed(pod: &PodConfig) -> impl Iterator<Item = IpKey> + '_ {
     pod.ips.iter().copied().filter(|ip| *ip != IpKey::default())
-}
-
-/// An address key back as an address.
-pub fn ip_addr(key: IpKey) -> IpAddr {
-    let v6 = std::net::Ipv6Addr::from(key.addr);
-    v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4)
 }

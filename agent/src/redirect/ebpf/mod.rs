@@ -3,7 +3,7 @@
 //! The programs are loaded and attached once per node; a pod is enrolled by:
 //! 1. the reply routing in its netns (`routing`: fwmark 0x111 -> local table,
 //!    tcp_fwmark_accept), which ztunnel's inbound connections need;
-//! 2. its sk_lookup link ([`inbound_link`]): inbound capture, one netns link
+//! 2. its sk_lookup link ([`crate::bpf::inbound`]): inbound capture, one netns link
 //!    and nothing on its interfaces, so any interface kind serves;
 //! 3. two map writes, by netns cookie (socket programs) and by address
 //!    (the sk_lookup program, [`addresses`]), after which new connections
@@ -21,9 +21,13 @@
 //! still hold its cookie. Pods an earlier agent enrolled may carry its tc
 //! steering filters: they are removed when the pod is enrolled again or
 //! removed.
+//!
+//! [`EbpfRedirection`] is the mode: the loaded programs and maps
+//! ([`Dataplane`]) and what it keeps of the pods it enrolled
+//! ([`registry`]).
 
 mod addresses;
-mod inbound_link;
+mod registry;
 
 use std::{net::IpAddr, path::PathBuf, time::Instant};
 
@@ -31,11 +35,13 @@ use ambpf_common::{IpKey, PodConfig, maps, pod_flags};
 use aya::maps::{HashMap, MapData};
 use tracing::{info, warn};
 
-pub use self::addresses::{AddressConflict, claimed, ip_addr, ip_key};
+pub use self::addresses::{AddressConflict, claimed};
+use self::registry::PodRegistry;
 pub use super::steering::detach_steering;
 use super::{CheckScope, PodKey, Violation, podnet, routing, rtnl::NetlinkError};
+pub use crate::bpf::keys::{ip_addr, ip_key};
 use crate::{
-    bpf::{Dataplane, tc::AttachError},
+    bpf::{Dataplane, MapWriteError, PinLayout, tc::AttachError},
     netns::{Netns, NetnsError},
 };
 
@@ -125,19 +131,63 @@ impl EnrolledPod {
     }
 }
 
-impl Dataplane {
-    fn pods_by_netns(&mut self) -> Result<HashMap<&mut MapData, u64, PodConfig>, EnrollError> {
-        HashMap::try_from(self.map_mut(maps::PODS_BY_NETNS)).map_err(|source| EnrollError::Map {
-            map: maps::PODS_BY_NETNS,
-            cause: source,
-        })
+impl From<MapWriteError> for EnrollError {
+    fn from(e: MapWriteError) -> Self {
+        Self::Map {
+            map: e.map,
+            cause: e.cause,
+        }
+    }
+}
+
+fn pods_by_netns(
+    dataplane: &mut Dataplane,
+) -> Result<HashMap<&mut MapData, u64, PodConfig>, EnrollError> {
+    HashMap::try_from(dataplane.map_mut(maps::PODS_BY_NETNS)).map_err(map_err(maps::PODS_BY_NETNS))
+}
+
+fn pods_by_ip(
+    dataplane: &mut Dataplane,
+) -> Result<HashMap<&mut MapData, IpKey, PodConfig>, EnrollError> {
+    HashMap::try_from(dataplane.map_mut(maps::PODS_BY_IP)).map_err(map_err(maps::PODS_BY_IP))
+}
+
+/// Every enrolled pod, as pinned.
+fn pinned_pods(dataplane: &mut Dataplane) -> Result<Vec<PodConfig>, EnrollError> {
+    Ok(pods_by_netns(dataplane)?
+        .iter()
+        .filter_map(Result::ok)
+        .map(|(_, pod)| pod)
+        .collect())
+}
+
+/// The eBPF redirection: the programs and maps loaded once per node, and the
+/// pods this process enrolled.
+pub struct EbpfRedirection {
+    dataplane: Dataplane,
+    pods: PodRegistry,
+}
+
+impl EbpfRedirection {
+    /// Redirects pods through `dataplane`'s programs (loaded, and serving
+    /// the node: [`Dataplane::serve_node`]).
+    pub fn new(dataplane: Dataplane) -> Self {
+        Self {
+            dataplane,
+            pods: PodRegistry::default(),
+        }
     }
 
-    fn pods_by_ip(&mut self) -> Result<HashMap<&mut MapData, IpKey, PodConfig>, EnrollError> {
-        HashMap::try_from(self.map_mut(maps::PODS_BY_IP)).map_err(|source| EnrollError::Map {
-            map: maps::PODS_BY_IP,
-            cause: source,
-        })
+    pub fn dataplane(&self) -> &Dataplane {
+        &self.dataplane
+    }
+
+    pub fn dataplane_mut(&mut self) -> &mut Dataplane {
+        &mut self.dataplane
+    }
+
+    pub fn pins(&self) -> &PinLayout {
+        self.dataplane.pins()
     }
 
     /// Enrols the pod whose network namespace is `netns`. Idempotent: a
@@ -188,8 +238,8 @@ impl Dataplane {
             *slot = ip_key(*ip);
         }
 
-        let previous = self.pods_by_netns()?.get(&cookie, 0).ok();
-        self.held.insert(cookie, keep(netns)?);
+        let previous = pods_by_netns(&mut self.dataplane)?.get(&cookie, 0).ok();
+        self.pods.hold(cookie, keep(netns)?);
         // Before its addresses are written: from then on every inbound
         // connection to the pod is ztunnel's or refused, never the app's.
         let linking = Instant::now();
@@ -207,13 +257,13 @@ impl Dataplane {
         }
         // Its counters first, so its first redirected connection is counted;
         // a new pod that does not fit leaves nothing behind.
-        if let Err((map, e)) = self.add_pod_counters(cookie) {
+        if let Err((map, e)) = self.dataplane.add_pod_counters(cookie) {
             let e = self.map_full_or(netns, map, e);
             return Err(self.undo_new_pod(cookie, previous.is_none(), e));
         }
 
         // From here on, new connections of the pod are redirected.
-        let inserted = self.pods_by_netns()?.insert(cookie, config, 0);
+        let inserted = pods_by_netns(&mut self.dataplane)?.insert(cookie, config, 0);
         if let Err(e) = inserted {
             let e = self.map_full_or(netns, maps::PODS_BY_NETNS, e);
             return Err(self.undo_new_pod(cookie, previous.is_none(), e));
@@ -221,7 +271,7 @@ impl Dataplane {
         let conflicts = match self.claim_addresses(&config, previous.as_ref()) {
             Ok(conflicts) => conflicts,
             Err(e) => {
-                self.address_claims = None;
+                self.pods.forget_claims();
                 return Err(e);
             }
         };
@@ -249,7 +299,7 @@ impl Dataplane {
     fn map_full_or(&self, netns: &Netns, map: &'static str, e: aya::maps::MapError) -> EnrollError {
         let full = matches!(&e, aya::maps::MapError::SyscallError(s)
             if s.io_error.raw_os_error() == Some(libc::E2BIG));
-        match self.capacities().of(map) {
+        match self.dataplane.capacities().of(map) {
             Some((capacity, flag)) if full => EnrollError::MapFull {
                 netns: netns.path().to_owned(),
                 map,
@@ -267,8 +317,8 @@ impl Dataplane {
         if !new {
             return e;
         }
-        self.held.remove(&cookie);
-        if let Err((map, undo)) = self.remove_pod_counters(cookie) {
+        self.pods.release(cookie);
+        if let Err((map, undo)) = self.dataplane.remove_pod_counters(cookie) {
             warn!("removing the counters of a pod that was not enrolled from {map}: {undo}");
         }
         if let Err(undo) = self.remove_inbound_link(cookie) {
@@ -281,27 +331,28 @@ impl Dataplane {
     /// only what the pod still owns. Returns whether it was enrolled.
     pub fn unenroll_pod(&mut self, pod: PodKey) -> Result<bool, EnrollError> {
         let cookie = pod.netns_cookie;
-        let found = self.pods_by_netns()?.get(&cookie, 0).ok();
+        let found = pods_by_netns(&mut self.dataplane)?.get(&cookie, 0).ok();
         if let Some(config) = found {
             for ip in claimed(&config) {
                 let release = self.claims()?.release(ip, cookie);
                 if let Err(e) = self.apply_release(ip, cookie, release) {
-                    self.address_claims = None;
+                    self.pods.forget_claims();
                     return Err(e);
                 }
             }
-            match self.pods_by_netns()?.remove(&cookie) {
+            match pods_by_netns(&mut self.dataplane)?.remove(&cookie) {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
                 Err(e) => return Err(map_err(maps::PODS_BY_NETNS)(e)),
             }
         }
-        self.remove_pod_counters(cookie)
+        self.dataplane
+            .remove_pod_counters(cookie)
             .map_err(|(map, e)| map_err(map)(e))?;
         // New connections go direct from here. Only a pod an earlier agent
         // enrolled has a steering filter to remove (it goes with the
         // namespace if that is gone already); nothing of this agent's is in
         // the pod's namespace but its reply routing, which stays.
-        let held = self.held.remove(&cookie);
+        let held = self.pods.release(cookie);
         if let Some(config) = found.filter(|c| c.flags & pod_flags::INBOUND_LINK == 0) {
             let netns = held.or_else(|| {
                 super::check::locate_pods(&[config], &[])
@@ -326,18 +377,33 @@ impl Dataplane {
 
     /// Every enrolled pod, as pinned.
     pub fn pinned_pods(&mut self) -> Result<Vec<PodConfig>, EnrollError> {
-        Ok(self
-            .pods_by_netns()?
-            .iter()
-            .filter_map(Result::ok)
-            .map(|(_, pod)| pod)
-            .collect())
+        pinned_pods(&mut self.dataplane)
+    }
+
+    /// Attaches (or updates) the pod's sk_lookup link.
+    fn attach_inbound_link(&mut self, netns: &Netns, cookie: u64) -> Result<(), EnrollError> {
+        self.dataplane
+            .attach_inbound_link(netns, cookie)
+            .map_err(|cause| EnrollError::InboundLink {
+                netns: netns.path().to_owned(),
+                cause,
+            })
+    }
+
+    /// Removes the pod's sk_lookup link. ztunnel's listener stays filed
+    /// while it is open (the kernel drops it from the map when it closes):
+    /// a pod enrolled again meanwhile is served by the same listener, which
+    /// ztunnel does not open anew.
+    fn remove_inbound_link(&mut self, cookie: u64) -> Result<(), EnrollError> {
+        crate::bpf::inbound::remove_link(self.pins(), cookie).map_err(|cause| EnrollError::Unlink {
+            dir: self.pins().pod_links_dir(cookie),
+            cause,
+        })
     }
 }
 
 /// A handle of our own on `netns` (the caller's may close), held while its
-/// pod is enrolled: its steering is removed through it, and a namespace kept
-/// open is never freed, so its inode is not reused meanwhile.
+/// pod is enrolled ([`PodRegistry`]).
 fn keep(netns: &Netns) -> Result<Netns, NetnsError> {
     use std::os::fd::AsRawFd as _;
     Netns::open(&format!("/proc/self/fd/{}", netns.file().as_raw_fd()))
@@ -347,7 +413,7 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> EnrollError {
     move |source| EnrollError::Map { map, cause: source }
 }
 
-impl super::PodRedirection for Dataplane {
+impl super::PodRedirection for EbpfRedirection {
     fn mode(&self) -> super::RedirectMode {
         super::RedirectMode::Ebpf
     }
@@ -389,7 +455,7 @@ impl super::PodRedirection for Dataplane {
 
     fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
         if scope == CheckScope::Full {
-            crate::bpf::foreign::log_warnings(self.pins());
+            super::check::foreign::log_warnings(self.pins());
         }
         super::check::ebpf_state(self.pins(), pods, scope)
     }

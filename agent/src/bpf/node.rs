@@ -1,5 +1,5 @@
-//! The eBPF mode's node-wide maps: settings, the node's network namespace
-//! (whose connections to pods are exempt from capture) and its addresses.
+//! The node-wide maps: settings, the node's network namespace (whose
+//! connections to pods are exempt from capture) and its addresses.
 
 use std::{net::IpAddr, path::Path};
 
@@ -7,8 +7,15 @@ use ambpf_common::{IpKey, NodeConfig, maps};
 use aya::maps::{Array, HashMap};
 use tracing::warn;
 
-use super::ebpf::{EnrollError, ip_key};
-use crate::bpf::{Dataplane, cgroup::CgroupError};
+use super::{Dataplane, cgroup::CgroupError, keys::ip_key};
+
+/// A map the agent could not write.
+#[derive(Debug, thiserror::Error)]
+#[error("updating map {map}: {cause}")]
+pub struct MapWriteError {
+    pub map: &'static str,
+    pub cause: aya::maps::MapError,
+}
 
 /// Why [`Dataplane::serve_node`] failed.
 #[derive(Debug, thiserror::Error)]
@@ -16,7 +23,7 @@ pub enum NodeSetupError {
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
     #[error(transparent)]
-    Map(#[from] EnrollError),
+    Map(#[from] MapWriteError),
 }
 
 impl Dataplane {
@@ -45,10 +52,10 @@ impl Dataplane {
     }
 
     /// The node's network namespace, by cookie.
-    pub fn set_node_netns(&mut self, cookie: u64) -> Result<(), EnrollError> {
-        let map_err = |source| EnrollError::Map {
+    pub fn set_node_netns(&mut self, cookie: u64) -> Result<(), MapWriteError> {
+        let map_err = |cause| MapWriteError {
             map: maps::NODE_NETNS,
-            cause: source,
+            cause,
         };
         let mut array: Array<_, u64> =
             Array::try_from(self.map_mut(maps::NODE_NETNS)).map_err(map_err)?;
@@ -56,10 +63,10 @@ impl Dataplane {
     }
 
     /// Node-wide settings.
-    pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), EnrollError> {
-        let map_err = |source| EnrollError::Map {
+    pub fn set_node_config(&mut self, config: NodeConfig) -> Result<(), MapWriteError> {
+        let map_err = |cause| MapWriteError {
             map: maps::NODE_CONFIG,
-            cause: source,
+            cause,
         };
         let mut array: Array<_, NodeConfig> =
             Array::try_from(self.map_mut(maps::NODE_CONFIG)).map_err(map_err)?;
@@ -68,10 +75,10 @@ impl Dataplane {
 
     /// Replaces the node's own addresses: traffic from them reaches apps
     /// directly (kubelet probes).
-    pub fn set_host_addresses(&mut self, addresses: &[IpAddr]) -> Result<(), EnrollError> {
-        let map_err = |source| EnrollError::Map {
+    pub fn set_host_addresses(&mut self, addresses: &[IpAddr]) -> Result<(), MapWriteError> {
+        let map_err = |cause| MapWriteError {
             map: maps::HOST_ADDRS,
-            cause: source,
+            cause,
         };
         let capacity = self.capacities().host_addresses as usize;
         let mut map: HashMap<_, IpKey, u8> =

@@ -1,5 +1,6 @@
-//! Other owners' programs on a pod's interfaces: TCX programs (run
-//! first) and `clsact` filters (in priority order), both directions.
+//! The programs on an enrolled pod's interfaces, read inside its namespace:
+//! TCX programs (run first) and `clsact` filters (in priority order), both
+//! directions, with an earlier agent's steering filter marked as ambpf's.
 
 use std::collections::HashSet;
 
@@ -8,9 +9,11 @@ use netlink_packet_route::{
     tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcOption},
 };
 
-use super::{IfaceHookPrograms, IfaceProgram, Owner, Warning, hook_program};
 use crate::{
-    bpf::sys,
+    bpf::{
+        foreign::{IfaceHookPrograms, IfaceProgram, Owner, hook_program},
+        sys,
+    },
     redirect::{
         podnet,
         rtnl::{NetlinkError, Rtnl},
@@ -157,47 +160,4 @@ pub(super) fn iface_hooks(
         }
     }
     Ok(out)
-}
-
-/// Other owners' `clsact` ingress filters listed ahead of an earlier
-/// agent's steering filter on a pod's interface. (Inbound capture is now the
-/// pod's socket lookup, which every packet delivered in the pod meets
-/// whatever runs on its interfaces before: TCX programs and filters are
-/// listed, not warned about.)
-pub fn iface_warnings(hooks: &[IfaceHookPrograms]) -> Vec<Warning> {
-    let mut out = Vec::new();
-    for hooked in hooks {
-        let (ahead, why): (Vec<&IfaceProgram>, &str) = match hooked.hook {
-            "tc_ingress" => {
-                let Some(ours) = hooked.programs.iter().position(|p| p.owner == Owner::Ambpf)
-                else {
-                    continue;
-                };
-                (
-                    hooked.programs[..ours]
-                        .iter()
-                        .filter(|p| p.owner == Owner::Other)
-                        .collect(),
-                    "SYNs reach ambpf's steering filter only while it returns TC_ACT_UNSPEC",
-                )
-            }
-            _ => continue,
-        };
-        for p in ahead {
-            out.push(Warning {
-                hook: hooked.hook.to_owned(),
-                program_id: p.id,
-                program_name: p.name.clone(),
-                detail: format!(
-                    "program {} {} of another owner runs before ambpf's steering filter on {} \
-                     (netns inode {}): {why}",
-                    p.id.map_or_else(|| "?".to_owned(), |id| id.to_string()),
-                    p.name,
-                    hooked.iface,
-                    hooked.netns_inode
-                ),
-            });
-        }
-    }
-    out
 }
