@@ -6,7 +6,10 @@
 //! Standard library only: the testbed and xtask include this file with
 //! `#[path]`, since neither depends on the agent.
 
-use std::{fmt, io, path::PathBuf};
+use std::{
+    fmt, io,
+    path::{Path, PathBuf},
+};
 
 /// What the host lacks, each with how to get it.
 #[derive(Debug)]
@@ -89,6 +92,31 @@ pub fn find_cgroup2(mountinfo: &str) -> Result<PathBuf, MountError> {
     })
 }
 
+/// The cgroup v2 hierarchy `given` names: `given` itself, or, where it is a
+/// hybrid host's `/sys/fs/cgroup` (a tmpfs of v1 controllers), the cgroup2
+/// root mounted below it (`unified`). The last mount at a point is the one
+/// visible, as a hostPath bind mounted over the runtime's own.
+pub fn cgroup2_at_or_below(given: &Path, mountinfo: &str) -> Option<PathBuf> {
+    let mut found = None;
+    for line in mountinfo.lines() {
+        let mut fields = line.split(' ');
+        let (Some(root), Some(point)) = (fields.nth(3), fields.next()) else {
+            continue;
+        };
+        let Some(fstype) = fields.skip_while(|f| *f != "-").nth(1) else {
+            continue;
+        };
+        let point = unescape(point);
+        if point == given {
+            // A later mount over `given` hides whatever was found below it.
+            found = (fstype == "cgroup2").then(|| point.clone());
+        } else if fstype == "cgroup2" && root == "/" && point.starts_with(given) {
+            found = Some(point);
+        }
+    }
+    found
+}
+
 /// Whether the kernel offers the bpf filesystem (tests and the demo mount
 /// private ones; the agent pins below one).
 pub fn check_bpffs_support() -> Result<(), MountError> {
@@ -132,6 +160,25 @@ fn unescape(field: &str) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hybrid_hosts_cgroup_tmpfs_resolves_to_its_unified_hierarchy() {
+        let hybrid = "\
+30 25 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw
+32 30 0:28 / /sys/fs/cgroup/cpu rw,nosuid,nodev,noexec,relatime shared:11 - cgroup cgroup rw,cpu
+";
+        let given = Path::new("/sys/fs/cgroup");
+        assert_eq!(
+            cgroup2_at_or_below(given, hybrid),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
+        // Pure cgroup v2: the path itself.
+        assert_eq!(cgroup2_at_or_below(given, PURE_V2), Some(given.to_owned()));
+        // Only v1 controllers: nothing.
+        let v1_only = "30 25 0:26 / /sys/fs/cgroup ro - tmpfs tmpfs ro\n32 30 0:28 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n";
+        assert_eq!(cgroup2_at_or_below(given, v1_only), None);
+    }
 
     const PURE_V2: &str = "\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw

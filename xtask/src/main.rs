@@ -18,9 +18,12 @@
 //! - `plots`: draw the benchmark figures of `docs/figures/` from the results
 //!   in `docs/results/` (`plots.rs`); `--from target/bench` copies a new
 //!   run's results there first.
+//! - `cluster`: a real Kubernetes node built from source, and the
+//!   end-to-end suite on it (`cluster.rs`).
 //! - `fresh`: the README's `demo` and `test` in a privileged container on a
 //!   minimal Debian 12 root, from a clone of the committed HEAD (`fresh.rs`).
 
+mod cluster;
 mod ebpf_build;
 mod fresh;
 mod host_state;
@@ -150,6 +153,14 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+    /// A real Kubernetes node on this machine (`cluster.rs`): `build` its
+    /// components from the Go module proxy (cached outside the work tree),
+    /// `up`, `down`, `status`, `kubectl ...`, and `e2e`, the end-to-end suite
+    /// with ambpf installed by its chart. Needs root.
+    Cluster {
+        #[command(subcommand)]
+        action: cluster::Action,
+    },
     /// Run clippy and every test (unit and privileged), then check that the
     /// host's iptables, ipsets, policy rules, routes and /sys/fs/bpf are as
     /// they were before. Needs root.
@@ -252,8 +263,9 @@ fn main() -> Result<()> {
         Cmd::Plots { from } => plots::run(&root, from.as_deref()).map(drop),
         Cmd::Image { reference } => {
             cargo(&root, &["build", "--release", "-p", "ambpf", "--bins"])?;
-            build_image(&root, reference)
+            build_image(&root, reference).map(drop)
         }
+        Cmd::Cluster { action } => cluster::run_action(&root, action),
         Cmd::Fuzz { cases, args } => {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
             run(Command::new(cargo)
@@ -338,6 +350,7 @@ impl Cmd {
             Cmd::Fuzz { .. } => "the ZDS property creates network namespaces",
             Cmd::Kernels { .. } => "the guests run the privileged tests as root",
             Cmd::Fresh { .. } => "mmdebstrap and the privileged container need root",
+            Cmd::Cluster { .. } => "the node's daemons, namespaces and cgroups need root",
             Cmd::Test { .. } => {
                 "the privileged tests create namespaces, veths, cgroups and bpffs mounts"
             }
@@ -345,7 +358,7 @@ impl Cmd {
     }
 }
 
-fn build_image(root: &Path, reference: Option<String>) -> Result<()> {
+fn build_image(root: &Path, reference: Option<String>) -> Result<image::Image> {
     let version = env!("CARGO_PKG_VERSION");
     let reference = match reference {
         Some(reference) => reference,
@@ -373,7 +386,7 @@ fn build_image(root: &Path, reference: Option<String>) -> Result<()> {
         built.archive.display(),
         archive = built.archive.display(),
     );
-    Ok(())
+    Ok(built)
 }
 
 /// Makes sure the pinned nightly can build the kernel programs (rust-src for

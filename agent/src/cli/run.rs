@@ -48,7 +48,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         .filter(|d| !d.is_zero())
         .context("--state-check-interval must be a positive number of seconds")?;
     let cgroup = match args.cgroup {
-        Some(path) => path,
+        Some(path) => given_cgroup(path)?,
         None => default_cgroup()?,
     };
     let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
@@ -290,6 +290,26 @@ fn raise_fd_limit() {
 
 fn pins_root(dataplane: &Dataplane) -> String {
     dataplane.pins().root().display().to_string()
+}
+
+/// `--cgroup` as given, or the cgroup v2 hierarchy below it where it is a
+/// hybrid host's `/sys/fs/cgroup` (the chart mounts the host's whichever
+/// layout the node has).
+fn given_cgroup(path: PathBuf) -> Result<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").context("reading mountinfo")?;
+    match crate::mounts::cgroup2_at_or_below(&path, &mountinfo) {
+        Some(found) if found == path => Ok(path),
+        Some(found) => {
+            tracing::info!(
+                "{} holds cgroup v1 controllers; using the cgroup v2 hierarchy at {}",
+                path.display(),
+                found.display()
+            );
+            Ok(found)
+        }
+        // Attaching names the path and why it is refused.
+        None => Ok(path),
+    }
 }
 
 /// The cgroup v2 mount, from mountinfo: /sys/fs/cgroup on pure cgroup v2

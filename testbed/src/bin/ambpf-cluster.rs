@@ -35,6 +35,24 @@ enum Cmd {
     Down,
     /// Each daemon's state and the node's.
     Status,
+    /// The end-to-end suite against a node that is up.
+    E2e {
+        /// ambpf's chart.
+        #[arg(long, default_value = "charts/ambpf")]
+        chart: PathBuf,
+        /// Where to write the results.
+        #[arg(long, default_value = "target/cluster/e2e.json")]
+        out: PathBuf,
+        /// The reference ambpf's image was imported as.
+        #[arg(long, default_value = "ghcr.io/ambpf/ambpf:0.1.0")]
+        ambpf_reference: String,
+        /// Only these modes (repeatable; default: ebpf, iptables, nftables).
+        #[arg(long = "mode")]
+        modes: Vec<String>,
+        /// Only scenarios whose name contains one of these (repeatable).
+        #[arg(long = "scenario")]
+        scenarios: Vec<String>,
+    },
     /// kubectl as cluster admin, inside the node.
     Kubectl {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -67,6 +85,35 @@ fn main() -> Result<()> {
         }
         Cmd::Down => kube::down(&layout),
         Cmd::Status => kube::status(&layout, &components),
+        Cmd::E2e {
+            chart,
+            out,
+            ambpf_reference,
+            modes,
+            scenarios,
+        } => {
+            kube::e2e::check_chart(&chart)?;
+            let cluster = kube::e2e::Cluster {
+                layout,
+                components,
+                helm: std::env::var_os("HELM").map_or_else(|| PathBuf::from("helm"), PathBuf::from),
+                ambpf_image: ambpf_reference,
+            };
+            let modes = if modes.is_empty() {
+                kube::e2e::MODES.map(str::to_owned).to_vec()
+            } else {
+                modes
+            };
+            kube::e2e::run(
+                &cluster,
+                &kube::e2e::Options {
+                    chart,
+                    out,
+                    modes,
+                    scenarios,
+                },
+            )
+        }
         Cmd::Kubectl { args } => {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             print!("{}", kube::kubectl(&layout, &components, &args)?);

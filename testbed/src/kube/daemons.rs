@@ -92,6 +92,8 @@ pub fn command_line(layout: &Layout, components: &Components, name: &str) -> Res
             "--authorization-mode=Node,RBAC".into(),
             "--enable-admission-plugins=NodeRestriction".into(),
             "--allow-privileged=true".into(),
+            // The node's name resolves nowhere: reach kubelets by address.
+            "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
             "--profiling=false".into(),
         ],
         "kube-controller-manager" => {

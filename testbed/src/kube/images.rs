@@ -90,26 +90,29 @@ pub fn import_all(
     Ok(())
 }
 
-/// `ctr images import`; an archive from skopeo names its image by tag only
-/// (`org.opencontainers.image.ref.name`), so `--base-name` gives the
-/// repository.
+/// `ctr images import`, then a check that `reference` is what it stored
+/// (`cargo xtask image` names the image in full in the archive's index).
 fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()> {
+    // The node's mount namespace has its own working directory.
+    let archive = archive
+        .canonicalize()
+        .with_context(|| format!("{}", archive.display()))?;
     let mut cmd = in_node(layout, "ctr");
-    cmd.args([
-        "--address",
-        "/run/containerd/containerd.sock",
-        "--namespace",
-        "k8s.io",
-    ])
-    .args(["images", "import", "--no-unpack"]);
+    cmd.args(["--address", "/run/containerd/containerd.sock", "--namespace", "k8s.io"])
+        .args(["images", "import"])
+        .arg(&archive);
+    super::run_checked(&mut cmd).with_context(|| format!("importing {}", archive.display()))?;
     if let Some(reference) = reference {
-        let (repository, _) = reference
-            .rsplit_once(':')
-            .with_context(|| format!("{reference} has no tag"))?;
-        cmd.args(["--base-name", repository]);
+        let stored = list(layout)?;
+        if !stored.iter().any(|r| r == reference) {
+            bail!(
+                "{} holds no image named {reference}; the node has {}",
+                archive.display(),
+                stored.join(", ")
+            );
+        }
     }
-    cmd.arg(archive);
-    super::run_checked(&mut cmd).with_context(|| format!("importing {}", archive.display()))
+    Ok(())
 }
 
 /// The references in the node's image store.

@@ -17,6 +17,7 @@
 
 pub mod components;
 pub mod daemons;
+pub mod e2e;
 pub mod host;
 pub mod images;
 pub mod pki;

@@ -1,0 +1,231 @@
+//! The suite's hands on the cluster: kubectl and helm as the cluster's
+//! admin, commands in the node's and the outside's namespaces, and the
+//! ztunnel double's log.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+use serde_json::Value;
+
+use super::eventually;
+use crate::kube::{Components, Layout, in_node};
+
+/// The namespace ambpf and the ztunnel double are installed in, as
+/// ztunnel's.
+pub const SYSTEM_NAMESPACE: &str = "istio-system";
+pub const RELEASE: &str = "ambpf";
+
+/// The node, as the suite drives it.
+#[derive(Debug)]
+pub struct Cluster {
+    pub layout: Layout,
+    pub components: Components,
+    pub helm: PathBuf,
+    /// ambpf's image, as `repository:tag`.
+    pub ambpf_image: String,
+}
+
+/// An installed release of the chart.
+#[derive(Debug, Clone)]
+pub struct Release {
+    pub mode: String,
+    /// The node before the install, for the uninstall's comparison.
+    pub before: super::node_state::NodeState,
+}
+
+impl Cluster {
+    pub fn kubectl(&self, args: &[&str]) -> Result<String> {
+        crate::kube::kubectl(&self.layout, &self.components, args)
+    }
+
+    /// `kubectl apply -f -` with `yaml`.
+    pub fn apply(&self, yaml: &str) -> Result<()> {
+        let mut cmd = in_node(&self.layout, &self.components.kube("kubectl").display().to_string());
+        cmd.arg(format!("--kubeconfig={}", self.layout.admin_kubeconfig().display()))
+            .args(["apply", "-f", "-"]);
+        let out = crate::output_with_stdin(&mut cmd, yaml.as_bytes())?;
+        if !out.status.success() {
+            bail!("kubectl apply: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(())
+    }
+
+    /// A JSON object from `kubectl get ... -o json`.
+    pub fn get_json(&self, args: &[&str]) -> Result<Value> {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        Ok(serde_json::from_str(&self.kubectl(&all)?)?)
+    }
+
+    /// A command in the node's namespaces (as a hostNetwork process).
+    pub fn on_node(&self, program: &str, args: &[&str]) -> Result<String> {
+        let out = in_node(&self.layout, program).args(args).output()?;
+        if !out.status.success() {
+            bail!(
+                "{program} {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// A command on the off-node client (the outside namespace); its
+    /// output and whether it succeeded.
+    pub fn from_outside(&self, program: &str, args: &[&str]) -> Result<(bool, String)> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.layout.outside_netns, program])
+            .args(args)
+            .output()?;
+        Ok((
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ))
+    }
+
+    fn helm(&self) -> Command {
+        // helm reads the chart from the host's files and reaches the API
+        // server in the node's network namespace.
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", self.layout.node_netns))
+            .arg("--")
+            .arg(&self.helm)
+            .arg("--kubeconfig")
+            .arg(self.layout.admin_kubeconfig());
+        cmd
+    }
+
+    /// `helm install ambpf <chart>` with only the image values (and the
+    /// mode) set, as users install it; waits until the DaemonSet is Ready.
+    pub fn helm_install(&self, chart: &Path, mode: &str) -> Result<Release> {
+        let before = super::node_state::NodeState::read(self)?;
+        let (repository, tag) = self
+            .ambpf_image
+            .rsplit_once(':')
+            .context("ambpf's image has no tag")?;
+        let out = self
+            .helm()
+            .args(["install", RELEASE])
+            .arg(chart)
+            .args(["-n", SYSTEM_NAMESPACE, "--create-namespace"])
+            .args(["--set", &format!("image.repository={repository}")])
+            .args(["--set", &format!("image.tag={tag}")])
+            .args(["--set", "image.pullPolicy=Never"])
+            .args(["--set", &format!("redirectMode={mode}")])
+            .args(["--wait", "--timeout", "120s"])
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "helm install: {}\n{}",
+                String::from_utf8_lossy(&out.stderr).trim(),
+                self.agent_diagnostics()
+            );
+        }
+        Ok(Release {
+            mode: mode.to_owned(),
+            before,
+        })
+    }
+
+    pub fn helm_uninstall(&self) -> Result<()> {
+        let out = self
+            .helm()
+            .args(["uninstall", RELEASE, "-n", SYSTEM_NAMESPACE, "--wait", "--timeout", "120s"])
+            .output()?;
+        if !out.status.success() {
+            bail!("helm uninstall: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        // The DaemonSet's pods are gone only once their shutdown ran.
+        eventually("ambpf's pods gone", Duration::from_secs(90), || {
+            let pods = self.get_json(&["pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=ambpf"])?;
+            Ok(pods["items"].as_array().is_none_or(|a| a.is_empty()).then_some(()))
+        })
+    }
+
+    pub fn release_installed(&self) -> Result<bool> {
+        let out = self.helm().args(["status", RELEASE, "-n", SYSTEM_NAMESPACE]).output()?;
+        Ok(out.status.success())
+    }
+
+    /// Status, events and logs of ambpf's pods, for a failure's message.
+    pub fn agent_diagnostics(&self) -> String {
+        let mut text = String::new();
+        for args in [
+            vec!["get", "pods", "-A", "-o", "wide"],
+            vec!["describe", "pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=ambpf"],
+            vec!["logs", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=ambpf", "--all-containers", "--tail=40"],
+        ] {
+            match self.kubectl(&args) {
+                Ok(out) => text.push_str(&out),
+                Err(e) => text.push_str(&format!("{e:#}\n")),
+            }
+        }
+        text
+    }
+
+    /// The ztunnel double's DaemonSet, Ready.
+    pub fn install_ztunnel(&self) -> Result<()> {
+        self.apply(include_str!("../../../manifests/ztunnel-double.yaml"))?;
+        self.kubectl(&["rollout", "status", "-n", SYSTEM_NAMESPACE, "daemonset/ztunnel", "--timeout=120s"])
+            .map(drop)
+    }
+
+    /// Every event the ztunnel double logged, oldest first (its JSON lines).
+    pub fn ztunnel_events(&self) -> Result<Vec<Value>> {
+        let log = self.kubectl(&["logs", "-n", SYSTEM_NAMESPACE, "daemonset/ztunnel", "--tail=-1"])?;
+        Ok(log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .collect())
+    }
+
+    /// The proxied connections the double logged for pod `uid`.
+    pub fn proxied_for(&self, uid: &str) -> Result<Vec<Value>> {
+        Ok(self
+            .ztunnel_events()?
+            .into_iter()
+            .filter(|e| e["event"] == "connection" && e["uid"] == uid)
+            .collect())
+    }
+
+    /// The pods of `namespace` with label `app=<app>`: `(name, uid, ip)`.
+    pub fn pods(&self, namespace: &str, app: &str) -> Result<Vec<(String, String, String)>> {
+        let pods = self.get_json(&["pods", "-n", namespace, "-l", &format!("app={app}")])?;
+        Ok(pods["items"]
+            .as_array()
+            .map(|items| {
+                items
+                    .iter()
+                    .map(|p| {
+                        (
+                            p["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
+                            p["metadata"]["uid"].as_str().unwrap_or_default().to_owned(),
+                            p["status"]["podIP"].as_str().unwrap_or_default().to_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+
+    /// Waits until a rollout of `deployment` in `namespace` is complete.
+    pub fn rollout(&self, namespace: &str, deployment: &str) -> Result<()> {
+        self.kubectl(&[
+            "rollout",
+            "status",
+            "-n",
+            namespace,
+            &format!("deployment/{deployment}"),
+            "--timeout=120s",
+        ])
+        .map(drop)
+    }
+}

@@ -1,0 +1,314 @@
+//! The scenarios, in the order they run in each mode. Each returns what it
+//! saw, for the report.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail, ensure};
+use serde_json::Value;
+
+use super::client::{Cluster, Release};
+use super::eventually;
+use crate::kube::NODE_IP;
+
+pub struct Scenario {
+    pub name: &'static str,
+    pub applies: fn(&str) -> bool,
+    pub run: fn(&Cluster, &Release) -> Result<String>,
+}
+
+fn every_mode(_: &str) -> bool {
+    true
+}
+
+pub const ALL: [Scenario; 6] = [
+    Scenario { name: "first-connection", applies: every_mode, run: first_connection },
+    Scenario { name: "kubelet-probes", applies: every_mode, run: kubelet_probes },
+    Scenario { name: "nodeport-from-outside", applies: every_mode, run: nodeport_from_outside },
+    Scenario { name: "clusterip-from-pod", applies: every_mode, run: clusterip_from_pod },
+    Scenario { name: "opt-out", applies: every_mode, run: opt_out },
+    Scenario { name: "uninstall", applies: every_mode, run: uninstall },
+];
+
+const WEB_PORT: u16 = 8080;
+
+/// The ambient namespace of a mode, and its plain (not ambient) twin.
+fn namespaces(release: &Release) -> (String, String) {
+    (format!("e2e-{}", release.mode), format!("e2e-{}-plain", release.mode))
+}
+
+/// A namespace with a `web` Deployment (busybox httpd answering its pod's
+/// name, with kubelet HTTP readiness and TCP liveness probes) behind a
+/// NodePort Service; made once per namespace.
+fn ensure_web(cluster: &Cluster, namespace: &str, ambient: bool) -> Result<()> {
+    let label = if ambient { "\n  labels: {istio.io/dataplane-mode: ambient}" } else { "" };
+    cluster.apply(&format!(
+        r#"apiVersion: v1
+kind: Namespace
+metadata:
+  name: {namespace}{label}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: web, namespace: {namespace}}}
+spec:
+  replicas: 2
+  selector: {{matchLabels: {{app: web}}}}
+  template:
+    metadata: {{labels: {{app: web}}}}
+    spec:
+      terminationGracePeriodSeconds: 1
+      containers:
+      - name: web
+        image: {app}
+        imagePullPolicy: Never
+        command: ["/bin/sh", "-c", "mkdir -p /tmp/www && hostname > /tmp/www/index.html && exec httpd -f -p {WEB_PORT} -h /tmp/www"]
+        readinessProbe: {{httpGet: {{path: /, port: {WEB_PORT}}}, periodSeconds: 2}}
+        livenessProbe: {{tcpSocket: {{port: {WEB_PORT}}}, periodSeconds: 2}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: {namespace}}}
+spec:
+  type: NodePort
+  externalTrafficPolicy: Cluster
+  selector: {{app: web}}
+  ports: [{{port: 80, targetPort: {WEB_PORT}}}]
+"#,
+        app = crate::kube::images::APP,
+    ))?;
+    cluster.rollout(namespace, "web")
+}
+
+fn setup(cluster: &Cluster, release: &Release) -> Result<(String, String)> {
+    let (ambient, plain) = namespaces(release);
+    ensure_web(cluster, &ambient, true)?;
+    ensure_web(cluster, &plain, false)?;
+    Ok((ambient, plain))
+}
+
+/// A pod whose very first action is a connection: it must be captured, so
+/// the CNI ADD returned only once the pod was redirected and in ztunnel.
+fn first_connection(cluster: &Cluster, release: &Release) -> Result<String> {
+    let (ambient, plain) = setup(cluster, release)?;
+    let mut seen = Vec::new();
+    for (namespace, captured) in [(&ambient, true), (&plain, false)] {
+        let name = format!("first-{}", nonce());
+        cluster.apply(&format!(
+            r#"apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: {namespace}, labels: {{app: first}}}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: client
+    image: {app}
+    imagePullPolicy: Never
+    command: ["/bin/sh", "-c", "wget -T 5 -qO- http://$WEB_SERVICE_HOST:$WEB_SERVICE_PORT/"]
+"#,
+            app = crate::kube::images::APP,
+        ))?;
+        let pod = eventually(&format!("pod {namespace}/{name} done"), Duration::from_secs(60), || {
+            let pod = cluster.get_json(&["pod", "-n", namespace, &name])?;
+            match pod["status"]["phase"].as_str() {
+                Some("Succeeded") => Ok(Some(pod)),
+                Some("Failed") => bail!(
+                    "pod {namespace}/{name} failed: {}",
+                    cluster.kubectl(&["logs", "-n", namespace, &name]).unwrap_or_default()
+                ),
+                _ => Ok(None),
+            }
+        })?;
+        let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+        let outbound: Vec<Value> = cluster
+            .proxied_for(&uid)?
+            .into_iter()
+            .filter(|e| e["listener_port"] == 15001)
+            .collect();
+        if captured {
+            ensure!(
+                !outbound.is_empty(),
+                "{namespace}/{name}'s first connection did not pass ztunnel's outbound listener"
+            );
+            seen.push(format!(
+                "ambient pod's first connect proxied by ztunnel (original destination {})",
+                outbound[0]["original_dst"]
+            ));
+        } else {
+            ensure!(outbound.is_empty(), "a pod outside the mesh was captured: {outbound:?}");
+            seen.push("plain pod's connect uncaptured".to_owned());
+        }
+        cluster.kubectl(&["delete", "pod", "-n", namespace, &name, "--wait=false"])?;
+    }
+    Ok(seen.join("; "))
+}
+
+/// The kubelet's HTTP readiness and TCP liveness probes keep captured pods
+/// Ready and unrestarted, and never pass ztunnel.
+fn kubelet_probes(cluster: &Cluster, release: &Release) -> Result<String> {
+    let (ambient, _) = setup(cluster, release)?;
+    let pods = cluster.pods(&ambient, "web")?;
+    let count = |cluster: &Cluster| -> Result<usize> {
+        let mut n = 0;
+        for (_, uid, _) in &pods {
+            n += cluster.proxied_for(uid)?.len();
+        }
+        Ok(n)
+    };
+    let before = count(cluster)?;
+    // Readiness and liveness each probe every 2 s: about 10 of each.
+    std::thread::sleep(Duration::from_secs(10));
+    let after = count(cluster)?;
+    ensure!(after == before, "kubelet's probes passed ztunnel: {} connections", after - before);
+    for (name, _, _) in &pods {
+        let pod = cluster.get_json(&["pod", "-n", &ambient, name])?;
+        let status = &pod["status"]["containerStatuses"][0];
+        ensure!(status["ready"] == true, "{ambient}/{name} is not Ready");
+        ensure!(status["restartCount"] == 0, "{ambient}/{name} restarted: {}", status["restartCount"]);
+    }
+    Ok(format!("{} pods Ready, not restarted, 0 probes through ztunnel", pods.len()))
+}
+
+/// An off-node client calls a NodePort Service (kube-proxy DNATs and
+/// masquerades it to the node's address): ztunnel proxies every connection
+/// to an ambient pod and none to a plain one.
+fn nodeport_from_outside(cluster: &Cluster, release: &Release) -> Result<String> {
+    let (ambient, plain) = setup(cluster, release)?;
+    let mut seen = Vec::new();
+    for (namespace, captured) in [(&ambient, true), (&plain, false)] {
+        let service = cluster.get_json(&["service", "-n", namespace, "web"])?;
+        let node_port = service["spec"]["ports"][0]["nodePort"].as_u64().unwrap_or_default();
+        let pods = cluster.pods(namespace, "web")?;
+        let count = |cluster: &Cluster| -> Result<usize> {
+            let mut n = 0;
+            for (_, uid, _) in &pods {
+                n += cluster
+                    .proxied_for(uid)?
+                    .iter()
+                    .filter(|e| e["listener_port"] == 15006)
+                    .count();
+            }
+            Ok(n)
+        };
+        let before = count(cluster)?;
+        const CALLS: usize = 6;
+        for _ in 0..CALLS {
+            let (ok, out) = cluster.from_outside(
+                "wget",
+                &["-T", "5", "-qO-", &format!("http://{NODE_IP}:{node_port}/")],
+            )?;
+            ensure!(ok, "NodePort {node_port} of {namespace} from outside: {out}");
+        }
+        let proxied = count(cluster)? - before;
+        if captured {
+            ensure!(proxied >= CALLS, "{proxied} of {CALLS} NodePort connections passed ztunnel");
+        } else {
+            ensure!(proxied == 0, "{proxied} NodePort connections to plain pods passed ztunnel");
+        }
+        seen.push(format!("{namespace}: {proxied} of {CALLS} through ztunnel"));
+    }
+    Ok(seen.join("; "))
+}
+
+/// A pod outside the mesh calls an ambient Service's ClusterIP.
+fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
+    let (ambient, plain) = setup(cluster, release)?;
+    let service = cluster.get_json(&["service", "-n", &ambient, "web"])?;
+    let cluster_ip = service["spec"]["clusterIP"].as_str().unwrap_or_default().to_owned();
+    let pods = cluster.pods(&ambient, "web")?;
+    let count = |cluster: &Cluster| -> Result<usize> {
+        let mut n = 0;
+        for (_, uid, _) in &pods {
+            n += cluster.proxied_for(uid)?.len();
+        }
+        Ok(n)
+    };
+    let before = count(cluster)?;
+    let (client, _, _) = cluster
+        .pods(&plain, "web")?
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no plain web pod"))?;
+    const CALLS: usize = 4;
+    for _ in 0..CALLS {
+        cluster.kubectl(&[
+            "exec", "-n", &plain, &client, "--", "wget", "-T", "5", "-qO-", &format!("http://{cluster_ip}/"),
+        ])?;
+    }
+    let proxied = count(cluster)? - before;
+    ensure!(proxied >= CALLS, "{proxied} of {CALLS} ClusterIP connections passed ztunnel");
+    Ok(format!("{proxied} of {CALLS} ClusterIP connections from a plain pod through ztunnel"))
+}
+
+/// The annotation Istio's node agent keeps on each enrolled pod.
+const REDIRECTION: &str = "ambient.istio.io/redirection";
+
+fn redirection(cluster: &Cluster, namespace: &str, pod: &str) -> Result<Option<String>> {
+    let pod = cluster.get_json(&["pod", "-n", namespace, pod])?;
+    Ok(pod["metadata"]["annotations"][REDIRECTION].as_str().map(str::to_owned))
+}
+
+/// A connection from outside straight to a pod's address; whether ztunnel
+/// proxied it.
+fn direct_is_captured(cluster: &Cluster, pod_ip: &str, uid: &str) -> Result<bool> {
+    let before = cluster.proxied_for(uid)?.len();
+    let (ok, out) = cluster.from_outside("wget", &["-T", "5", "-qO-", &format!("http://{pod_ip}:{WEB_PORT}/")])?;
+    ensure!(ok, "{pod_ip}:{WEB_PORT} from outside: {out}");
+    Ok(cluster.proxied_for(uid)?.len() > before)
+}
+
+/// Opting a pod out by label, then unlabelling its namespace, removes the
+/// capture and the annotation, as Istio's node agent does.
+fn opt_out(cluster: &Cluster, release: &Release) -> Result<String> {
+    let namespace = format!("e2e-{}-optout", release.mode);
+    ensure_web(cluster, &namespace, true)?;
+    let pods = cluster.pods(&namespace, "web")?;
+    ensure!(pods.len() == 2, "want 2 web pods, have {}", pods.len());
+    for (name, uid, ip) in &pods {
+        let annotation = eventually(&format!("{name} annotated"), Duration::from_secs(30), || {
+            redirection(cluster, &namespace, name)
+        })?;
+        ensure!(annotation == "enabled", "{name}: {REDIRECTION}={annotation}");
+        ensure!(direct_is_captured(cluster, ip, uid)?, "{name} is annotated but not captured");
+    }
+    let (opted, opted_uid, opted_ip) = &pods[0];
+    cluster.kubectl(&["label", "pod", "-n", &namespace, opted, "istio.io/dataplane-mode=none"])?;
+    eventually(&format!("{opted}'s annotation cleared"), Duration::from_secs(30), || {
+        Ok(redirection(cluster, &namespace, opted)?.is_none().then_some(()))
+    })?;
+    ensure!(!direct_is_captured(cluster, opted_ip, opted_uid)?, "{opted} opted out but still captured");
+    let (kept, kept_uid, kept_ip) = &pods[1];
+    ensure!(direct_is_captured(cluster, kept_ip, kept_uid)?, "{kept} lost its capture with its neighbour's opt-out");
+    cluster.kubectl(&["label", "namespace", &namespace, "istio.io/dataplane-mode-"])?;
+    eventually(&format!("{kept}'s annotation cleared"), Duration::from_secs(30), || {
+        Ok(redirection(cluster, &namespace, kept)?.is_none().then_some(()))
+    })?;
+    ensure!(!direct_is_captured(cluster, kept_ip, kept_uid)?, "{kept}'s namespace unlabelled but still captured");
+    cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    Ok("pod label and namespace unlabel each removed capture and annotation".to_owned())
+}
+
+/// `helm uninstall` leaves the node as it was before the install.
+fn uninstall(cluster: &Cluster, release: &Release) -> Result<String> {
+    let (ambient, _) = namespaces(release);
+    let pods = cluster.pods(&ambient, "web")?;
+    cluster.helm_uninstall()?;
+    let after = super::node_state::NodeState::read(cluster)?;
+    let diff = release.before.diff(&after);
+    ensure!(diff.is_empty(), "the node differs from before the install:\n{}", diff.join("\n"));
+    for (name, uid, ip) in &pods {
+        ensure!(redirection(cluster, &ambient, name)?.is_none(), "{name} still annotated");
+        ensure!(!direct_is_captured(cluster, ip, uid)?, "{name} still captured after uninstall");
+    }
+    cluster.kubectl(&["delete", "namespace", &ambient, &format!("{ambient}-plain"), "--wait=false"])?;
+    Ok(format!(
+        "conflist, plugins, pins and policy routing as before; {} pods unannotated and uncaptured",
+        pods.len()
+    ))
+}
+
+fn nonce() -> String {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    format!("{:x}", nanos)
+}
