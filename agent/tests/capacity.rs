@@ -387,6 +387,7 @@ fn pinned_maps_of_another_capacity_are_adopted_with_a_warning() {
                 "--max-redirected-connections"
             ),
             (maps::POD_COUNTERS, 64, 128, "--max-pods"),
+            (maps::POD_DROPS, 64, 128, "--max-pods"),
             // The sk-lookup path's listener per pod.
             (maps::INBOUND_LISTENERS, 64, 128, "--max-pods"),
         ]
