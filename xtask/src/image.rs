@@ -122,14 +122,18 @@ pub fn build(spec: &ImageSpec<'_>) -> Result<Image> {
         }
     }
     // Mount points the chart's volumes use, and a writable /run and /tmp.
-    for dir in [
-        "run/netns",
-        "var/run/ztunnel",
-        "var/run/ambpf",
-        "sys/fs/bpf",
-        "tmp",
-    ] {
+    for dir in ["run/netns", "run/ztunnel", "run/ambpf", "sys/fs/bpf", "tmp"] {
         std::fs::create_dir_all(rootfs.join(dir))?;
+    }
+    // /var/run is /run, as on the node: the runtime names pods' namespaces
+    // /var/run/netns/... in CNI calls, and the chart mounts /run/netns.
+    let var_run = rootfs.join("var/run");
+    if var_run.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        std::fs::remove_dir_all(&var_run)?;
+    }
+    if var_run.symlink_metadata().is_err() {
+        std::fs::create_dir_all(rootfs.join("var"))?;
+        std::os::unix::fs::symlink("../run", &var_run)?;
     }
     let rootfs_bytes = tree_bytes(&rootfs)?;
 

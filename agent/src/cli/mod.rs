@@ -312,6 +312,16 @@ pub struct RunArgs {
         value_name = "PATH"
     )]
     pub cni_socket: Option<PathBuf>,
+
+    /// This pod's name and namespace (the downward API's metadata.name and
+    /// metadata.namespace): at shutdown, its DaemonSet gone or being deleted
+    /// means ambpf is being uninstalled, and the agent removes its state
+    /// from the node as `ambpf uninstall` does; otherwise (an upgrade, a
+    /// restart) the state stays for the next agent.
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
 }
 
 /// Where `run` learns which pods are ambient.

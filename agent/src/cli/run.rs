@@ -52,6 +52,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         None => default_cgroup()?,
     };
     let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
+    // An uninstall at shutdown removes this mode's state under this root.
+    let (uninstall_pins, mode) = (pins.clone(), args.redirect_mode);
     let capacities = bpf::Capacities::from(&args.capacities);
     capacities.validate()?;
     runtime.block_on(async move {
@@ -149,6 +151,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let (programmed_tx, programmed_rx) =
             tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
         let mut kube_source = None;
+        // This pod's DaemonSet, followed to tell an uninstall at shutdown.
+        let mut owner = None;
         // Without Kubernetes there is no one to ask which pods are ambient.
         let mut cni_selection = crate::cni::selection::PodSelection::Every;
         match (pod_source, args.pods_file) {
@@ -158,7 +162,19 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             (Some(PodSource::Kube), _) => {
                 use sources::kube::{KubeSource, KubeSourceConfig};
                 let client = sources::kube::client(args.kubeconfig.as_deref()).await?;
-                let mut config = KubeSourceConfig::new(args.node_name.unwrap_or_default());
+                owner = match (&args.pod_name, &args.pod_namespace) {
+                    (Some(name), Some(namespace)) if !name.is_empty() && !namespace.is_empty() => {
+                        Some(crate::cni::shutdown::OwnerWatch::start(
+                            client.clone(),
+                            crate::cni::shutdown::SelfPod {
+                                namespace: namespace.clone(),
+                                name: name.clone(),
+                            },
+                        ))
+                    }
+                    _ => None,
+                };
+                let mut config = KubeSourceConfig::new(args.node_name.clone().unwrap_or_default());
                 config.excluded_namespaces = args
                     .excluded_namespaces
                     .into_iter()
@@ -241,7 +257,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         tokio::spawn(crate::memory::release_freed_periodically());
         // Its own thread: passes block (namespaces entered, iptables-restore
         // run) while ZDS, the CNI endpoint and the probes must answer.
-        let _controller = controller.spawn(pods_rx, cni_requests)?;
+        let controller_thread = controller.spawn(pods_rx, cni_requests)?;
         let server = tokio::spawn(zds.clone().serve());
         info!("ambpf agent ready");
         tokio::select! {
@@ -255,8 +271,32 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             let _ = tokio::time::timeout(CNI_DRAIN, cni_server).await;
         }
         drop(pods_tx);
-        info!("shutting down; pinned attachments stay in place");
-        Ok(())
+        let action = match owner {
+            Some(watch) => watch.decide(crate::cni::shutdown::LOOKUP_TIMEOUT).await,
+            None => crate::cni::shutdown::ShutdownAction::Undecided {
+                why: "not in a cluster, or POD_NAME and POD_NAMESPACE not set".to_owned(),
+            },
+        };
+        let crate::cni::shutdown::ShutdownAction::Remove { why } = action else {
+            info!("shutting down; pinned attachments stay in place");
+            return Ok(());
+        };
+        // The controller finishes its pass first: one owner of the state.
+        let _ = tokio::task::spawn_blocking(move || controller_thread.join()).await;
+        info!("shutting down: {why}: ambpf is being uninstalled, removing its state from this node");
+        let config = crate::uninstall::UninstallConfig {
+            pins: uninstall_pins,
+            mode: Some(mode),
+            kube: Some(crate::uninstall::KubeTarget {
+                kubeconfig: args.kubeconfig,
+                node_name: args.node_name.unwrap_or_default(),
+            }),
+            // The installer container takes the plugin out.
+            cni_conf_dir: PathBuf::new(),
+            cni_bin_dir: PathBuf::new(),
+            keep_cni: true,
+        };
+        tokio::task::spawn_blocking(move || crate::uninstall::uninstall(&config)).await?
     })
 }
 

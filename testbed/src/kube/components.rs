@@ -7,6 +7,7 @@
 //!   `k8s.io/client-go`, ...) at `./staging/...`. A wrapper module requires
 //!   it and replaces every staging module with its published `v0.<minor>.<patch>`,
 //!   read from the release's own `go.mod`.
+//! - Istio's CNI node agent and plugin ([`super::istio`]), the baseline.
 //! - etcd: `go.etcd.io/etcd/server/v3`, whose root is the `etcd` command,
 //!   through the same kind of wrapper (its `go.mod` replaces its siblings
 //!   with local paths too).
@@ -75,6 +76,11 @@ impl Components {
         self.kubernetes_dir().join("bin").join(command)
     }
 
+    /// `<cache>/cluster`, where every component has its directory.
+    pub fn cache(&self) -> &Path {
+        &self.cache
+    }
+
     pub fn etcd(&self) -> PathBuf {
         self.etcd_dir().join("bin/etcd")
     }
@@ -85,6 +91,10 @@ impl Components {
             .iter()
             .map(|c| self.kube(c))
             .chain([self.etcd()])
+            .chain(
+                super::istio::ISTIO_CNI_BINARIES
+                    .map(|b| super::istio::istio_dir(&self.cache).join("bin").join(b)),
+            )
             .filter(|p| !p.is_file())
             .collect()
     }
@@ -106,6 +116,7 @@ impl Components {
                 self.kubernetes_dir().display()
             );
         }
+        super::istio::build_istio_cni(&self.cache)?;
         if self.etcd().is_file() {
             println!("etcd {ETCD}: cached in {}", self.etcd_dir().display());
         } else {
@@ -121,7 +132,7 @@ impl Components {
     }
 }
 
-fn find_go() -> Result<PathBuf> {
+pub(super) fn find_go() -> Result<PathBuf> {
     if let Some(go) = std::env::var_os("GO") {
         return Ok(go.into());
     }
@@ -132,7 +143,7 @@ fn find_go() -> Result<PathBuf> {
             return Ok(dir.join("go"));
         }
     }
-    bail!("the cluster's components are built with Go (1.26 or newer): put `go` on PATH or set GO")
+    bail!("the cluster's components (Kubernetes, etcd, Istio's CNI agent) are built with Go (1.26 or newer): put `go` on PATH or set GO")
 }
 
 fn build_kubernetes(go: &Path, dir: &Path) -> Result<()> {
@@ -214,7 +225,7 @@ fn staging_modules(go_mod: &str) -> Vec<String> {
         .collect()
 }
 
-fn go_command(go: &Path, dir: &Path) -> Command {
+pub(super) fn go_command(go: &Path, dir: &Path) -> Command {
     let mut cmd = Command::new(go);
     cmd.current_dir(dir)
         // Static binaries: they run on the node as they are, and in images.
@@ -224,7 +235,7 @@ fn go_command(go: &Path, dir: &Path) -> Command {
     cmd
 }
 
-fn run(cmd: &mut Command) -> Result<()> {
+pub(super) fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd
         .status()
         .with_context(|| format!("running {:?}", cmd.get_program()))?;

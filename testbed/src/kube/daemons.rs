@@ -315,3 +315,22 @@ impl Layout {
         self.state.join("pids").join(name)
     }
 }
+
+/// Stops a daemon: SIGTERM, then SIGKILL after `grace`; waits until it is
+/// gone.
+pub fn stop(layout: &Layout, name: &str, grace: std::time::Duration) -> Result<()> {
+    use nix::sys::signal::{Signal, kill};
+    let Some(pid) = running(layout, name) else {
+        return Ok(());
+    };
+    let pid = nix::unistd::Pid::from_raw(pid as i32);
+    let _ = kill(pid, Signal::SIGTERM);
+    let deadline = std::time::Instant::now() + grace;
+    while running(layout, name).is_some() {
+        if std::time::Instant::now() > deadline {
+            let _ = kill(pid, Signal::SIGKILL);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Ok(())
+}

@@ -1,13 +1,13 @@
 //! The images the node runs, imported into its containerd (no registry is
 //! reachable): a pause image and the test app from Debian's static busybox,
-//! the ztunnel double from this workspace's build, and ambpf's own image
-//! from `cargo xtask image`.
+//! the ztunnel double from this workspace's build, Istio's CNI node agent
+//! ([`istio`]), and ambpf's own image from `cargo xtask image`.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Layout, in_node};
+use super::{Layout, in_node, istio};
 use crate::oci;
 
 /// The sandbox image (`sandbox_image` in containerd's configuration).
@@ -30,6 +30,7 @@ pub fn import_all(
     layout: &Layout,
     ambpf: Option<(&Path, &str)>,
     ztunnel_binaries: &Path,
+    istio_bin: &Path,
 ) -> Result<()> {
     let work = layout.state.join("images");
     let busybox = PathBuf::from(BUSYBOX);
@@ -84,6 +85,17 @@ pub fn import_all(
         },
     )?;
     import(layout, &ztunnel, None)?;
+    let istio = oci::build(
+        &work.join("istio-cni"),
+        &oci::ImageSpec {
+            reference: istio::ISTIO_CNI_IMAGE,
+            files: &istio::istio_cni_image_files(istio_bin)?,
+            links: &[],
+            entrypoint: istio::ISTIO_CNI_ENTRYPOINT,
+            env: istio::ISTIO_CNI_ENV,
+        },
+    )?;
+    import(layout, &istio, None)?;
     if let Some((archive, reference)) = ambpf {
         import(layout, archive, Some(reference))?;
     }

@@ -20,6 +20,7 @@ pub mod daemons;
 pub mod e2e;
 pub mod host;
 pub mod images;
+pub mod istio;
 pub mod pki;
 
 use std::{
@@ -152,7 +153,12 @@ pub fn up(layout: &Layout, components: &Components, options: &UpOptions) -> Resu
         .ambpf_image
         .as_ref()
         .map(|(a, r)| (a.as_path(), r.as_str()));
-    images::import_all(layout, ambpf, &options.ztunnel_binaries)?;
+    images::import_all(
+        layout,
+        ambpf,
+        &options.ztunnel_binaries,
+        &istio::istio_dir(components.cache()).join("bin"),
+    )?;
     for name in ["kubelet", "kube-proxy"] {
         ensure_running(layout, components, name)?;
     }

@@ -395,7 +395,9 @@ impl ZtunnelDouble {
 
     /// Removes and returns the recorded connections (long runs keep memory flat).
     pub fn take_proxied(&self) -> Vec<ProxiedConnection> {
-        self.shared.update(|s| std::mem::take(&mut s.proxied))
+        // Taking is reading: it must not wake subscribers (the double's
+        // printer, which takes on every change, would spin).
+        std::mem::take(&mut self.shared.lock().proxied)
     }
 
     pub fn dns_queries(&self) -> Vec<DnsQuery> {
@@ -405,7 +407,7 @@ impl ZtunnelDouble {
     /// Removes and returns the recorded DNS queries (long runs keep memory
     /// flat).
     pub fn take_dns_queries(&self) -> Vec<DnsQuery> {
-        self.shared.update(|s| std::mem::take(&mut s.dns_queries))
+        std::mem::take(&mut self.shared.lock().dns_queries)
     }
 
     /// Starts or stops NACKing the Add of `uid`. Takes effect for the next

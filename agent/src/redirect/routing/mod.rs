@@ -46,7 +46,8 @@ pub const REPLY_RULE_PRIORITY: u32 = 32764;
 /// most (copies made by hand or by an older agent without `NLM_F_EXCL`).
 const MAX_COPIES: usize = 16;
 
-const TCP_FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
+/// Below `/proc/sys/net` ([`crate::netns::net_sysctl_path`]).
+const TCP_FWMARK_ACCEPT: &str = "ipv4/tcp_fwmark_accept";
 
 #[derive(Debug, thiserror::Error)]
 pub enum RoutingError {
@@ -437,7 +438,7 @@ impl<'a> Here<'a> {
     fn write_sysctl(&self, path: &str, name: &str, value: u32) -> Result<(), RoutingError> {
         fs::OpenOptions::new()
             .write(true)
-            .open(path)
+            .open(crate::netns::net_sysctl_path(path))
             .and_then(|mut file| file.write_all(format!("{value}\n").as_bytes()))
             .map_err(|source| RoutingError::Sysctl {
                 what: format!("writing {name} = {value}"),
@@ -447,7 +448,7 @@ impl<'a> Here<'a> {
     }
 
     fn read_sysctl(&self, path: &str, name: &str) -> Result<String, RoutingError> {
-        fs::read_to_string(path)
+        fs::read_to_string(crate::netns::net_sysctl_path(path))
             .map(|value| value.trim().to_owned())
             .map_err(|source| RoutingError::Sysctl {
                 what: format!("reading {name}"),

@@ -54,9 +54,10 @@ impl Cluster {
         Ok(())
     }
 
-    /// A JSON object from `kubectl get ... -o json`.
+    /// A JSON object from `kubectl get <args> -o json`.
     pub fn get_json(&self, args: &[&str]) -> Result<Value> {
-        let mut all = args.to_vec();
+        let mut all = vec!["get"];
+        all.extend(args);
         all.extend(["-o", "json"]);
         Ok(serde_json::from_str(&self.kubectl(&all)?)?)
     }
@@ -227,5 +228,126 @@ impl Cluster {
             "--timeout=120s",
         ])
         .map(drop)
+    }
+}
+
+impl Cluster {
+    /// The pods ztunnel holds now, by UID, with the network namespace
+    /// (inode) it was handed: the last connection's snapshot, then the
+    /// adds and deletes after it.
+    pub fn ztunnel_holds(&self) -> Result<std::collections::HashMap<String, u64>> {
+        Ok(holds(&self.ztunnel_events()?))
+    }
+
+    /// `ctr` against the node's containerd, in the CRI plugin's namespace.
+    pub fn ctr(&self, args: &[&str]) -> Result<String> {
+        let mut all = vec!["--address", "/run/containerd/containerd.sock", "--namespace", "k8s.io"];
+        all.extend(args);
+        self.on_node("ctr", &all)
+    }
+
+    /// The pod's sandbox containers (the runtime's IDs).
+    pub fn sandboxes(&self, uid: &str) -> Result<Vec<String>> {
+        let filter = format!(
+            "labels.\"io.kubernetes.pod.uid\"=={uid},labels.\"io.cri-containerd.kind\"==sandbox"
+        );
+        Ok(self
+            .ctr(&["containers", "list", "-q", &filter])?
+            .lines()
+            .map(str::to_owned)
+            .collect())
+    }
+
+    /// Moves a DaemonSet off the node (a node selector nothing matches) or
+    /// back, and waits until its pods are gone or Ready.
+    pub fn park_daemonset(&self, namespace: &str, name: &str, parked: bool) -> Result<()> {
+        let patch = if parked {
+            r#"{"spec":{"template":{"spec":{"nodeSelector":{"ambpf.e2e/parked":"true"}}}}}"#.to_owned()
+        } else {
+            r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector/ambpf.e2e~1parked"}]"#.to_owned()
+        };
+        let kind = if parked { "strategic" } else { "json" };
+        self.kubectl(&["patch", "daemonset", "-n", namespace, name, "--type", kind, "-p", &patch])?;
+        if parked {
+            eventually(&format!("{name}'s pods gone"), Duration::from_secs(90), || {
+                let pods = self.get_json(&["pods", "-n", namespace, "-l", &daemonset_selector(name)])?;
+                Ok(pods["items"].as_array().is_none_or(|a| a.is_empty()).then_some(()))
+            })
+        } else {
+            self.kubectl(&["rollout", "status", "-n", namespace, &format!("daemonset/{name}"), "--timeout=120s"])
+                .map(drop)
+        }
+    }
+
+    /// ambpf's `status -o json` from its agent container (eBPF mode).
+    pub fn ambpf_status(&self) -> Result<Value> {
+        let out = self.kubectl(&[
+            "exec", "-n", SYSTEM_NAMESPACE, "daemonset/ambpf", "-c", "agent", "--",
+            "ambpf", "--pin-root", "/sys/fs/bpf/ambpf", "status", "-o", "json",
+        ])?;
+        Ok(serde_json::from_str(&out)?)
+    }
+}
+
+fn daemonset_selector(name: &str) -> String {
+    match name {
+        "ambpf" => "app.kubernetes.io/name=ambpf".to_owned(),
+        other => format!("app={other}"),
+    }
+}
+
+/// See [`Cluster::ztunnel_holds`].
+pub fn holds(events: &[Value]) -> std::collections::HashMap<String, u64> {
+    use std::collections::HashMap;
+    let mut held: HashMap<String, u64> = HashMap::new();
+    let mut snapshot: Option<HashMap<String, u64>> = None;
+    for e in events {
+        let uid = e["uid"].as_str().unwrap_or_default().to_owned();
+        match e["event"].as_str() {
+            Some("connected") => snapshot = Some(HashMap::new()),
+            Some("snapshot_sent") => held = snapshot.take().unwrap_or_default(),
+            Some("add") => {
+                let inode = e["netns_inode"].as_u64().unwrap_or_default();
+                match snapshot.as_mut() {
+                    Some(s) => s.insert(uid, inode),
+                    None => held.insert(uid, inode),
+                };
+            }
+            Some("keep") => {
+                if let (Some(s), Some(inode)) = (snapshot.as_mut(), held.get(&uid)) {
+                    s.insert(uid, *inode);
+                }
+            }
+            Some("del") => {
+                held.remove(&uid);
+            }
+            _ => {}
+        }
+    }
+    held
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    #[test]
+    fn holds_follow_the_last_snapshot_then_adds_and_deletes() {
+        let events = [
+            json!({"event": "connected", "connection": 1}),
+            json!({"event": "add", "uid": "a", "netns_inode": 1}),
+            json!({"event": "add", "uid": "b", "netns_inode": 2}),
+            json!({"event": "snapshot_sent"}),
+            json!({"event": "del", "uid": "b"}),
+            json!({"event": "connected", "connection": 2}),
+            json!({"event": "keep", "uid": "a"}),
+            json!({"event": "add", "uid": "c", "netns_inode": 3}),
+            json!({"event": "snapshot_sent"}),
+            json!({"event": "add", "uid": "a", "netns_inode": 4}),
+        ];
+        let held = super::holds(&events);
+        assert_eq!(held.len(), 2);
+        assert_eq!(held["a"], 4);
+        assert_eq!(held["c"], 3);
     }
 }

@@ -10,6 +10,7 @@
 //! uncaptured fails.
 
 mod client;
+mod lifecycle;
 mod node_state;
 mod scenarios;
 

@@ -7,7 +7,7 @@ use anyhow::{Result, bail, ensure};
 use serde_json::Value;
 
 use super::client::{Cluster, Release};
-use super::eventually;
+use super::{eventually, lifecycle};
 use crate::kube::NODE_IP;
 
 pub struct Scenario {
@@ -20,16 +20,19 @@ fn every_mode(_: &str) -> bool {
     true
 }
 
-pub const ALL: [Scenario; 6] = [
+pub const ALL: [Scenario; 9] = [
     Scenario { name: "first-connection", applies: every_mode, run: first_connection },
     Scenario { name: "kubelet-probes", applies: every_mode, run: kubelet_probes },
     Scenario { name: "nodeport-from-outside", applies: every_mode, run: nodeport_from_outside },
     Scenario { name: "clusterip-from-pod", applies: every_mode, run: clusterip_from_pod },
     Scenario { name: "opt-out", applies: every_mode, run: opt_out },
+    Scenario { name: "no-ztunnel", applies: every_mode, run: lifecycle::no_ztunnel },
+    Scenario { name: "sandbox-recreated", applies: every_mode, run: lifecycle::sandbox_recreated },
+    Scenario { name: "agent-down", applies: every_mode, run: lifecycle::changes_while_agent_down },
     Scenario { name: "uninstall", applies: every_mode, run: uninstall },
 ];
 
-const WEB_PORT: u16 = 8080;
+pub(super) const WEB_PORT: u16 = 8080;
 
 /// The ambient namespace of a mode, and its plain (not ambient) twin.
 fn namespaces(release: &Release) -> (String, String) {
@@ -39,7 +42,7 @@ fn namespaces(release: &Release) -> (String, String) {
 /// A namespace with a `web` Deployment (busybox httpd answering its pod's
 /// name, with kubelet HTTP readiness and TCP liveness probes) behind a
 /// NodePort Service; made once per namespace.
-fn ensure_web(cluster: &Cluster, namespace: &str, ambient: bool) -> Result<()> {
+pub(super) fn ensure_web(cluster: &Cluster, namespace: &str, ambient: bool) -> Result<()> {
     let label = if ambient { "\n  labels: {istio.io/dataplane-mode: ambient}" } else { "" };
     cluster.apply(&format!(
         r#"apiVersion: v1
@@ -86,15 +89,12 @@ fn setup(cluster: &Cluster, release: &Release) -> Result<(String, String)> {
     Ok((ambient, plain))
 }
 
-/// A pod whose very first action is a connection: it must be captured, so
-/// the CNI ADD returned only once the pod was redirected and in ztunnel.
-fn first_connection(cluster: &Cluster, release: &Release) -> Result<String> {
-    let (ambient, plain) = setup(cluster, release)?;
-    let mut seen = Vec::new();
-    for (namespace, captured) in [(&ambient, true), (&plain, false)] {
-        let name = format!("first-{}", nonce());
-        cluster.apply(&format!(
-            r#"apiVersion: v1
+/// A pod whose very first action is a connection, to its namespace's `web`
+/// Service; returns its name.
+pub(super) fn client_pod(cluster: &Cluster, namespace: &str) -> Result<String> {
+    let name = format!("first-{}", nonce());
+    cluster.apply(&format!(
+        r#"apiVersion: v1
 kind: Pod
 metadata: {{name: {name}, namespace: {namespace}, labels: {{app: first}}}}
 spec:
@@ -104,10 +104,30 @@ spec:
   - name: client
     image: {app}
     imagePullPolicy: Never
-    command: ["/bin/sh", "-c", "wget -T 5 -qO- http://$WEB_SERVICE_HOST:$WEB_SERVICE_PORT/"]
+    command: ["/bin/sh", "-c", "timeout 10 wget -qO- http://$WEB_SERVICE_HOST:$WEB_SERVICE_PORT/"]
 "#,
-            app = crate::kube::images::APP,
-        ))?;
+        app = crate::kube::images::APP,
+    ))?;
+    Ok(name)
+}
+
+pub(super) fn pod_phase(cluster: &Cluster, namespace: &str, name: &str) -> Result<String> {
+    let pod = cluster.get_json(&["pod", "-n", namespace, name])?;
+    Ok(pod["status"]["phase"].as_str().unwrap_or_default().to_owned())
+}
+
+/// Whether ztunnel's outbound listener took a connection of pod `uid`.
+pub(super) fn outbound_proxied(cluster: &Cluster, uid: &str) -> Result<bool> {
+    Ok(cluster.proxied_for(uid)?.iter().any(|e| e["listener_port"] == 15001))
+}
+
+/// A pod whose very first action is a connection: it must be captured, so
+/// the CNI ADD returned only once the pod was redirected and in ztunnel.
+fn first_connection(cluster: &Cluster, release: &Release) -> Result<String> {
+    let (ambient, plain) = setup(cluster, release)?;
+    let mut seen = Vec::new();
+    for (namespace, captured) in [(&ambient, true), (&plain, false)] {
+        let name = client_pod(cluster, namespace)?;
         let pod = eventually(&format!("pod {namespace}/{name} done"), Duration::from_secs(60), || {
             let pod = cluster.get_json(&["pod", "-n", namespace, &name])?;
             match pod["status"]["phase"].as_str() {
@@ -232,7 +252,8 @@ fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
     const CALLS: usize = 4;
     for _ in 0..CALLS {
         cluster.kubectl(&[
-            "exec", "-n", &plain, &client, "--", "wget", "-T", "5", "-qO-", &format!("http://{cluster_ip}/"),
+            // busybox's `wget -T` crashes on a refused connection: `timeout`.
+            "exec", "-n", &plain, &client, "--", "timeout", "10", "wget", "-qO-", &format!("http://{cluster_ip}/"),
         ])?;
     }
     let proxied = count(cluster)? - before;
@@ -243,14 +264,14 @@ fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
 /// The annotation Istio's node agent keeps on each enrolled pod.
 const REDIRECTION: &str = "ambient.istio.io/redirection";
 
-fn redirection(cluster: &Cluster, namespace: &str, pod: &str) -> Result<Option<String>> {
+pub(super) fn redirection(cluster: &Cluster, namespace: &str, pod: &str) -> Result<Option<String>> {
     let pod = cluster.get_json(&["pod", "-n", namespace, pod])?;
     Ok(pod["metadata"]["annotations"][REDIRECTION].as_str().map(str::to_owned))
 }
 
 /// A connection from outside straight to a pod's address; whether ztunnel
 /// proxied it.
-fn direct_is_captured(cluster: &Cluster, pod_ip: &str, uid: &str) -> Result<bool> {
+pub(super) fn direct_is_captured(cluster: &Cluster, pod_ip: &str, uid: &str) -> Result<bool> {
     let before = cluster.proxied_for(uid)?.len();
     let (ok, out) = cluster.from_outside("wget", &["-T", "5", "-qO-", &format!("http://{pod_ip}:{WEB_PORT}/")])?;
     ensure!(ok, "{pod_ip}:{WEB_PORT} from outside: {out}");
