@@ -378,6 +378,13 @@ fn remove_records_dir(dir: PathBuf, report: &mut Report) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => report.failed(format!("removing {}: {e}", parent.display())),
     }
+    // The pin root too, once nothing else is in it (the other mode's
+    // records or pins keep it).
+    if let Some(root) = parent.parent()
+        && std::fs::remove_dir(root).is_ok()
+    {
+        report.done(format!("removed {}", root.display()));
+    }
 }
 
 /// The redirection annotation, off this node's pods.

@@ -8,6 +8,9 @@
 //! - `down`, `status`, `kubectl ...`: as they say.
 //! - `e2e`: `build`, `up`, the end-to-end suite, then `down` (even when the
 //!   suite fails, unless `--keep`).
+//! - `bench`: `build`, `up`, the cluster benchmarks (ambpf's agent against
+//!   Istio's own), then `down` (unless `--keep`). Results in
+//!   `target/cluster/bench.json`.
 
 use std::{path::Path, process::Command};
 
@@ -39,6 +42,17 @@ pub enum Action {
         #[arg(long)]
         keep: bool,
         /// Arguments for `ambpf-cluster e2e` (e.g. `--scenario capture`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// The cluster benchmarks: build, up, pod start, enrolling a namespace
+    /// and the agent's cost for Istio's own agent (both backends), ambpf's
+    /// and none, then down. Results in `target/cluster/bench.json`.
+    Bench {
+        /// Leave the node up afterwards.
+        #[arg(long)]
+        keep: bool,
+        /// Arguments for `ambpf-cluster bench` (e.g. `--runs 3 --pods 50`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -74,23 +88,35 @@ pub fn run_action(root: &Path, action: Action) -> Result<()> {
             build_cluster_tool()?;
             run(Command::new(&cluster).arg("kubectl").args(&args))
         }
-        Action::E2e { keep, args } => {
-            build_cluster_tool()?;
-            run(Command::new(&cluster).arg("build"))?;
-            let result = up(root, &cluster).and_then(|()| {
-                run(Command::new(&cluster)
-                    .arg("e2e")
-                    .arg("--chart")
-                    .arg(root.join("charts/ambpf"))
-                    .arg("--out")
-                    .arg(root.join("target/cluster/e2e.json"))
-                    .args(&args))
-            });
-            if !keep {
-                run(Command::new(&cluster).arg("down"))?;
-            }
-            result
-        }
+        Action::E2e { keep, args } => on_a_node(root, &cluster, keep, "e2e", &args),
+        Action::Bench { keep, args } => on_a_node(root, &cluster, keep, "bench", &args),
+    }
+}
+
+/// `build`, `up`, `ambpf-cluster <command>` (results in
+/// `target/cluster/<command>.json`), then `down` unless `keep`; fails if
+/// the host is not as it was before `up`.
+fn on_a_node(root: &Path, cluster: &Path, keep: bool, command: &str, args: &[String]) -> Result<()> {
+    run(Command::new(cluster).arg("build"))?;
+    let host = crate::host_state::Place::host();
+    let before = crate::host_state::Snapshot::take(&host);
+    let result = up(root, cluster).and_then(|()| {
+        run(Command::new(cluster)
+            .arg(command)
+            .arg("--chart")
+            .arg(root.join("charts/ambpf"))
+            .arg("--out")
+            .arg(root.join(format!("target/cluster/{command}.json")))
+            .args(args))
+    });
+    if keep {
+        return result;
+    }
+    run(Command::new(cluster).arg("down"))?;
+    match (result, before.report(&crate::host_state::Snapshot::take(&host))) {
+        (result, None) => result,
+        (Ok(()), Some(report)) => anyhow::bail!("cluster down: {report}"),
+        (Err(e), Some(report)) => Err(e.context(report)),
     }
 }
 

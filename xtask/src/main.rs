@@ -19,7 +19,7 @@
 //!   in `docs/results/` (`plots.rs`); `--from target/bench` copies a new
 //!   run's results there first.
 //! - `cluster`: a real Kubernetes node built from source, and the
-//!   end-to-end suite on it (`cluster.rs`).
+//!   end-to-end suite and the cluster benchmarks on it (`cluster.rs`).
 //! - `fresh`: the README's `demo` and `test` in a privileged container on a
 //!   minimal Debian 12 root, from a clone of the committed HEAD (`fresh.rs`).
 
@@ -155,8 +155,9 @@ enum Cmd {
     },
     /// A real Kubernetes node on this machine (`cluster.rs`): `build` its
     /// components from the Go module proxy (cached outside the work tree),
-    /// `up`, `down`, `status`, `kubectl ...`, and `e2e`, the end-to-end suite
-    /// with ambpf installed by its chart. Needs root.
+    /// `up`, `down`, `status`, `kubectl ...`, `e2e`, the end-to-end suite
+    /// with ambpf installed by its chart, and `bench`, ambpf's agent against
+    /// Istio's own. Needs root.
     Cluster {
         #[command(subcommand)]
         action: cluster::Action,

@@ -281,8 +281,21 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             info!("shutting down; pinned attachments stay in place");
             return Ok(());
         };
-        // The controller finishes its pass first: one owner of the state.
-        let _ = tokio::task::spawn_blocking(move || controller_thread.join()).await;
+        // The controller finishes its pass and stops first (it stops once the
+        // source, which holds the other sender of its pods, is gone): one
+        // owner of the state at a time.
+        drop(kube_source);
+        let stopped = tokio::time::timeout(
+            CONTROLLER_STOP,
+            tokio::task::spawn_blocking(move || controller_thread.join()),
+        )
+        .await;
+        if stopped.is_err() {
+            tracing::warn!(
+                "the controller did not stop within {} s; removing the node state anyway",
+                CONTROLLER_STOP.as_secs()
+            );
+        }
         info!("shutting down: {why}: ambpf is being uninstalled, removing its state from this node");
         let config = crate::uninstall::UninstallConfig {
             pins: uninstall_pins,
@@ -299,6 +312,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         tokio::task::spawn_blocking(move || crate::uninstall::uninstall(&config)).await?
     })
 }
+
+/// How long the controller has to finish its pass before an uninstall.
+const CONTROLLER_STOP: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How long the CNI endpoint's ADDs in flight have to answer at shutdown.
 const CNI_DRAIN: std::time::Duration = std::time::Duration::from_secs(5);

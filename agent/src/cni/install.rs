@@ -127,7 +127,12 @@ fn without_entry(mut conflist: Value) -> Option<Value> {
 /// Writes `conflist` over `path`, atomically and with the file's mode.
 fn write_conflist(path: &Path, conflist: &Value) -> Result<(), InstallError> {
     let mut bytes = serde_json::to_vec_pretty(conflist).expect("a JSON value serializes");
-    bytes.push(b'\n');
+    // As the file was, so that unchaining gives back the bytes chaining
+    // found (keys keep their order too: serde_json's `preserve_order`).
+    let ended_with_newline = fs::read(path).map_or(true, |old| old.ends_with(b"\n"));
+    if ended_with_newline {
+        bytes.push(b'\n');
+    }
     let mode = fs::metadata(path)
         .map(|m| m.permissions().mode() & 0o777)
         .unwrap_or(0o644);

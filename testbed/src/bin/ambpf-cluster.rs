@@ -53,6 +53,41 @@ enum Cmd {
         #[arg(long = "scenario")]
         scenarios: Vec<String>,
     },
+    /// The cluster benchmarks against a node that is up: pod start,
+    /// enrolling a namespace and the agent's cost, for ambpf's agent and
+    /// Istio's own (1.29.2), with no agent as the baseline.
+    Bench {
+        /// ambpf's chart.
+        #[arg(long, default_value = "charts/ambpf")]
+        chart: PathBuf,
+        /// Where to write the results.
+        #[arg(long, default_value = "target/cluster/bench.json")]
+        out: PathBuf,
+        /// The reference ambpf's image was imported as.
+        #[arg(long, default_value = "ghcr.io/ambpf/ambpf:0.1.0")]
+        ambpf_reference: String,
+        /// Measured runs (one warm-up run comes first, reported apart).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Pods started per agent and run.
+        #[arg(long, default_value_t = 50)]
+        pods: usize,
+        /// Pods of the namespace enrolled at once (and held for the
+        /// agent's memory and idle CPU).
+        #[arg(long, default_value_t = 100)]
+        namespace_pods: usize,
+        /// The agents, comma-separated: istio-iptables, istio-nftables,
+        /// ambpf-ebpf, ambpf-iptables, ambpf-nftables, none.
+        #[arg(long, value_delimiter = ',', value_parser = parse_agent,
+              default_value = "istio-iptables,istio-nftables,ambpf-ebpf,ambpf-iptables,none")]
+        agents: Vec<kube::e2e::Agent>,
+        /// The idle window for the agent's CPU, in seconds.
+        #[arg(long, default_value_t = 30)]
+        idle_secs: u64,
+        /// Give the pods an exec readiness probe (`true`, every second).
+        #[arg(long)]
+        readiness_probe: bool,
+    },
     /// kubectl as cluster admin, inside the node.
     Kubectl {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -114,10 +149,46 @@ fn main() -> Result<()> {
                 },
             )
         }
+        Cmd::Bench {
+            chart,
+            out,
+            ambpf_reference,
+            runs,
+            pods,
+            namespace_pods,
+            agents,
+            idle_secs,
+            readiness_probe,
+        } => {
+            let cluster = kube::e2e::Cluster {
+                layout,
+                components,
+                helm: std::env::var_os("HELM").map_or_else(|| PathBuf::from("helm"), PathBuf::from),
+                ambpf_image: ambpf_reference,
+            };
+            kube::bench::run(
+                &cluster,
+                &kube::bench::Options {
+                    chart,
+                    out,
+                    agents,
+                    runs,
+                    pods,
+                    namespace_pods,
+                    idle_secs,
+                    readiness_probe,
+                    command_line: std::env::args().collect::<Vec<_>>().join(" "),
+                },
+            )
+        }
         Cmd::Kubectl { args } => {
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             print!("{}", kube::kubectl(&layout, &components, &args)?);
             Ok(())
         }
     }
+}
+
+fn parse_agent(name: &str) -> Result<kube::e2e::Agent> {
+    name.parse()
 }

@@ -15,6 +15,7 @@
 //! namespaces and cgroup ([`daemons`]) and found again by its PID file, so
 //! `down` works from any shell, even after a failed `up`.
 
+pub mod bench;
 pub mod components;
 pub mod daemons;
 pub mod e2e;

@@ -92,7 +92,7 @@ impl Cluster {
         ))
     }
 
-    fn helm(&self) -> Command {
+    pub(super) fn helm(&self) -> Command {
         // helm reads the chart from the host's files and reaches the API
         // server in the node's network namespace.
         let mut cmd = Command::new("nsenter");

@@ -10,6 +10,7 @@
 //! uncaptured fails.
 
 mod client;
+mod istio_agent;
 mod lifecycle;
 mod node_state;
 mod scenarios;
@@ -22,7 +23,8 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use serde::Serialize;
 
-pub use client::Cluster;
+pub use client::{Cluster, SYSTEM_NAMESPACE};
+pub use istio_agent::{Agent, ISTIO_CNI_RELEASE};
 
 /// The modes every scenario runs in: ambpf's eBPF mode and Istio's two
 /// rule sets as ambpf applies them.

@@ -317,13 +317,18 @@ fn uninstall(cluster: &Cluster, release: &Release) -> Result<String> {
     let after = super::node_state::NodeState::read(cluster)?;
     let diff = release.before.diff(&after);
     ensure!(diff.is_empty(), "the node differs from before the install:\n{}", diff.join("\n"));
+    let mut annotated = 0;
     for (name, uid, ip) in &pods {
-        ensure!(redirection(cluster, &ambient, name)?.is_none(), "{name} still annotated");
+        // Not asserted: helm deletes the agent's RBAC moments after its
+        // DaemonSet, before the agent's shutdown can patch the pods
+        // (docs/operations.md, "Uninstalling").
+        annotated += usize::from(redirection(cluster, &ambient, name)?.is_some());
         ensure!(!direct_is_captured(cluster, ip, uid)?, "{name} still captured after uninstall");
     }
     cluster.kubectl(&["delete", "namespace", &ambient, &format!("{ambient}-plain"), "--wait=false"])?;
     Ok(format!(
-        "conflist, plugins, pins and policy routing as before; {} pods unannotated and uncaptured",
+        "conflist, plugins, pins and policy routing as before; {} pods uncaptured, {annotated} \
+         still annotated",
         pods.len()
     ))
 }
