@@ -67,15 +67,7 @@ pub fn cgroup2_mount() -> Result<PathBuf, MountError> {
 pub fn find_cgroup2(mountinfo: &str) -> Result<PathBuf, MountError> {
     let mut cgroup1 = false;
     let mut below_root = None;
-    for line in mountinfo.lines() {
-        let mut fields = line.split(' ');
-        let (Some(root), Some(point)) = (fields.nth(3), fields.next()) else {
-            continue;
-        };
-        // Optional fields end at "-"; the filesystem type follows.
-        let Some(fstype) = fields.skip_while(|f| *f != "-").nth(1) else {
-            continue;
-        };
+    for (root, point, fstype) in mounts(mountinfo) {
         match fstype {
             "cgroup2" if root == "/" => return Ok(unescape(point)),
             "cgroup2" => {
@@ -98,14 +90,7 @@ pub fn find_cgroup2(mountinfo: &str) -> Result<PathBuf, MountError> {
 /// visible, as a hostPath bind mounted over the runtime's own.
 pub fn cgroup2_at_or_below(given: &Path, mountinfo: &str) -> Option<PathBuf> {
     let mut found = None;
-    for line in mountinfo.lines() {
-        let mut fields = line.split(' ');
-        let (Some(root), Some(point)) = (fields.nth(3), fields.next()) else {
-            continue;
-        };
-        let Some(fstype) = fields.skip_while(|f| *f != "-").nth(1) else {
-            continue;
-        };
+    for (root, point, fstype) in mounts(mountinfo) {
         let point = unescape(point);
         if point == given {
             // A later mount over `given` hides whatever was found below it.
@@ -115,6 +100,18 @@ pub fn cgroup2_at_or_below(given: &Path, mountinfo: &str) -> Option<PathBuf> {
         }
     }
     found
+}
+
+/// Each mount of `mountinfo` (proc(5)'s format) as (root, mount point as
+/// written, filesystem type); lines it cannot read are skipped.
+fn mounts(mountinfo: &str) -> impl Iterator<Item = (&str, &str, &str)> {
+    mountinfo.lines().filter_map(|line| {
+        let mut fields = line.split(' ');
+        let (root, point) = (fields.nth(3)?, fields.next()?);
+        // Optional fields end at "-"; the filesystem type follows.
+        let fstype = fields.skip_while(|f| *f != "-").nth(1)?;
+        Some((root, point, fstype))
+    })
 }
 
 /// Whether the kernel offers the bpf filesystem (tests and the demo mount

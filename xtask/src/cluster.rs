@@ -72,6 +72,7 @@ pub fn run_action(root: &Path, action: Action) -> Result<()> {
             run(Command::new(&cluster).arg("build"))
         }
         Action::Up => {
+            crate::prereqs::ensure_test_tools()?;
             build_cluster_tool()?;
             run(Command::new(&cluster).arg("build"))?;
             up(root, &cluster)
@@ -97,6 +98,8 @@ pub fn run_action(root: &Path, action: Action) -> Result<()> {
 /// `target/cluster/<command>.json`), then `down` unless `keep`; fails if
 /// the host is not as it was before `up`.
 fn on_a_node(root: &Path, cluster: &Path, keep: bool, command: &str, args: &[String]) -> Result<()> {
+    // containerd, runc, the CNI plugins, busybox, openssl, the image tools, helm.
+    crate::prereqs::ensure_test_tools()?;
     run(Command::new(cluster).arg("build"))?;
     let host = crate::host_state::Place::host();
     let before = crate::host_state::Snapshot::take(&host);

@@ -38,6 +38,10 @@ const TEST_TOOLS: &[(&str, &str)] = &[
     ("/usr/lib/cni/bridge", "containernetworking-plugins"),
     ("/usr/bin/busybox", "busybox-static"),
     ("protoc", "protobuf-compiler"),
+    // The real node (`cargo xtask cluster`): its certificates, and the
+    // off-node client's HTTP requests.
+    ("openssl", "openssl"),
+    ("wget", "wget"),
     // The adversarial suite's packet prober (testbed/scripts/syn_probe.py).
     ("/usr/lib/python3/dist-packages/scapy", "python3-scapy"),
 ];

@@ -197,6 +197,18 @@ impl Cluster {
             .collect())
     }
 
+    /// How many connections the double proxied for these pods, on one of
+    /// its listeners (15001 outbound, 15006 inbound) or on any.
+    pub fn proxied_count(&self, pods: &[(String, String, String)], listener: Option<u16>) -> Result<usize> {
+        Ok(self
+            .ztunnel_events()?
+            .iter()
+            .filter(|e| e["event"] == "connection")
+            .filter(|e| pods.iter().any(|(_, uid, _)| e["uid"] == uid.as_str()))
+            .filter(|e| listener.is_none_or(|port| e["listener_port"] == port))
+            .count())
+    }
+
     /// The pods of `namespace` with label `app=<app>`: `(name, uid, ip)`.
     pub fn pods(&self, namespace: &str, app: &str) -> Result<Vec<(String, String, String)>> {
         let pods = self.get_json(&["pods", "-n", namespace, "-l", &format!("app={app}")])?;

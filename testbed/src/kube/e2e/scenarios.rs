@@ -168,13 +168,7 @@ fn first_connection(cluster: &Cluster, release: &Release) -> Result<String> {
 fn kubelet_probes(cluster: &Cluster, release: &Release) -> Result<String> {
     let (ambient, _) = setup(cluster, release)?;
     let pods = cluster.pods(&ambient, "web")?;
-    let count = |cluster: &Cluster| -> Result<usize> {
-        let mut n = 0;
-        for (_, uid, _) in &pods {
-            n += cluster.proxied_for(uid)?.len();
-        }
-        Ok(n)
-    };
+    let count = |cluster: &Cluster| cluster.proxied_count(&pods, None);
     let before = count(cluster)?;
     // Readiness and liveness each probe every 2 s: about 10 of each.
     std::thread::sleep(Duration::from_secs(10));
@@ -199,17 +193,7 @@ fn nodeport_from_outside(cluster: &Cluster, release: &Release) -> Result<String>
         let service = cluster.get_json(&["service", "-n", namespace, "web"])?;
         let node_port = service["spec"]["ports"][0]["nodePort"].as_u64().unwrap_or_default();
         let pods = cluster.pods(namespace, "web")?;
-        let count = |cluster: &Cluster| -> Result<usize> {
-            let mut n = 0;
-            for (_, uid, _) in &pods {
-                n += cluster
-                    .proxied_for(uid)?
-                    .iter()
-                    .filter(|e| e["listener_port"] == 15006)
-                    .count();
-            }
-            Ok(n)
-        };
+        let count = |cluster: &Cluster| cluster.proxied_count(&pods, Some(15006));
         let before = count(cluster)?;
         const CALLS: usize = 6;
         for _ in 0..CALLS {
@@ -236,13 +220,7 @@ fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
     let service = cluster.get_json(&["service", "-n", &ambient, "web"])?;
     let cluster_ip = service["spec"]["clusterIP"].as_str().unwrap_or_default().to_owned();
     let pods = cluster.pods(&ambient, "web")?;
-    let count = |cluster: &Cluster| -> Result<usize> {
-        let mut n = 0;
-        for (_, uid, _) in &pods {
-            n += cluster.proxied_for(uid)?.len();
-        }
-        Ok(n)
-    };
+    let count = |cluster: &Cluster| cluster.proxied_count(&pods, None);
     let before = count(cluster)?;
     let (client, _, _) = cluster
         .pods(&plain, "web")?
