@@ -184,6 +184,19 @@ pub fn create_mount_namespace(layout: &Layout) -> Result<()> {
     // Inside: mounts are shared among the node's own mounts (kubelet checks
     // that for mount propagation) but never with the host's.
     let mut script = String::from("set -eu\nmount --make-rshared /\n");
+    // Istio's node agent stats /proc/1/ns/net (through a hostPath of
+    // /proc) to know the node's own namespace. Where root may not inspect
+    // PID 1 (these machines: it holds a capability root lacks), the node
+    // shows its own network namespace there instead, which is what that
+    // check means on this node.
+    script.push_str(&format!(
+        "if ! stat -L /proc/1/ns/net >/dev/null 2>&1; then\n\
+         mount -t tmpfs -o mode=555 node-pid1-ns /proc/1/ns\n\
+         touch /proc/1/ns/net\n\
+         mount --bind /run/netns/{node} /proc/1/ns/net\n\
+         fi\n",
+        node = layout.node_netns
+    ));
     script.push_str("mount -t tmpfs -o mode=755 node-run /run\nmkdir -p /run/netns /run/lock\n");
     script.push_str("mount -t bpf bpffs /sys/fs/bpf\n");
     for (node_path, state_sub) in NODE_PATHS {
