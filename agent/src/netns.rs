@@ -191,6 +191,25 @@ pub fn socket_netns_cookie(socket: std::os::fd::BorrowedFd<'_>) -> std::io::Resu
     Ok(cookie)
 }
 
+/// Where the agent writes a `net.*` sysctl of the namespace its thread is
+/// in: `/proc/sys/net` shows the namespace of the thread that opens a file
+/// there. A container's own `/proc/sys` is read-only (runc mounts it so), so
+/// the chart mounts the host's `/proc/sys/net` writable at
+/// [`HOST_PROC_SYS_NET`], as Cilium's does; elsewhere (a process on the
+/// node, the tests) `/proc/sys/net` is used.
+pub fn net_sysctl_path(below_net: &str) -> std::path::PathBuf {
+    let host = std::path::Path::new(HOST_PROC_SYS_NET);
+    let base = if host.is_dir() {
+        host
+    } else {
+        std::path::Path::new("/proc/sys/net")
+    };
+    base.join(below_net)
+}
+
+/// The chart's mount of the host's `/proc/sys/net`.
+pub const HOST_PROC_SYS_NET: &str = "/host/proc/sys/net";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,18 +262,3 @@ mod tests {
         assert_eq!(ns.run(|| 40 + 2).unwrap(), 42);
     }
 }
-
-/// Where the agent writes a `net.*` sysctl of the namespace its thread is
-/// in: `/proc/sys/net` shows the namespace of the thread that opens a file
-/// there. A container's own `/proc/sys` is read-only (runc mounts it so), so
-/// the chart mounts the host's `/proc/sys/net` writable at
-/// [`HOST_PROC_SYS_NET`], as Cilium's does; elsewhere (a process on the
-/// node, the tests) `/proc/sys/net` is used.
-pub fn net_sysctl_path(below_net: &str) -> std::path::PathBuf {
-    let host = std::path::Path::new(HOST_PROC_SYS_NET);
-    let base = if host.is_dir() { host } else { std::path::Path::new("/proc/sys/net") };
-    base.join(below_net)
-}
-
-/// The chart's mount of the host's `/proc/sys/net`.
-pub const HOST_PROC_SYS_NET: &str = "/host/proc/sys/net";

@@ -63,7 +63,14 @@ pub fn run_action(root: &Path, action: Action) -> Result<()> {
     let build_cluster_tool = || {
         cargo(
             root,
-            &["build", "--release", "-p", "ambpf-testbed", "--bin", "ambpf-cluster"],
+            &[
+                "build",
+                "--release",
+                "-p",
+                "ambpf-testbed",
+                "--bin",
+                "ambpf-cluster",
+            ],
         )
     };
     match action {
@@ -97,7 +104,13 @@ pub fn run_action(root: &Path, action: Action) -> Result<()> {
 /// `build`, `up`, `ambpf-cluster <command>` (results in
 /// `target/cluster/<command>.json`), then `down` unless `keep`; fails if
 /// the host is not as it was before `up`.
-fn on_a_node(root: &Path, cluster: &Path, keep: bool, command: &str, args: &[String]) -> Result<()> {
+fn on_a_node(
+    root: &Path,
+    cluster: &Path,
+    keep: bool,
+    command: &str,
+    args: &[String],
+) -> Result<()> {
     // containerd, runc, the CNI plugins, busybox, openssl, the image tools, helm.
     crate::prereqs::ensure_test_tools()?;
     run(Command::new(cluster).arg("build"))?;
@@ -116,7 +129,10 @@ fn on_a_node(root: &Path, cluster: &Path, keep: bool, command: &str, args: &[Str
         return result;
     }
     run(Command::new(cluster).arg("down"))?;
-    match (result, before.report(&crate::host_state::Snapshot::take(&host))) {
+    match (
+        result,
+        before.report(&crate::host_state::Snapshot::take(&host)),
+    ) {
         (result, None) => result,
         (Ok(()), Some(report)) => anyhow::bail!("cluster down: {report}"),
         (Err(e), Some(report)) => Err(e.context(report)),
@@ -127,7 +143,15 @@ fn on_a_node(root: &Path, cluster: &Path, keep: bool, command: &str, args: &[Str
 fn up(root: &Path, cluster: &Path) -> Result<()> {
     cargo(
         root,
-        &["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed", "--bins"],
+        &[
+            "build",
+            "--release",
+            "-p",
+            "ambpf",
+            "-p",
+            "ambpf-testbed",
+            "--bins",
+        ],
     )?;
     let image = build_image(root, None)?;
     run(Command::new(cluster)

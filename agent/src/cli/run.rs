@@ -296,7 +296,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 CONTROLLER_STOP.as_secs()
             );
         }
-        info!("shutting down: {why}: ambpf is being uninstalled, removing its state from this node");
+        info!(
+            "shutting down: {why}: ambpf is being uninstalled, removing its state from this node"
+        );
         let config = crate::uninstall::UninstallConfig {
             pins: uninstall_pins,
             mode: Some(mode),

@@ -143,7 +143,9 @@ pub(super) fn find_go() -> Result<PathBuf> {
             return Ok(dir.join("go"));
         }
     }
-    bail!("the cluster's components (Kubernetes, etcd, Istio's CNI agent) are built with Go (1.26 or newer): put `go` on PATH or set GO")
+    bail!(
+        "the cluster's components (Kubernetes, etcd, Istio's CNI agent) are built with Go (1.26 or newer): put `go` on PATH or set GO"
+    )
 }
 
 fn build_kubernetes(go: &Path, dir: &Path) -> Result<()> {

@@ -110,9 +110,14 @@ fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()
         .canonicalize()
         .with_context(|| format!("{}", archive.display()))?;
     let mut cmd = in_node(layout, "ctr");
-    cmd.args(["--address", "/run/containerd/containerd.sock", "--namespace", "k8s.io"])
-        .args(["images", "import"])
-        .arg(&archive);
+    cmd.args([
+        "--address",
+        "/run/containerd/containerd.sock",
+        "--namespace",
+        "k8s.io",
+    ])
+    .args(["images", "import"])
+    .arg(&archive);
     super::run_checked(&mut cmd).with_context(|| format!("importing {}", archive.display()))?;
     if let Some(reference) = reference {
         let stored = list(layout)?;

@@ -22,8 +22,18 @@ pub const BENCH_LABEL: &str = "ambpf-bench=true";
 /// A namespace and a Deployment of `replicas` pods of the app image whose
 /// container first prints `/proc/uptime` (when it began, on the machine's
 /// `CLOCK_BOOTTIME`, to the centisecond), then sleeps.
-pub fn workload_yaml(namespace: &str, ambient: bool, app: &str, replicas: usize, probe: bool) -> String {
-    let ambient = if ambient { ", istio.io/dataplane-mode: ambient" } else { "" };
+pub fn workload_yaml(
+    namespace: &str,
+    ambient: bool,
+    app: &str,
+    replicas: usize,
+    probe: bool,
+) -> String {
+    let ambient = if ambient {
+        ", istio.io/dataplane-mode: ambient"
+    } else {
+        ""
+    };
     let probe = if probe {
         "\n        readinessProbe: {exec: {command: [\"true\"]}, periodSeconds: 1}"
     } else {
@@ -62,10 +72,20 @@ spec:
 pub fn parse_uptime_logs(logs: &str) -> HashMap<String, f64> {
     let mut out = HashMap::new();
     for line in logs.lines() {
-        let Some(rest) = line.strip_prefix("[pod/") else { continue };
-        let Some((target, text)) = rest.split_once("] ") else { continue };
-        let Some((pod, _container)) = target.split_once('/') else { continue };
-        let Some(uptime) = text.split_whitespace().next().and_then(|u| u.parse::<f64>().ok()) else {
+        let Some(rest) = line.strip_prefix("[pod/") else {
+            continue;
+        };
+        let Some((target, text)) = rest.split_once("] ") else {
+            continue;
+        };
+        let Some((pod, _container)) = target.split_once('/') else {
+            continue;
+        };
+        let Some(uptime) = text
+            .split_whitespace()
+            .next()
+            .and_then(|u| u.parse::<f64>().ok())
+        else {
             continue;
         };
         out.entry(pod.to_owned()).or_insert(uptime);
@@ -93,12 +113,30 @@ pub struct PodStart {
 
 /// Scales a Deployment in a fresh namespace (ambient unless `agent` is
 /// `none`) from 0 to `pods` and times each pod; deletes the namespace.
-pub fn pod_start(cluster: &Cluster, agent: Agent, namespace: &str, pods: usize, probe: bool) -> Result<PodStart> {
-    cluster.apply(&workload_yaml(namespace, agent.captures(), "podstart", 0, probe))?;
+pub fn pod_start(
+    cluster: &Cluster,
+    agent: Agent,
+    namespace: &str,
+    pods: usize,
+    probe: bool,
+) -> Result<PodStart> {
+    cluster.apply(&workload_yaml(
+        namespace,
+        agent.captures(),
+        "podstart",
+        0,
+        probe,
+    ))?;
     wait_service_account(cluster, namespace);
     let watch = Watch::start(cluster, &["pods", "-n", namespace])?;
     let started = Instant::now();
-    cluster.kubectl(&["scale", "-n", namespace, "deployment/podstart", &format!("--replicas={pods}")])?;
+    cluster.kubectl(&[
+        "scale",
+        "-n",
+        namespace,
+        "deployment/podstart",
+        &format!("--replicas={pods}"),
+    ])?;
     let mut created: HashMap<String, f64> = HashMap::new();
     let mut ready: HashMap<String, f64> = HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(300 + 2 * pods as u64);
@@ -110,7 +148,9 @@ pub fn pod_start(cluster: &Cluster, agent: Agent, namespace: &str, pods: usize, 
                 started.elapsed().as_secs_f64()
             );
         }
-        let Some((at, pod)) = watch.next(Duration::from_secs(1))? else { continue };
+        let Some((at, pod)) = watch.next(Duration::from_secs(1))? else {
+            continue;
+        };
         let Some(name) = name_of(&pod) else { continue };
         created.entry(name.to_owned()).or_insert(at);
         if pod_ready(&pod) {
@@ -120,7 +160,13 @@ pub fn pod_start(cluster: &Cluster, agent: Agent, namespace: &str, pods: usize, 
     let wall_s = started.elapsed().as_secs_f64();
     drop(watch);
     let logs = cluster.kubectl(&[
-        "logs", "-n", namespace, "-l", "app=podstart", "--prefix", "--tail=-1",
+        "logs",
+        "-n",
+        namespace,
+        "-l",
+        "app=podstart",
+        "--prefix",
+        "--tail=-1",
         &format!("--max-log-requests={}", pods + 10),
     ])?;
     let uptimes = parse_uptime_logs(&logs);
@@ -148,7 +194,9 @@ pub fn pod_start(cluster: &Cluster, agent: Agent, namespace: &str, pods: usize, 
     }
     let redirected = redirected_pods(cluster, namespace)?;
     if agent.captures() && redirected < pods {
-        eprintln!("bench: {namespace}: only {redirected} of {pods} pods were redirected under {agent}");
+        eprintln!(
+            "bench: {namespace}: only {redirected} of {pods} pods were redirected under {agent}"
+        );
     }
     Ok(PodStart {
         pods,
@@ -162,16 +210,26 @@ pub fn pod_start(cluster: &Cluster, agent: Agent, namespace: &str, pods: usize, 
 
 fn redirected_pods(cluster: &Cluster, namespace: &str) -> Result<usize> {
     let pods = cluster.get_json(&["pods", "-n", namespace])?;
-    Ok(pods["items"]
-        .as_array()
-        .map_or(0, |items| items.iter().filter(|p| p["metadata"]["annotations"][REDIRECTION] == "enabled").count()))
+    Ok(pods["items"].as_array().map_or(0, |items| {
+        items
+            .iter()
+            .filter(|p| p["metadata"]["annotations"][REDIRECTION] == "enabled")
+            .count()
+    }))
 }
 
 /// Pods are refused until the namespace's `default` ServiceAccount exists.
 fn wait_service_account(cluster: &Cluster, namespace: &str) {
-    if let Err(e) = eventually("the default ServiceAccount", Duration::from_secs(30), || {
-        Ok(cluster.kubectl(&["get", "serviceaccount", "-n", namespace, "default"]).is_ok().then_some(()))
-    }) {
+    if let Err(e) = eventually(
+        "the default ServiceAccount",
+        Duration::from_secs(30),
+        || {
+            Ok(cluster
+                .kubectl(&["get", "serviceaccount", "-n", namespace, "default"])
+                .is_ok()
+                .then_some(()))
+        },
+    ) {
         eprintln!("bench: {namespace}: {e:#}");
     }
 }
@@ -213,7 +271,11 @@ pub fn enrol_and_cost(
 ) -> Result<(Enrol, Cost)> {
     cluster.apply(&workload_yaml(namespace, false, "enrol", pods, false))?;
     cluster.kubectl(&[
-        "rollout", "status", "-n", namespace, "deployment/enrol",
+        "rollout",
+        "status",
+        "-n",
+        namespace,
+        "deployment/enrol",
         &format!("--timeout={}s", 300 + 3 * pods),
     ])?;
     let processes = AgentProcesses::find(cluster, agent)?;
@@ -246,12 +308,18 @@ pub fn enrol_and_cost(
         consider(*at, pod, &mut annotated);
     }
     if !annotated.is_empty() {
-        bail!("{namespace}: {} pods were annotated before the label", annotated.len());
+        bail!(
+            "{namespace}: {} pods were annotated before the label",
+            annotated.len()
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(300 + 2 * pods as u64);
     while annotated.len() < pods {
         if Instant::now() > deadline {
-            bail!("{namespace}: {} of {pods} pods annotated after the label", annotated.len());
+            bail!(
+                "{namespace}: {} of {pods} pods annotated after the label",
+                annotated.len()
+            );
         }
         if let Some((at, pod)) = pod_watch.next(Duration::from_secs(1))? {
             consider(at, &pod, &mut annotated);
@@ -266,7 +334,10 @@ pub fn enrol_and_cost(
     );
     drop(pod_watch);
     drop(ns_watch);
-    let per_pod: Vec<f64> = annotated.values().map(|at| (at - labelled_at) * 1000.0).collect();
+    let per_pod: Vec<f64> = annotated
+        .values()
+        .map(|at| (at - labelled_at) * 1000.0)
+        .collect();
     let all_ms = per_pod.iter().copied().fold(0.0, f64::max);
     let enrol = Enrol {
         pods,
@@ -309,7 +380,10 @@ pub fn leftovers(cluster: &Cluster) -> Vec<String> {
             if let Ok(text) = cluster.on_node("cat", &[&format!("/etc/cni/net.d/{file}")])
                 && !agent_mentions(&text).is_empty()
             {
-                found.push(format!("/etc/cni/net.d/{file} names {}", agent_mentions(&text).join(" ")));
+                found.push(format!(
+                    "/etc/cni/net.d/{file} names {}",
+                    agent_mentions(&text).join(" ")
+                ));
             }
         }
     }
@@ -344,16 +418,33 @@ fn agent_mentions(text: &str) -> Vec<String> {
 /// Deletes a namespace and waits until it is gone.
 pub fn delete_namespace(cluster: &Cluster, namespace: &str) -> Result<()> {
     cluster
-        .kubectl(&["delete", "namespace", namespace, "--ignore-not-found", "--wait=true", "--timeout=600s"])
+        .kubectl(&[
+            "delete",
+            "namespace",
+            namespace,
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=600s",
+        ])
         .map(drop)
 }
 
 /// Deletes every namespace a benchmark made (an interrupted run's).
 pub fn delete_bench_namespaces(cluster: &Cluster) -> Result<()> {
     let started = boottime();
-    cluster.kubectl(&["delete", "namespace", "-l", BENCH_LABEL, "--wait=true", "--timeout=600s"])?;
+    cluster.kubectl(&[
+        "delete",
+        "namespace",
+        "-l",
+        BENCH_LABEL,
+        "--wait=true",
+        "--timeout=600s",
+    ])?;
     if boottime() - started > 1.0 {
-        println!("deleted the namespaces of an earlier run in {:.0} s", boottime() - started);
+        println!(
+            "deleted the namespaces of an earlier run in {:.0} s",
+            boottime() - started
+        );
     }
     Ok(())
 }
@@ -376,18 +467,24 @@ mod tests {
 
     #[test]
     fn leftovers_are_agents_not_the_nodes_own_network() {
-        let conflist = r#"{"name": "ambpf-cluster", "plugins": [{"type": "bridge"}, {"type": "istio-cni"}]}"#;
+        let conflist =
+            r#"{"name": "ambpf-cluster", "plugins": [{"type": "bridge"}, {"type": "istio-cni"}]}"#;
         assert_eq!(agent_mentions(conflist).len(), 1);
         let nat = "-A POSTROUTING -s 10.244.0.5/32 -m comment --comment \"name: \\\"ambpf-cluster\\\" id: \\\"abc\\\"\" -j CNI-1\n\
                    -A ISTIO_POSTRT -m owner --socket-exists -j SNAT\n";
-        assert_eq!(agent_mentions(nat), vec!["-A ISTIO_POSTRT -m owner --socket-exists -j SNAT"]);
+        assert_eq!(
+            agent_mentions(nat),
+            vec!["-A ISTIO_POSTRT -m owner --socket-exists -j SNAT"]
+        );
         assert!(agent_mentions("table inet filter\n").is_empty());
     }
 
     #[test]
     fn the_workload_is_ambient_only_when_asked() {
         let ambient = workload_yaml("ns", true, "podstart", 0, false);
-        assert!(ambient.contains("labels: {ambpf-bench: \"true\", istio.io/dataplane-mode: ambient}"));
+        assert!(
+            ambient.contains("labels: {ambpf-bench: \"true\", istio.io/dataplane-mode: ambient}")
+        );
         assert!(ambient.contains("replicas: 0"));
         assert!(ambient.contains("imagePullPolicy: Never"));
         assert!(!ambient.contains("readinessProbe"));

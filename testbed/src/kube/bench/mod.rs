@@ -126,7 +126,12 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
         "cluster bench: {machine}; source {}; {} runs + 1 warm-up of {}",
         commit.as_deref().unwrap_or("unknown"),
         options.runs,
-        options.agents.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+        options
+            .agents
+            .iter()
+            .map(|a| a.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     cluster.install_ztunnel()?;
     // A clean node: no agent, no namespace of an earlier run.
@@ -156,7 +161,11 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
         order.push(run_order.iter().map(|&i| options.agents[i]).collect());
         for (position, &i) in run_order.iter().enumerate() {
             let agent = options.agents[i];
-            let label = if run == 0 { "warm-up".to_owned() } else { format!("run {run}/{}", options.runs) };
+            let label = if run == 0 {
+                "warm-up".to_owned()
+            } else {
+                format!("run {run}/{}", options.runs)
+            };
             println!("{label}: {agent}");
             let measured = measure_agent(cluster, options, agent, run, position);
             if let Some(e) = &measured.error {
@@ -208,7 +217,13 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
 
 /// Installs `agent`, measures, deletes the namespaces and uninstalls it;
 /// a failure is kept in the result.
-fn measure_agent(cluster: &Cluster, options: &Options, agent: Agent, run: usize, position: usize) -> AgentRun {
+fn measure_agent(
+    cluster: &Cluster,
+    options: &Options,
+    agent: Agent,
+    run: usize,
+    position: usize,
+) -> AgentRun {
     let mut result = AgentRun {
         run,
         position,
@@ -225,7 +240,13 @@ fn measure_agent(cluster: &Cluster, options: &Options, agent: Agent, run: usize,
     let installing = Instant::now();
     let outcome = agent.install(cluster, &options.chart).and_then(|()| {
         result.install_s = Some(installing.elapsed().as_secs_f64());
-        let pod_start = measure::pod_start(cluster, agent, &start_ns, options.pods, options.readiness_probe);
+        let pod_start = measure::pod_start(
+            cluster,
+            agent,
+            &start_ns,
+            options.pods,
+            options.readiness_probe,
+        );
         measure::delete_namespace(cluster, &start_ns)?;
         result.pod_start = Some(pod_start?);
         if agent.captures() {
@@ -241,7 +262,11 @@ fn measure_agent(cluster: &Cluster, options: &Options, agent: Agent, run: usize,
         }
         Ok(())
     });
-    let mut errors: Vec<String> = outcome.err().map(|e| format!("{e:#}")).into_iter().collect();
+    let mut errors: Vec<String> = outcome
+        .err()
+        .map(|e| format!("{e:#}"))
+        .into_iter()
+        .collect();
     for namespace in [&start_ns, &enrol_ns] {
         if let Err(e) = measure::delete_namespace(cluster, namespace) {
             errors.push(format!("deleting {namespace}: {e:#}"));
@@ -311,7 +336,10 @@ fn summarise(results: &mut [AgentResult]) {
 }
 
 fn medians(results: &[AgentResult]) -> Vec<(Agent, Medians)> {
-    results.iter().map(|r| (r.agent, r.medians.clone())).collect()
+    results
+        .iter()
+        .map(|r| (r.agent, r.medians.clone()))
+        .collect()
 }
 
 fn git_describe() -> Option<String> {
@@ -329,7 +357,12 @@ mod tests {
     use report::Summary;
 
     fn run_with(run: usize, p50: f64) -> AgentRun {
-        let s = Summary { n: 1, p50, p99: p50, max: p50 };
+        let s = Summary {
+            n: 1,
+            p50,
+            p99: p50,
+            max: p50,
+        };
         AgentRun {
             run,
             position: 0,
@@ -367,9 +400,16 @@ mod tests {
             },
         ];
         summarise(&mut results);
-        let added: Vec<f64> = results[0].runs.iter().filter_map(|r| r.added_p50_ms).collect();
+        let added: Vec<f64> = results[0]
+            .runs
+            .iter()
+            .filter_map(|r| r.added_p50_ms)
+            .collect();
         assert_eq!(added, vec![10.0, 25.0, 5.0]);
-        assert_eq!(results[0].warmup.as_ref().unwrap().added_p50_ms, Some(100.0));
+        assert_eq!(
+            results[0].warmup.as_ref().unwrap().added_p50_ms,
+            Some(100.0)
+        );
         assert_eq!(results[0].medians.added_p50_ms, Some(10.0));
         assert_eq!(results[0].medians.started_p50_ms, Some(125.0));
         assert_eq!(results[0].medians.runs, 3);

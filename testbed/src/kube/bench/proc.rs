@@ -71,12 +71,14 @@ pub fn clock_ticks_per_second() -> u64 {
 }
 
 pub fn read_stat(pid: u32) -> Result<ProcStat> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("/proc/{pid}/stat"))?;
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("/proc/{pid}/stat"))?;
     parse_proc_stat(&stat).with_context(|| format!("unexpected /proc/{pid}/stat: {stat}"))
 }
 
 pub fn read_rss_kib(pid: u32) -> Result<u64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).with_context(|| format!("/proc/{pid}/status"))?;
+    let status = fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("/proc/{pid}/status"))?;
     parse_vm_rss_kib(&status).with_context(|| format!("no VmRSS in /proc/{pid}/status"))
 }
 
@@ -105,7 +107,11 @@ impl AgentProcesses {
             .with_context(|| format!("no pod of {agent} ({selector})"))?;
         let tasks = parse_ctr_tasks(&cluster.ctr(&["tasks", "ls"])?);
         let mut containers = Vec::new();
-        for status in pod["status"]["containerStatuses"].as_array().into_iter().flatten() {
+        for status in pod["status"]["containerStatuses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
             let name = status["name"].as_str().unwrap_or_default();
             let id = status["containerID"].as_str().unwrap_or_default();
             let id = id.split_once("://").map_or(id, |(_, id)| id);
@@ -166,14 +172,23 @@ pub struct CpuShare {
     pub percent: f64,
 }
 
-pub fn cpu_share(before: &ProcStat, after: &ProcStat, elapsed_s: f64, ticks_per_second: u64) -> CpuShare {
+pub fn cpu_share(
+    before: &ProcStat,
+    after: &ProcStat,
+    elapsed_s: f64,
+    ticks_per_second: u64,
+) -> CpuShare {
     let ticks = after.total().saturating_sub(before.total());
     let cpu_s = ticks as f64 / ticks_per_second as f64;
     CpuShare {
         ticks,
         seconds: elapsed_s,
         cpu_ms: cpu_s * 1000.0,
-        percent: if elapsed_s > 0.0 { 100.0 * cpu_s / elapsed_s } else { 0.0 },
+        percent: if elapsed_s > 0.0 {
+            100.0 * cpu_s / elapsed_s
+        } else {
+            0.0
+        },
     }
 }
 
@@ -201,7 +216,12 @@ mod tests {
                     150 37 9 4 20 0 12 0 98765 123456789 2048 18446744073709551615";
         assert_eq!(
             parse_proc_stat(stat),
-            Some(ProcStat { utime: 150, stime: 37, cutime: 9, cstime: 4 })
+            Some(ProcStat {
+                utime: 150,
+                stime: 37,
+                cutime: 9,
+                cstime: 4
+            })
         );
         assert_eq!(parse_proc_stat(stat).unwrap().total(), 200);
         assert_eq!(parse_proc_stat("12 (short) S 1 2"), None);
@@ -211,7 +231,8 @@ mod tests {
 
     #[test]
     fn rss_is_read_in_kib() {
-        let status = "Name:\tinstall-cni\nVmPeak:\t  900000 kB\nVmRSS:\t   51234 kB\nRssAnon:\t 40000 kB\n";
+        let status =
+            "Name:\tinstall-cni\nVmPeak:\t  900000 kB\nVmRSS:\t   51234 kB\nRssAnon:\t 40000 kB\n";
         assert_eq!(parse_vm_rss_kib(status), Some(51234));
         assert_eq!(parse_vm_rss_kib("Name:\tkthreadd\n"), None);
     }
@@ -229,8 +250,18 @@ mod tests {
 
     #[test]
     fn cpu_share_counts_children_and_divides_by_the_window() {
-        let before = ProcStat { utime: 100, stime: 50, cutime: 0, cstime: 0 };
-        let after = ProcStat { utime: 110, stime: 55, cutime: 3, cstime: 2 };
+        let before = ProcStat {
+            utime: 100,
+            stime: 50,
+            cutime: 0,
+            cstime: 0,
+        };
+        let after = ProcStat {
+            utime: 110,
+            stime: 55,
+            cutime: 3,
+            cstime: 2,
+        };
         let share = cpu_share(&before, &after, 30.0, 100);
         assert_eq!(share.ticks, 20);
         assert!((share.cpu_ms - 200.0).abs() < 1e-9);
@@ -240,9 +271,23 @@ mod tests {
     #[test]
     fn the_agent_is_recognised_by_its_command_line() {
         let argv = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert!(is_agent_command(Agent::AmbpfEbpf, &argv(&["/usr/local/bin/ambpf", "--pin-root=/x", "run", "--redirect-mode=ebpf"])));
-        assert!(!is_agent_command(Agent::AmbpfEbpf, &argv(&["/usr/local/bin/ambpf", "cni-install"])));
-        assert!(is_agent_command(Agent::IstioNftables, &argv(&["install-cni"])));
+        assert!(is_agent_command(
+            Agent::AmbpfEbpf,
+            &argv(&[
+                "/usr/local/bin/ambpf",
+                "--pin-root=/x",
+                "run",
+                "--redirect-mode=ebpf"
+            ])
+        ));
+        assert!(!is_agent_command(
+            Agent::AmbpfEbpf,
+            &argv(&["/usr/local/bin/ambpf", "cni-install"])
+        ));
+        assert!(is_agent_command(
+            Agent::IstioNftables,
+            &argv(&["install-cni"])
+        ));
         assert!(!is_agent_command(Agent::IstioIptables, &argv(&["/pause"])));
     }
 }

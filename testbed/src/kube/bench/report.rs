@@ -42,7 +42,11 @@ pub fn rotation(n: usize, run: usize) -> Vec<usize> {
 
 /// The median of the values there are; `None` for none.
 pub fn median_of(values: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
-    let mut v: Vec<f64> = values.into_iter().flatten().filter(|v| v.is_finite()).collect();
+    let mut v: Vec<f64> = values
+        .into_iter()
+        .flatten()
+        .filter(|v| v.is_finite())
+        .collect();
     if v.is_empty() {
         return None;
     }
@@ -109,13 +113,55 @@ struct Metric {
 }
 
 const METRICS: [Metric; 7] = [
-    Metric { name: "pod start added p50", unit: "ms", scale: 1.0, decimals: 1, get: |m| m.added_p50_ms },
-    Metric { name: "pod start p50", unit: "ms", scale: 1.0, decimals: 1, get: |m| m.started_p50_ms },
-    Metric { name: "pod start p99", unit: "ms", scale: 1.0, decimals: 1, get: |m| m.started_p99_ms },
-    Metric { name: "enrolling the namespace", unit: "ms", scale: 1.0, decimals: 0, get: |m| m.enrol_all_ms },
-    Metric { name: "enrolment CPU", unit: "ms", scale: 1.0, decimals: 0, get: |m| m.enrol_cpu_ms },
-    Metric { name: "agent RSS", unit: "MiB", scale: 1.0 / 1024.0, decimals: 1, get: |m| m.rss_kib },
-    Metric { name: "idle CPU", unit: "%", scale: 1.0, decimals: 2, get: |m| m.idle_cpu_pct },
+    Metric {
+        name: "pod start added p50",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 1,
+        get: |m| m.added_p50_ms,
+    },
+    Metric {
+        name: "pod start p50",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 1,
+        get: |m| m.started_p50_ms,
+    },
+    Metric {
+        name: "pod start p99",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 1,
+        get: |m| m.started_p99_ms,
+    },
+    Metric {
+        name: "enrolling the namespace",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 0,
+        get: |m| m.enrol_all_ms,
+    },
+    Metric {
+        name: "enrolment CPU",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 0,
+        get: |m| m.enrol_cpu_ms,
+    },
+    Metric {
+        name: "agent RSS",
+        unit: "MiB",
+        scale: 1.0 / 1024.0,
+        decimals: 1,
+        get: |m| m.rss_kib,
+    },
+    Metric {
+        name: "idle CPU",
+        unit: "%",
+        scale: 1.0,
+        decimals: 2,
+        get: |m| m.idle_cpu_pct,
+    },
 ];
 
 fn cell(value: Option<f64>, scale: f64, decimals: usize) -> String {
@@ -137,7 +183,9 @@ pub fn comparisons(all: &[(Agent, Medians)]) -> Vec<String> {
     let mut lines = Vec::new();
     for (agent, medians) in all.iter().filter(|(a, _)| a.ambpf_mode().is_some()) {
         for metric in &METRICS {
-            let (Some(ours), Some((istio, theirs))) = ((metric.get)(medians), best_istio(all, metric.get)) else {
+            let (Some(ours), Some((istio, theirs))) =
+                ((metric.get)(medians), best_istio(all, metric.get))
+            else {
                 continue;
             };
             lines.push(format!(
@@ -217,7 +265,10 @@ mod tests {
 
     #[test]
     fn medians_skip_missing_values() {
-        assert_eq!(median_of([Some(3.0), None, Some(1.0), Some(2.0)]), Some(2.0));
+        assert_eq!(
+            median_of([Some(3.0), None, Some(1.0), Some(2.0)]),
+            Some(2.0)
+        );
         assert_eq!(median_of([Some(4.0), Some(1.0)]), Some(2.5));
         assert_eq!(median_of([None, None]), None);
     }

@@ -55,7 +55,9 @@ impl Watch {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-        let mut child = cmd.spawn().with_context(|| format!("kubectl get {what} --watch"))?;
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("kubectl get {what} --watch"))?;
         let stdout = child.stdout.take().context("no stdout")?;
         let stderr = child.stderr.take().context("no stderr")?;
         let (events_tx, events) = mpsc::channel();
@@ -97,7 +99,11 @@ impl Watch {
                 Ok(()) => return Ok(watch),
                 Err(RecvTimeoutError::Disconnected) => {
                     let _ = watch.child.wait();
-                    bail!("kubectl get {} --watch exited: {}", watch.what, watch.stderr_tail());
+                    bail!(
+                        "kubectl get {} --watch exited: {}",
+                        watch.what,
+                        watch.stderr_tail()
+                    );
                 }
                 Err(RecvTimeoutError::Timeout) => {}
             }
@@ -134,10 +140,7 @@ impl Watch {
     }
 
     fn stderr_tail(&self) -> String {
-        self.stderr
-            .lock()
-            .map(|l| l.join("\n"))
-            .unwrap_or_default()
+        self.stderr.lock().map(|l| l.join("\n")).unwrap_or_default()
     }
 }
 
@@ -159,9 +162,10 @@ fn is_watch_answered(line: &str) -> bool {
 
 /// Whether a pod object's `Ready` condition is `True`.
 pub fn pod_ready(pod: &Value) -> bool {
-    pod["status"]["conditions"]
-        .as_array()
-        .is_some_and(|c| c.iter().any(|c| c["type"] == "Ready" && c["status"] == "True"))
+    pod["status"]["conditions"].as_array().is_some_and(|c| {
+        c.iter()
+            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+    })
 }
 
 pub fn name_of(object: &Value) -> Option<&str> {

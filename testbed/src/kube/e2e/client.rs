@@ -44,12 +44,21 @@ impl Cluster {
 
     /// `kubectl apply -f -` with `yaml`.
     pub fn apply(&self, yaml: &str) -> Result<()> {
-        let mut cmd = in_node(&self.layout, &self.components.kube("kubectl").display().to_string());
-        cmd.arg(format!("--kubeconfig={}", self.layout.admin_kubeconfig().display()))
-            .args(["apply", "-f", "-"]);
+        let mut cmd = in_node(
+            &self.layout,
+            &self.components.kube("kubectl").display().to_string(),
+        );
+        cmd.arg(format!(
+            "--kubeconfig={}",
+            self.layout.admin_kubeconfig().display()
+        ))
+        .args(["apply", "-f", "-"]);
         let out = crate::output_with_stdin(&mut cmd, yaml.as_bytes())?;
         if !out.status.success() {
-            bail!("kubectl apply: {}", String::from_utf8_lossy(&out.stderr).trim());
+            bail!(
+                "kubectl apply: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
         Ok(())
     }
@@ -139,20 +148,43 @@ impl Cluster {
     pub fn helm_uninstall(&self) -> Result<()> {
         let out = self
             .helm()
-            .args(["uninstall", RELEASE, "-n", SYSTEM_NAMESPACE, "--wait", "--timeout", "120s"])
+            .args([
+                "uninstall",
+                RELEASE,
+                "-n",
+                SYSTEM_NAMESPACE,
+                "--wait",
+                "--timeout",
+                "120s",
+            ])
             .output()?;
         if !out.status.success() {
-            bail!("helm uninstall: {}", String::from_utf8_lossy(&out.stderr).trim());
+            bail!(
+                "helm uninstall: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
         // The DaemonSet's pods are gone only once their shutdown ran.
         eventually("ambpf's pods gone", Duration::from_secs(90), || {
-            let pods = self.get_json(&["pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=ambpf"])?;
-            Ok(pods["items"].as_array().is_none_or(|a| a.is_empty()).then_some(()))
+            let pods = self.get_json(&[
+                "pods",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=ambpf",
+            ])?;
+            Ok(pods["items"]
+                .as_array()
+                .is_none_or(|a| a.is_empty())
+                .then_some(()))
         })
     }
 
     pub fn release_installed(&self) -> Result<bool> {
-        let out = self.helm().args(["status", RELEASE, "-n", SYSTEM_NAMESPACE]).output()?;
+        let out = self
+            .helm()
+            .args(["status", RELEASE, "-n", SYSTEM_NAMESPACE])
+            .output()?;
         Ok(out.status.success())
     }
 
@@ -161,8 +193,23 @@ impl Cluster {
         let mut text = String::new();
         for args in [
             vec!["get", "pods", "-A", "-o", "wide"],
-            vec!["describe", "pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=ambpf"],
-            vec!["logs", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=ambpf", "--all-containers", "--tail=40"],
+            vec![
+                "describe",
+                "pods",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=ambpf",
+            ],
+            vec![
+                "logs",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-l",
+                "app.kubernetes.io/name=ambpf",
+                "--all-containers",
+                "--tail=40",
+            ],
         ] {
             match self.kubectl(&args) {
                 Ok(out) => text.push_str(&out),
@@ -175,13 +222,26 @@ impl Cluster {
     /// The ztunnel double's DaemonSet, Ready.
     pub fn install_ztunnel(&self) -> Result<()> {
         self.apply(include_str!("../../../manifests/ztunnel-double.yaml"))?;
-        self.kubectl(&["rollout", "status", "-n", SYSTEM_NAMESPACE, "daemonset/ztunnel", "--timeout=120s"])
-            .map(drop)
+        self.kubectl(&[
+            "rollout",
+            "status",
+            "-n",
+            SYSTEM_NAMESPACE,
+            "daemonset/ztunnel",
+            "--timeout=120s",
+        ])
+        .map(drop)
     }
 
     /// Every event the ztunnel double logged, oldest first (its JSON lines).
     pub fn ztunnel_events(&self) -> Result<Vec<Value>> {
-        let log = self.kubectl(&["logs", "-n", SYSTEM_NAMESPACE, "daemonset/ztunnel", "--tail=-1"])?;
+        let log = self.kubectl(&[
+            "logs",
+            "-n",
+            SYSTEM_NAMESPACE,
+            "daemonset/ztunnel",
+            "--tail=-1",
+        ])?;
         Ok(log
             .lines()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -199,7 +259,11 @@ impl Cluster {
 
     /// How many connections the double proxied for these pods, on one of
     /// its listeners (15001 outbound, 15006 inbound) or on any.
-    pub fn proxied_count(&self, pods: &[(String, String, String)], listener: Option<u16>) -> Result<usize> {
+    pub fn proxied_count(
+        &self,
+        pods: &[(String, String, String)],
+        listener: Option<u16>,
+    ) -> Result<usize> {
         Ok(self
             .ztunnel_events()?
             .iter()
@@ -219,7 +283,10 @@ impl Cluster {
                     .iter()
                     .map(|p| {
                         (
-                            p["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
+                            p["metadata"]["name"]
+                                .as_str()
+                                .unwrap_or_default()
+                                .to_owned(),
                             p["metadata"]["uid"].as_str().unwrap_or_default().to_owned(),
                             p["status"]["podIP"].as_str().unwrap_or_default().to_owned(),
                         )
@@ -253,7 +320,12 @@ impl Cluster {
 
     /// `ctr` against the node's containerd, in the CRI plugin's namespace.
     pub fn ctr(&self, args: &[&str]) -> Result<String> {
-        let mut all = vec!["--address", "/run/containerd/containerd.sock", "--namespace", "k8s.io"];
+        let mut all = vec![
+            "--address",
+            "/run/containerd/containerd.sock",
+            "--namespace",
+            "k8s.io",
+        ];
         all.extend(args);
         self.on_node("ctr", &all)
     }
@@ -274,28 +346,66 @@ impl Cluster {
     /// back, and waits until its pods are gone or Ready.
     pub fn park_daemonset(&self, namespace: &str, name: &str, parked: bool) -> Result<()> {
         let patch = if parked {
-            r#"{"spec":{"template":{"spec":{"nodeSelector":{"ambpf.e2e/parked":"true"}}}}}"#.to_owned()
+            r#"{"spec":{"template":{"spec":{"nodeSelector":{"ambpf.e2e/parked":"true"}}}}}"#
+                .to_owned()
         } else {
-            r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector/ambpf.e2e~1parked"}]"#.to_owned()
+            r#"[{"op":"remove","path":"/spec/template/spec/nodeSelector/ambpf.e2e~1parked"}]"#
+                .to_owned()
         };
         let kind = if parked { "strategic" } else { "json" };
-        self.kubectl(&["patch", "daemonset", "-n", namespace, name, "--type", kind, "-p", &patch])?;
+        self.kubectl(&[
+            "patch",
+            "daemonset",
+            "-n",
+            namespace,
+            name,
+            "--type",
+            kind,
+            "-p",
+            &patch,
+        ])?;
         if parked {
-            eventually(&format!("{name}'s pods gone"), Duration::from_secs(90), || {
-                let pods = self.get_json(&["pods", "-n", namespace, "-l", &daemonset_selector(name)])?;
-                Ok(pods["items"].as_array().is_none_or(|a| a.is_empty()).then_some(()))
-            })
+            eventually(
+                &format!("{name}'s pods gone"),
+                Duration::from_secs(90),
+                || {
+                    let pods =
+                        self.get_json(&["pods", "-n", namespace, "-l", &daemonset_selector(name)])?;
+                    Ok(pods["items"]
+                        .as_array()
+                        .is_none_or(|a| a.is_empty())
+                        .then_some(()))
+                },
+            )
         } else {
-            self.kubectl(&["rollout", "status", "-n", namespace, &format!("daemonset/{name}"), "--timeout=120s"])
-                .map(drop)
+            self.kubectl(&[
+                "rollout",
+                "status",
+                "-n",
+                namespace,
+                &format!("daemonset/{name}"),
+                "--timeout=120s",
+            ])
+            .map(drop)
         }
     }
 
     /// ambpf's `status -o json` from its agent container (eBPF mode).
     pub fn ambpf_status(&self) -> Result<Value> {
         let out = self.kubectl(&[
-            "exec", "-n", SYSTEM_NAMESPACE, "daemonset/ambpf", "-c", "agent", "--",
-            "ambpf", "--pin-root", "/sys/fs/bpf/ambpf", "status", "-o", "json",
+            "exec",
+            "-n",
+            SYSTEM_NAMESPACE,
+            "daemonset/ambpf",
+            "-c",
+            "agent",
+            "--",
+            "ambpf",
+            "--pin-root",
+            "/sys/fs/bpf/ambpf",
+            "status",
+            "-o",
+            "json",
         ])?;
         Ok(serde_json::from_str(&out)?)
     }

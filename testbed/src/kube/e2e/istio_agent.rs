@@ -37,9 +37,11 @@ impl Cluster {
         }
         let chart = istio_cni_chart(self.components.cache())?;
         let mut cmd = self.helm();
-        cmd.args(["install", ISTIO_CNI_RELEASE])
-            .arg(&chart)
-            .args(["-n", SYSTEM_NAMESPACE, "--create-namespace"]);
+        cmd.args(["install", ISTIO_CNI_RELEASE]).arg(&chart).args([
+            "-n",
+            SYSTEM_NAMESPACE,
+            "--create-namespace",
+        ]);
         for (name, value) in istio_cni_helm_values(nftables) {
             cmd.args(["--set", &format!("{name}={value}")]);
         }
@@ -77,8 +79,12 @@ impl Cluster {
             );
         }
         eventually("istio-cni's pods gone", Duration::from_secs(90), || {
-            let pods = self.get_json(&["pods", "-n", SYSTEM_NAMESPACE, "-l", ISTIO_CNI_SELECTOR])?;
-            Ok(pods["items"].as_array().is_none_or(|a| a.is_empty()).then_some(()))
+            let pods =
+                self.get_json(&["pods", "-n", SYSTEM_NAMESPACE, "-l", ISTIO_CNI_SELECTOR])?;
+            Ok(pods["items"]
+                .as_array()
+                .is_none_or(|a| a.is_empty())
+                .then_some(()))
         })
     }
 
@@ -96,8 +102,23 @@ impl Cluster {
         let mut text = String::new();
         for args in [
             vec!["get", "pods", "-A", "-o", "wide"],
-            vec!["describe", "pods", "-n", SYSTEM_NAMESPACE, "-l", ISTIO_CNI_SELECTOR],
-            vec!["logs", "-n", SYSTEM_NAMESPACE, "-l", ISTIO_CNI_SELECTOR, "--all-containers", "--tail=40"],
+            vec![
+                "describe",
+                "pods",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-l",
+                ISTIO_CNI_SELECTOR,
+            ],
+            vec![
+                "logs",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-l",
+                ISTIO_CNI_SELECTOR,
+                "--all-containers",
+                "--tail=40",
+            ],
         ] {
             match self.kubectl(&args) {
                 Ok(out) => text.push_str(&out),
@@ -212,7 +233,9 @@ impl Agent {
     /// Uninstalls the agent and waits until its pods are gone.
     pub fn uninstall(self, cluster: &Cluster) -> Result<()> {
         match self {
-            Agent::AmbpfEbpf | Agent::AmbpfIptables | Agent::AmbpfNftables => cluster.helm_uninstall(),
+            Agent::AmbpfEbpf | Agent::AmbpfIptables | Agent::AmbpfNftables => {
+                cluster.helm_uninstall()
+            }
             Agent::IstioIptables | Agent::IstioNftables => cluster.uninstall_istio_cni(),
             Agent::None => Ok(()),
         }
@@ -231,10 +254,7 @@ impl FromStr for Agent {
     fn from_str(s: &str) -> Result<Self> {
         match Agent::ALL.into_iter().find(|a| a.name() == s) {
             Some(agent) => Ok(agent),
-            None => bail!(
-                "no agent {s:?}: {}",
-                Agent::ALL.map(Agent::name).join(", ")
-            ),
+            None => bail!("no agent {s:?}: {}", Agent::ALL.map(Agent::name).join(", ")),
         }
     }
 }
@@ -261,10 +281,17 @@ mod tests {
     fn each_capturing_agent_has_its_pods_and_container() {
         for agent in Agent::ALL {
             assert_eq!(agent.pod_selector().is_some(), agent.captures(), "{agent}");
-            assert_eq!(agent.agent_container().is_some(), agent.captures(), "{agent}");
+            assert_eq!(
+                agent.agent_container().is_some(),
+                agent.captures(),
+                "{agent}"
+            );
         }
         assert_eq!(Agent::AmbpfNftables.ambpf_mode(), Some("nftables"));
         assert!(Agent::IstioNftables.is_istio() && !Agent::AmbpfEbpf.is_istio());
-        assert_eq!(serde_json::to_string(&Agent::IstioIptables).unwrap(), "\"istio-iptables\"");
+        assert_eq!(
+            serde_json::to_string(&Agent::IstioIptables).unwrap(),
+            "\"istio-iptables\""
+        );
     }
 }

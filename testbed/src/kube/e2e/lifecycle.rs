@@ -24,11 +24,19 @@ pub fn no_ztunnel(cluster: &Cluster, release: &Release) -> Result<String> {
         // Long enough for a few of kubelet's retries.
         std::thread::sleep(Duration::from_secs(15));
         let phase = pod_phase(cluster, &namespace, &name)?;
-        ensure!(phase == "Pending", "{name} is {phase} with no ztunnel running");
+        ensure!(
+            phase == "Pending",
+            "{name} is {phase} with no ztunnel running"
+        );
         let events = cluster.kubectl(&[
-            "get", "events", "-n", &namespace,
-            "--field-selector", &format!("involvedObject.name={name},reason=FailedCreatePodSandBox"),
-            "-o", "jsonpath={.items[*].message}",
+            "get",
+            "events",
+            "-n",
+            &namespace,
+            "--field-selector",
+            &format!("involvedObject.name={name},reason=FailedCreatePodSandBox"),
+            "-o",
+            "jsonpath={.items[*].message}",
         ])?;
         ensure!(
             events.contains("ambpf"),
@@ -41,12 +49,23 @@ pub fn no_ztunnel(cluster: &Cluster, release: &Release) -> Result<String> {
     let uid = eventually(&format!("{name} done"), Duration::from_secs(120), || {
         let pod = cluster.get_json(&["pod", "-n", &namespace, &name])?;
         Ok(match pod["status"]["phase"].as_str() {
-            Some("Succeeded") | Some("Failed") => Some(pod["metadata"]["uid"].as_str().unwrap_or_default().to_owned()),
+            Some("Succeeded") | Some("Failed") => Some(
+                pod["metadata"]["uid"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            ),
             _ => None,
         })
     })?;
-    ensure!(pod_phase(cluster, &namespace, &name)? == "Succeeded", "{name} failed once ztunnel was back");
-    ensure!(outbound_proxied(cluster, &uid)?, "{name}'s first connection did not pass ztunnel");
+    ensure!(
+        pod_phase(cluster, &namespace, &name)? == "Succeeded",
+        "{name} failed once ztunnel was back"
+    );
+    ensure!(
+        outbound_proxied(cluster, &uid)?,
+        "{name}'s first connection did not pass ztunnel"
+    );
     cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
     let reason = events.split("failed (add): ").nth(1).unwrap_or(&events);
     Ok(format!(
@@ -66,22 +85,44 @@ pub fn sandbox_recreated(cluster: &Cluster, release: &Release) -> Result<String>
         .into_iter()
         .next()
         .ok_or_else(|| anyhow::anyhow!("no web pod in {namespace}"))?;
-    let old = eventually(&format!("ztunnel holds {name}"), Duration::from_secs(30), || {
-        Ok(cluster.ztunnel_holds()?.get(&uid).copied())
-    })?;
+    let old = eventually(
+        &format!("ztunnel holds {name}"),
+        Duration::from_secs(30),
+        || Ok(cluster.ztunnel_holds()?.get(&uid).copied()),
+    )?;
     let sandboxes = cluster.sandboxes(&uid)?;
     ensure!(sandboxes.len() == 1, "{name} has sandboxes {sandboxes:?}");
     cluster.ctr(&["tasks", "kill", "--signal", "SIGKILL", &sandboxes[0]])?;
-    let new = eventually(&format!("ztunnel handed {name}'s new namespace"), Duration::from_secs(90), || {
-        Ok(cluster.ztunnel_holds()?.get(&uid).copied().filter(|inode| *inode != old))
-    })?;
+    let new = eventually(
+        &format!("ztunnel handed {name}'s new namespace"),
+        Duration::from_secs(90),
+        || {
+            Ok(cluster
+                .ztunnel_holds()?
+                .get(&uid)
+                .copied()
+                .filter(|inode| *inode != old))
+        },
+    )?;
     cluster.rollout(&namespace, "web")?;
-    let ip = eventually(&format!("{name} Ready again"), Duration::from_secs(60), || {
-        let pod = cluster.get_json(&["pod", "-n", &namespace, &name])?;
-        let ready = pod["status"]["containerStatuses"][0]["ready"] == true;
-        Ok(ready.then(|| pod["status"]["podIP"].as_str().unwrap_or_default().to_owned()))
-    })?;
-    ensure!(direct_is_captured(cluster, &ip, &uid)?, "{name}'s new sandbox is not captured");
+    let ip = eventually(
+        &format!("{name} Ready again"),
+        Duration::from_secs(60),
+        || {
+            let pod = cluster.get_json(&["pod", "-n", &namespace, &name])?;
+            let ready = pod["status"]["containerStatuses"][0]["ready"] == true;
+            Ok(ready.then(|| {
+                pod["status"]["podIP"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            }))
+        },
+    )?;
+    ensure!(
+        direct_is_captured(cluster, &ip, &uid)?,
+        "{name}'s new sandbox is not captured"
+    );
     if release.mode == "ebpf" {
         let status = cluster.ambpf_status()?;
         let entries: Vec<u64> = status["pods"]
@@ -91,9 +132,14 @@ pub fn sandbox_recreated(cluster: &Cluster, release: &Release) -> Result<String>
             .filter(|p| p["pod"]["uid"] == uid.as_str())
             .filter_map(|p| p["netns_inode"].as_u64())
             .collect();
-        ensure!(entries == [new], "ambpf holds {name} as {entries:?}, want only {new}");
+        ensure!(
+            entries == [new],
+            "ambpf holds {name} as {entries:?}, want only {new}"
+        );
     }
-    Ok(format!("netns {old} -> {new}: handed to ztunnel, captured, the old one forgotten"))
+    Ok(format!(
+        "netns {old} -> {new}: handed to ztunnel, captured, the old one forgotten"
+    ))
 }
 
 /// With the agent stopped, a pod is deleted, another opts out and a
@@ -106,17 +152,42 @@ pub fn changes_while_agent_down(cluster: &Cluster, release: &Release) -> Result<
     ensure_web(cluster, &second, true)?;
     let a = cluster.pods(&first, "web")?;
     let b = cluster.pods(&second, "web")?;
-    ensure!(a.len() == 2 && b.len() == 2, "want 2 web pods in each namespace");
+    ensure!(
+        a.len() == 2 && b.len() == 2,
+        "want 2 web pods in each namespace"
+    );
     for (name, uid, ip) in a.iter().chain(&b) {
-        eventually(&format!("{name} annotated"), Duration::from_secs(30), || redirection(cluster, namespace_of(name, &a, &first, &second), name))?;
-        ensure!(direct_is_captured(cluster, ip, uid)?, "{name} not captured to begin with");
+        eventually(
+            &format!("{name} annotated"),
+            Duration::from_secs(30),
+            || redirection(cluster, namespace_of(name, &a, &first, &second), name),
+        )?;
+        ensure!(
+            direct_is_captured(cluster, ip, uid)?,
+            "{name} not captured to begin with"
+        );
     }
     cluster.park_daemonset(SYSTEM_NAMESPACE, "ambpf", true)?;
     let (deleted, deleted_uid, _) = &a[0];
     let (opted, opted_uid, opted_ip) = &a[1];
     let changes = (|| {
-        cluster.kubectl(&["delete", "pod", "-n", &first, deleted, "--wait=true", "--timeout=60s"])?;
-        cluster.kubectl(&["label", "pod", "-n", &first, opted, "istio.io/dataplane-mode=none"])?;
+        cluster.kubectl(&[
+            "delete",
+            "pod",
+            "-n",
+            &first,
+            deleted,
+            "--wait=true",
+            "--timeout=60s",
+        ])?;
+        cluster.kubectl(&[
+            "label",
+            "pod",
+            "-n",
+            &first,
+            opted,
+            "istio.io/dataplane-mode=none",
+        ])?;
         cluster.kubectl(&["label", "namespace", &second, "istio.io/dataplane-mode-"])
     })();
     cluster.park_daemonset(SYSTEM_NAMESPACE, "ambpf", false)?;
@@ -128,11 +199,23 @@ pub fn changes_while_agent_down(cluster: &Cluster, release: &Release) -> Result<
             .any(|uid| held.contains_key(uid.as_str()));
         Ok((!stale).then_some(()))
     })?;
-    ensure!(redirection(cluster, &first, opted)?.is_none(), "{opted} still annotated");
-    ensure!(!direct_is_captured(cluster, opted_ip, opted_uid)?, "{opted} opted out but still captured");
+    ensure!(
+        redirection(cluster, &first, opted)?.is_none(),
+        "{opted} still annotated"
+    );
+    ensure!(
+        !direct_is_captured(cluster, opted_ip, opted_uid)?,
+        "{opted} opted out but still captured"
+    );
     for (name, uid, ip) in &b {
-        ensure!(redirection(cluster, &second, name)?.is_none(), "{name} still annotated");
-        ensure!(!direct_is_captured(cluster, ip, uid)?, "{name}'s namespace unlabelled but still captured");
+        ensure!(
+            redirection(cluster, &second, name)?.is_none(),
+            "{name} still annotated"
+        );
+        ensure!(
+            !direct_is_captured(cluster, ip, uid)?,
+            "{name}'s namespace unlabelled but still captured"
+        );
     }
     if release.mode == "ebpf" {
         let status = cluster.ambpf_status()?;
@@ -140,7 +223,11 @@ pub fn changes_while_agent_down(cluster: &Cluster, release: &Release) -> Result<
             .as_array()
             .into_iter()
             .flatten()
-            .filter(|p| [deleted_uid, opted_uid, &b[0].1, &b[1].1].iter().any(|u| p["pod"]["uid"] == u.as_str()))
+            .filter(|p| {
+                [deleted_uid, opted_uid, &b[0].1, &b[1].1]
+                    .iter()
+                    .any(|u| p["pod"]["uid"] == u.as_str())
+            })
             .map(|p| p["pod"].to_string())
             .collect();
         ensure!(stale.is_empty(), "ambpf still holds {stale:?}");
@@ -151,6 +238,15 @@ pub fn changes_while_agent_down(cluster: &Cluster, release: &Release) -> Result<
     ))
 }
 
-fn namespace_of<'a>(name: &str, a: &[(String, String, String)], first: &'a str, second: &'a str) -> &'a str {
-    if a.iter().any(|(n, _, _)| n == name) { first } else { second }
+fn namespace_of<'a>(
+    name: &str,
+    a: &[(String, String, String)],
+    first: &'a str,
+    second: &'a str,
+) -> &'a str {
+    if a.iter().any(|(n, _, _)| n == name) {
+        first
+    } else {
+        second
+    }
 }

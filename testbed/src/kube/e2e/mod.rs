@@ -78,7 +78,10 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
         };
         for scenario in scenarios::ALL {
             if !options.scenarios.is_empty()
-                && !options.scenarios.iter().any(|s| scenario.name.contains(s.as_str()))
+                && !options
+                    .scenarios
+                    .iter()
+                    .any(|s| scenario.name.contains(s.as_str()))
             {
                 continue;
             }
@@ -135,7 +138,11 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
 }
 
 /// Polls `check` until it returns `Some`, or fails naming `what`.
-pub fn eventually<T>(what: &str, timeout: Duration, mut check: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+pub fn eventually<T>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
     let deadline = Instant::now() + timeout;
     let mut last_error = None;
     loop {

@@ -39,16 +39,28 @@ impl NodeState {
     pub fn diff(&self, after: &Self) -> Vec<String> {
         let mut out = Vec::new();
         if self.cni_config != after.cni_config {
-            out.push(format!("CNI configuration: {:?} -> {:?}", self.cni_config, after.cni_config));
+            out.push(format!(
+                "CNI configuration: {:?} -> {:?}",
+                self.cni_config, after.cni_config
+            ));
         }
         if self.cni_plugins != after.cni_plugins {
-            out.push(format!("CNI plugins: {:?} -> {:?}", self.cni_plugins, after.cni_plugins));
+            out.push(format!(
+                "CNI plugins: {:?} -> {:?}",
+                self.cni_plugins, after.cni_plugins
+            ));
         }
         if self.bpf_pins != after.bpf_pins {
-            out.push(format!("bpffs: {:?} -> {:?}", self.bpf_pins, after.bpf_pins));
+            out.push(format!(
+                "bpffs: {:?} -> {:?}",
+                self.bpf_pins, after.bpf_pins
+            ));
         }
         if self.ip_rules != after.ip_rules {
-            out.push(format!("ip rules: {:?} -> {:?}", self.ip_rules, after.ip_rules));
+            out.push(format!(
+                "ip rules: {:?} -> {:?}",
+                self.ip_rules, after.ip_rules
+            ));
         }
         out
     }

@@ -21,29 +21,72 @@ fn every_mode(_: &str) -> bool {
 }
 
 pub const ALL: [Scenario; 9] = [
-    Scenario { name: "first-connection", applies: every_mode, run: first_connection },
-    Scenario { name: "kubelet-probes", applies: every_mode, run: kubelet_probes },
-    Scenario { name: "nodeport-from-outside", applies: every_mode, run: nodeport_from_outside },
-    Scenario { name: "clusterip-from-pod", applies: every_mode, run: clusterip_from_pod },
-    Scenario { name: "opt-out", applies: every_mode, run: opt_out },
-    Scenario { name: "no-ztunnel", applies: every_mode, run: lifecycle::no_ztunnel },
-    Scenario { name: "sandbox-recreated", applies: every_mode, run: lifecycle::sandbox_recreated },
-    Scenario { name: "agent-down", applies: every_mode, run: lifecycle::changes_while_agent_down },
-    Scenario { name: "uninstall", applies: every_mode, run: uninstall },
+    Scenario {
+        name: "first-connection",
+        applies: every_mode,
+        run: first_connection,
+    },
+    Scenario {
+        name: "kubelet-probes",
+        applies: every_mode,
+        run: kubelet_probes,
+    },
+    Scenario {
+        name: "nodeport-from-outside",
+        applies: every_mode,
+        run: nodeport_from_outside,
+    },
+    Scenario {
+        name: "clusterip-from-pod",
+        applies: every_mode,
+        run: clusterip_from_pod,
+    },
+    Scenario {
+        name: "opt-out",
+        applies: every_mode,
+        run: opt_out,
+    },
+    Scenario {
+        name: "no-ztunnel",
+        applies: every_mode,
+        run: lifecycle::no_ztunnel,
+    },
+    Scenario {
+        name: "sandbox-recreated",
+        applies: every_mode,
+        run: lifecycle::sandbox_recreated,
+    },
+    Scenario {
+        name: "agent-down",
+        applies: every_mode,
+        run: lifecycle::changes_while_agent_down,
+    },
+    Scenario {
+        name: "uninstall",
+        applies: every_mode,
+        run: uninstall,
+    },
 ];
 
 pub(super) const WEB_PORT: u16 = 8080;
 
 /// The ambient namespace of a mode, and its plain (not ambient) twin.
 fn namespaces(release: &Release) -> (String, String) {
-    (format!("e2e-{}", release.mode), format!("e2e-{}-plain", release.mode))
+    (
+        format!("e2e-{}", release.mode),
+        format!("e2e-{}-plain", release.mode),
+    )
 }
 
 /// A namespace with a `web` Deployment (busybox httpd answering its pod's
 /// name, with kubelet HTTP readiness and TCP liveness probes) behind a
 /// NodePort Service; made once per namespace.
 pub(super) fn ensure_web(cluster: &Cluster, namespace: &str, ambient: bool) -> Result<()> {
-    let label = if ambient { "\n  labels: {istio.io/dataplane-mode: ambient}" } else { "" };
+    let label = if ambient {
+        "\n  labels: {istio.io/dataplane-mode: ambient}"
+    } else {
+        ""
+    };
     cluster.apply(&format!(
         r#"apiVersion: v1
 kind: Namespace
@@ -113,12 +156,18 @@ spec:
 
 pub(super) fn pod_phase(cluster: &Cluster, namespace: &str, name: &str) -> Result<String> {
     let pod = cluster.get_json(&["pod", "-n", namespace, name])?;
-    Ok(pod["status"]["phase"].as_str().unwrap_or_default().to_owned())
+    Ok(pod["status"]["phase"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
 }
 
 /// Whether ztunnel's outbound listener took a connection of pod `uid`.
 pub(super) fn outbound_proxied(cluster: &Cluster, uid: &str) -> Result<bool> {
-    Ok(cluster.proxied_for(uid)?.iter().any(|e| e["listener_port"] == 15001))
+    Ok(cluster
+        .proxied_for(uid)?
+        .iter()
+        .any(|e| e["listener_port"] == 15001))
 }
 
 /// A pod whose very first action is a connection: it must be captured, so
@@ -128,18 +177,27 @@ fn first_connection(cluster: &Cluster, release: &Release) -> Result<String> {
     let mut seen = Vec::new();
     for (namespace, captured) in [(&ambient, true), (&plain, false)] {
         let name = client_pod(cluster, namespace)?;
-        let pod = eventually(&format!("pod {namespace}/{name} done"), Duration::from_secs(60), || {
-            let pod = cluster.get_json(&["pod", "-n", namespace, &name])?;
-            match pod["status"]["phase"].as_str() {
-                Some("Succeeded") => Ok(Some(pod)),
-                Some("Failed") => bail!(
-                    "pod {namespace}/{name} failed: {}",
-                    cluster.kubectl(&["logs", "-n", namespace, &name]).unwrap_or_default()
-                ),
-                _ => Ok(None),
-            }
-        })?;
-        let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_owned();
+        let pod = eventually(
+            &format!("pod {namespace}/{name} done"),
+            Duration::from_secs(60),
+            || {
+                let pod = cluster.get_json(&["pod", "-n", namespace, &name])?;
+                match pod["status"]["phase"].as_str() {
+                    Some("Succeeded") => Ok(Some(pod)),
+                    Some("Failed") => bail!(
+                        "pod {namespace}/{name} failed: {}",
+                        cluster
+                            .kubectl(&["logs", "-n", namespace, &name])
+                            .unwrap_or_default()
+                    ),
+                    _ => Ok(None),
+                }
+            },
+        )?;
+        let uid = pod["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
         let outbound: Vec<Value> = cluster
             .proxied_for(&uid)?
             .into_iter()
@@ -155,7 +213,10 @@ fn first_connection(cluster: &Cluster, release: &Release) -> Result<String> {
                 outbound[0]["original_dst"]
             ));
         } else {
-            ensure!(outbound.is_empty(), "a pod outside the mesh was captured: {outbound:?}");
+            ensure!(
+                outbound.is_empty(),
+                "a pod outside the mesh was captured: {outbound:?}"
+            );
             seen.push("plain pod's connect uncaptured".to_owned());
         }
         cluster.kubectl(&["delete", "pod", "-n", namespace, &name, "--wait=false"])?;
@@ -173,14 +234,25 @@ fn kubelet_probes(cluster: &Cluster, release: &Release) -> Result<String> {
     // Readiness and liveness each probe every 2 s: about 10 of each.
     std::thread::sleep(Duration::from_secs(10));
     let after = count(cluster)?;
-    ensure!(after == before, "kubelet's probes passed ztunnel: {} connections", after - before);
+    ensure!(
+        after == before,
+        "kubelet's probes passed ztunnel: {} connections",
+        after - before
+    );
     for (name, _, _) in &pods {
         let pod = cluster.get_json(&["pod", "-n", &ambient, name])?;
         let status = &pod["status"]["containerStatuses"][0];
         ensure!(status["ready"] == true, "{ambient}/{name} is not Ready");
-        ensure!(status["restartCount"] == 0, "{ambient}/{name} restarted: {}", status["restartCount"]);
+        ensure!(
+            status["restartCount"] == 0,
+            "{ambient}/{name} restarted: {}",
+            status["restartCount"]
+        );
     }
-    Ok(format!("{} pods Ready, not restarted, 0 probes through ztunnel", pods.len()))
+    Ok(format!(
+        "{} pods Ready, not restarted, 0 probes through ztunnel",
+        pods.len()
+    ))
 }
 
 /// An off-node client calls a NodePort Service (kube-proxy DNATs and
@@ -191,7 +263,9 @@ fn nodeport_from_outside(cluster: &Cluster, release: &Release) -> Result<String>
     let mut seen = Vec::new();
     for (namespace, captured) in [(&ambient, true), (&plain, false)] {
         let service = cluster.get_json(&["service", "-n", namespace, "web"])?;
-        let node_port = service["spec"]["ports"][0]["nodePort"].as_u64().unwrap_or_default();
+        let node_port = service["spec"]["ports"][0]["nodePort"]
+            .as_u64()
+            .unwrap_or_default();
         let pods = cluster.pods(namespace, "web")?;
         let count = |cluster: &Cluster| cluster.proxied_count(&pods, Some(15006));
         let before = count(cluster)?;
@@ -201,13 +275,22 @@ fn nodeport_from_outside(cluster: &Cluster, release: &Release) -> Result<String>
                 "wget",
                 &["-T", "5", "-qO-", &format!("http://{NODE_IP}:{node_port}/")],
             )?;
-            ensure!(ok, "NodePort {node_port} of {namespace} from outside: {out}");
+            ensure!(
+                ok,
+                "NodePort {node_port} of {namespace} from outside: {out}"
+            );
         }
         let proxied = count(cluster)? - before;
         if captured {
-            ensure!(proxied >= CALLS, "{proxied} of {CALLS} NodePort connections passed ztunnel");
+            ensure!(
+                proxied >= CALLS,
+                "{proxied} of {CALLS} NodePort connections passed ztunnel"
+            );
         } else {
-            ensure!(proxied == 0, "{proxied} NodePort connections to plain pods passed ztunnel");
+            ensure!(
+                proxied == 0,
+                "{proxied} NodePort connections to plain pods passed ztunnel"
+            );
         }
         seen.push(format!("{namespace}: {proxied} of {CALLS} through ztunnel"));
     }
@@ -218,7 +301,10 @@ fn nodeport_from_outside(cluster: &Cluster, release: &Release) -> Result<String>
 fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
     let (ambient, plain) = setup(cluster, release)?;
     let service = cluster.get_json(&["service", "-n", &ambient, "web"])?;
-    let cluster_ip = service["spec"]["clusterIP"].as_str().unwrap_or_default().to_owned();
+    let cluster_ip = service["spec"]["clusterIP"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
     let pods = cluster.pods(&ambient, "web")?;
     let count = |cluster: &Cluster| cluster.proxied_count(&pods, None);
     let before = count(cluster)?;
@@ -231,12 +317,26 @@ fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
     for _ in 0..CALLS {
         cluster.kubectl(&[
             // busybox's `wget -T` crashes on a refused connection: `timeout`.
-            "exec", "-n", &plain, &client, "--", "timeout", "10", "wget", "-qO-", &format!("http://{cluster_ip}/"),
+            "exec",
+            "-n",
+            &plain,
+            &client,
+            "--",
+            "timeout",
+            "10",
+            "wget",
+            "-qO-",
+            &format!("http://{cluster_ip}/"),
         ])?;
     }
     let proxied = count(cluster)? - before;
-    ensure!(proxied >= CALLS, "{proxied} of {CALLS} ClusterIP connections passed ztunnel");
-    Ok(format!("{proxied} of {CALLS} ClusterIP connections from a plain pod through ztunnel"))
+    ensure!(
+        proxied >= CALLS,
+        "{proxied} of {CALLS} ClusterIP connections passed ztunnel"
+    );
+    Ok(format!(
+        "{proxied} of {CALLS} ClusterIP connections from a plain pod through ztunnel"
+    ))
 }
 
 /// The annotation Istio's node agent keeps on each enrolled pod.
@@ -244,14 +344,19 @@ const REDIRECTION: &str = "ambient.istio.io/redirection";
 
 pub(super) fn redirection(cluster: &Cluster, namespace: &str, pod: &str) -> Result<Option<String>> {
     let pod = cluster.get_json(&["pod", "-n", namespace, pod])?;
-    Ok(pod["metadata"]["annotations"][REDIRECTION].as_str().map(str::to_owned))
+    Ok(pod["metadata"]["annotations"][REDIRECTION]
+        .as_str()
+        .map(str::to_owned))
 }
 
 /// A connection from outside straight to a pod's address; whether ztunnel
 /// proxied it.
 pub(super) fn direct_is_captured(cluster: &Cluster, pod_ip: &str, uid: &str) -> Result<bool> {
     let before = cluster.proxied_for(uid)?.len();
-    let (ok, out) = cluster.from_outside("wget", &["-T", "5", "-qO-", &format!("http://{pod_ip}:{WEB_PORT}/")])?;
+    let (ok, out) = cluster.from_outside(
+        "wget",
+        &["-T", "5", "-qO-", &format!("http://{pod_ip}:{WEB_PORT}/")],
+    )?;
     ensure!(ok, "{pod_ip}:{WEB_PORT} from outside: {out}");
     Ok(cluster.proxied_for(uid)?.len() > before)
 }
@@ -264,25 +369,61 @@ fn opt_out(cluster: &Cluster, release: &Release) -> Result<String> {
     let pods = cluster.pods(&namespace, "web")?;
     ensure!(pods.len() == 2, "want 2 web pods, have {}", pods.len());
     for (name, uid, ip) in &pods {
-        let annotation = eventually(&format!("{name} annotated"), Duration::from_secs(30), || {
-            redirection(cluster, &namespace, name)
-        })?;
-        ensure!(annotation == "enabled", "{name}: {REDIRECTION}={annotation}");
-        ensure!(direct_is_captured(cluster, ip, uid)?, "{name} is annotated but not captured");
+        let annotation = eventually(
+            &format!("{name} annotated"),
+            Duration::from_secs(30),
+            || redirection(cluster, &namespace, name),
+        )?;
+        ensure!(
+            annotation == "enabled",
+            "{name}: {REDIRECTION}={annotation}"
+        );
+        ensure!(
+            direct_is_captured(cluster, ip, uid)?,
+            "{name} is annotated but not captured"
+        );
     }
     let (opted, opted_uid, opted_ip) = &pods[0];
-    cluster.kubectl(&["label", "pod", "-n", &namespace, opted, "istio.io/dataplane-mode=none"])?;
-    eventually(&format!("{opted}'s annotation cleared"), Duration::from_secs(30), || {
-        Ok(redirection(cluster, &namespace, opted)?.is_none().then_some(()))
-    })?;
-    ensure!(!direct_is_captured(cluster, opted_ip, opted_uid)?, "{opted} opted out but still captured");
+    cluster.kubectl(&[
+        "label",
+        "pod",
+        "-n",
+        &namespace,
+        opted,
+        "istio.io/dataplane-mode=none",
+    ])?;
+    eventually(
+        &format!("{opted}'s annotation cleared"),
+        Duration::from_secs(30),
+        || {
+            Ok(redirection(cluster, &namespace, opted)?
+                .is_none()
+                .then_some(()))
+        },
+    )?;
+    ensure!(
+        !direct_is_captured(cluster, opted_ip, opted_uid)?,
+        "{opted} opted out but still captured"
+    );
     let (kept, kept_uid, kept_ip) = &pods[1];
-    ensure!(direct_is_captured(cluster, kept_ip, kept_uid)?, "{kept} lost its capture with its neighbour's opt-out");
+    ensure!(
+        direct_is_captured(cluster, kept_ip, kept_uid)?,
+        "{kept} lost its capture with its neighbour's opt-out"
+    );
     cluster.kubectl(&["label", "namespace", &namespace, "istio.io/dataplane-mode-"])?;
-    eventually(&format!("{kept}'s annotation cleared"), Duration::from_secs(30), || {
-        Ok(redirection(cluster, &namespace, kept)?.is_none().then_some(()))
-    })?;
-    ensure!(!direct_is_captured(cluster, kept_ip, kept_uid)?, "{kept}'s namespace unlabelled but still captured");
+    eventually(
+        &format!("{kept}'s annotation cleared"),
+        Duration::from_secs(30),
+        || {
+            Ok(redirection(cluster, &namespace, kept)?
+                .is_none()
+                .then_some(()))
+        },
+    )?;
+    ensure!(
+        !direct_is_captured(cluster, kept_ip, kept_uid)?,
+        "{kept}'s namespace unlabelled but still captured"
+    );
     cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
     Ok("pod label and namespace unlabel each removed capture and annotation".to_owned())
 }
@@ -294,16 +435,29 @@ fn uninstall(cluster: &Cluster, release: &Release) -> Result<String> {
     cluster.helm_uninstall()?;
     let after = super::node_state::NodeState::read(cluster)?;
     let diff = release.before.diff(&after);
-    ensure!(diff.is_empty(), "the node differs from before the install:\n{}", diff.join("\n"));
+    ensure!(
+        diff.is_empty(),
+        "the node differs from before the install:\n{}",
+        diff.join("\n")
+    );
     let mut annotated = 0;
     for (name, uid, ip) in &pods {
         // Not asserted: helm deletes the agent's RBAC moments after its
         // DaemonSet, before the agent's shutdown can patch the pods
         // (docs/operations.md, "Uninstalling").
         annotated += usize::from(redirection(cluster, &ambient, name)?.is_some());
-        ensure!(!direct_is_captured(cluster, ip, uid)?, "{name} still captured after uninstall");
+        ensure!(
+            !direct_is_captured(cluster, ip, uid)?,
+            "{name} still captured after uninstall"
+        );
     }
-    cluster.kubectl(&["delete", "namespace", &ambient, &format!("{ambient}-plain"), "--wait=false"])?;
+    cluster.kubectl(&[
+        "delete",
+        "namespace",
+        &ambient,
+        &format!("{ambient}-plain"),
+        "--wait=false",
+    ])?;
     Ok(format!(
         "conflist, plugins, pins and policy routing as before; {} pods uncaptured, {annotated} \
          still annotated",
@@ -313,6 +467,9 @@ fn uninstall(cluster: &Cluster, release: &Release) -> Result<String> {
 
 fn nonce() -> String {
     use std::time::{SystemTime, UNIX_EPOCH};
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
     format!("{:x}", nanos)
 }
