@@ -47,9 +47,15 @@ fn dump_reply_routing(ns: &NetnsGuard, family: IpFamily) -> (usize, Vec<RouteMes
     .unwrap()
 }
 
-fn sysctl(ns: &NetnsGuard, path: &str) -> String {
-    ns.run(|| fs::read_to_string(path).unwrap().trim().to_owned())
-        .unwrap()
+/// A `net.*` sysctl of `ns`, `below_net` as `TCP_FWMARK_ACCEPT` names it.
+fn sysctl(ns: &NetnsGuard, below_net: &str) -> String {
+    ns.run(|| {
+        fs::read_to_string(Path::new("/proc/sys/net").join(below_net))
+            .unwrap()
+            .trim()
+            .to_owned()
+    })
+    .unwrap()
 }
 
 /// `ip -n <ns> <args>` output: a second opinion on what netlink says.
@@ -477,7 +483,7 @@ fn replies_of_a_marked_connection_reach_the_transparent_client() {
     // Rule and route alone are not enough: without tcp_fwmark_accept the
     // SYN-ACK leaves unmarked and goes out to the node.
     pn.pod
-        .run(|| fs::write(TCP_FWMARK_ACCEPT, "0").unwrap())
+        .run(|| fs::write(Path::new("/proc/sys/net").join(TCP_FWMARK_ACCEPT), "0").unwrap())
         .unwrap();
     for (client, app) in pairs {
         assert_eq!(

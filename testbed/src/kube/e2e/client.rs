@@ -18,6 +18,8 @@ use crate::kube::{Components, Layout, in_node};
 /// ztunnel's.
 pub const SYSTEM_NAMESPACE: &str = "istio-system";
 pub const RELEASE: &str = "ambpf";
+/// The chart's label on ambpf's pods.
+const AMBPF_SELECTOR: &str = "app.kubernetes.io/name=ambpf";
 
 /// The node, as the suite drives it.
 #[derive(Debug)]
@@ -146,67 +148,66 @@ impl Cluster {
     }
 
     pub fn helm_uninstall(&self) -> Result<()> {
+        self.uninstall_release(RELEASE, AMBPF_SELECTOR)
+    }
+
+    /// `helm uninstall <release>`, then waits until the pods matching
+    /// `selector` are gone: a DaemonSet's pods are gone only once their
+    /// shutdown ran.
+    pub(super) fn uninstall_release(&self, release: &str, selector: &str) -> Result<()> {
         let out = self
             .helm()
-            .args([
-                "uninstall",
-                RELEASE,
-                "-n",
-                SYSTEM_NAMESPACE,
-                "--wait",
-                "--timeout",
-                "120s",
-            ])
+            .args(["uninstall", release, "-n", SYSTEM_NAMESPACE])
+            .args(["--wait", "--timeout", "120s"])
             .output()?;
         if !out.status.success() {
             bail!(
-                "helm uninstall: {}",
+                "helm uninstall {release}: {}",
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
-        // The DaemonSet's pods are gone only once their shutdown ran.
-        eventually("ambpf's pods gone", Duration::from_secs(90), || {
-            let pods = self.get_json(&[
-                "pods",
-                "-n",
-                SYSTEM_NAMESPACE,
-                "-l",
-                "app.kubernetes.io/name=ambpf",
-            ])?;
-            Ok(pods["items"]
-                .as_array()
-                .is_none_or(|a| a.is_empty())
-                .then_some(()))
-        })
+        eventually(
+            &format!("{release}'s pods gone"),
+            Duration::from_secs(90),
+            || {
+                let pods = self.get_json(&["pods", "-n", SYSTEM_NAMESPACE, "-l", selector])?;
+                Ok(pods["items"]
+                    .as_array()
+                    .is_none_or(|a| a.is_empty())
+                    .then_some(()))
+            },
+        )
     }
 
     pub fn release_installed(&self) -> Result<bool> {
+        self.release_exists(RELEASE)
+    }
+
+    pub(super) fn release_exists(&self, release: &str) -> Result<bool> {
         let out = self
             .helm()
-            .args(["status", RELEASE, "-n", SYSTEM_NAMESPACE])
+            .args(["status", release, "-n", SYSTEM_NAMESPACE])
             .output()?;
         Ok(out.status.success())
     }
 
     /// Status, events and logs of ambpf's pods, for a failure's message.
     pub fn agent_diagnostics(&self) -> String {
+        self.pods_diagnostics(AMBPF_SELECTOR)
+    }
+
+    /// Status, events and logs of the pods matching `selector`.
+    pub(super) fn pods_diagnostics(&self, selector: &str) -> String {
         let mut text = String::new();
         for args in [
             vec!["get", "pods", "-A", "-o", "wide"],
-            vec![
-                "describe",
-                "pods",
-                "-n",
-                SYSTEM_NAMESPACE,
-                "-l",
-                "app.kubernetes.io/name=ambpf",
-            ],
+            vec!["describe", "pods", "-n", SYSTEM_NAMESPACE, "-l", selector],
             vec![
                 "logs",
                 "-n",
                 SYSTEM_NAMESPACE,
                 "-l",
-                "app.kubernetes.io/name=ambpf",
+                selector,
                 "--all-containers",
                 "--tail=40",
             ],

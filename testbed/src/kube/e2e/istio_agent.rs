@@ -6,12 +6,11 @@
 //! :15014 and both serve ztunnel's ZDS socket, so one is uninstalled (and
 //! its pods gone) before the other is installed.
 
-use std::{fmt, path::Path, str::FromStr, time::Duration};
+use std::{fmt, path::Path, str::FromStr};
 
 use anyhow::{Result, bail};
 
 use super::client::{Cluster, SYSTEM_NAMESPACE};
-use super::eventually;
 use crate::kube::istio::{istio_cni_chart, istio_cni_helm_values};
 
 /// Istio's chart's release name, as Istio's docs install it.
@@ -67,65 +66,17 @@ impl Cluster {
     /// `helm uninstall istio-cni --wait`, then waits until its pods are gone
     /// (their shutdown removes the plugin from the CNI configuration).
     pub fn uninstall_istio_cni(&self) -> Result<()> {
-        let out = self
-            .helm()
-            .args(["uninstall", ISTIO_CNI_RELEASE, "-n", SYSTEM_NAMESPACE])
-            .args(["--wait", "--timeout", "120s"])
-            .output()?;
-        if !out.status.success() {
-            bail!(
-                "helm uninstall {ISTIO_CNI_RELEASE}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        eventually("istio-cni's pods gone", Duration::from_secs(90), || {
-            let pods =
-                self.get_json(&["pods", "-n", SYSTEM_NAMESPACE, "-l", ISTIO_CNI_SELECTOR])?;
-            Ok(pods["items"]
-                .as_array()
-                .is_none_or(|a| a.is_empty())
-                .then_some(()))
-        })
+        self.uninstall_release(ISTIO_CNI_RELEASE, ISTIO_CNI_SELECTOR)
     }
 
     pub fn istio_cni_installed(&self) -> Result<bool> {
-        let out = self
-            .helm()
-            .args(["status", ISTIO_CNI_RELEASE, "-n", SYSTEM_NAMESPACE])
-            .output()?;
-        Ok(out.status.success())
+        self.release_exists(ISTIO_CNI_RELEASE)
     }
 
     /// Status, events and logs of Istio's agent's pods, for a failure's
     /// message.
     pub fn istio_cni_diagnostics(&self) -> String {
-        let mut text = String::new();
-        for args in [
-            vec!["get", "pods", "-A", "-o", "wide"],
-            vec![
-                "describe",
-                "pods",
-                "-n",
-                SYSTEM_NAMESPACE,
-                "-l",
-                ISTIO_CNI_SELECTOR,
-            ],
-            vec![
-                "logs",
-                "-n",
-                SYSTEM_NAMESPACE,
-                "-l",
-                ISTIO_CNI_SELECTOR,
-                "--all-containers",
-                "--tail=40",
-            ],
-        ] {
-            match self.kubectl(&args) {
-                Ok(out) => text.push_str(&out),
-                Err(e) => text.push_str(&format!("{e:#}\n")),
-            }
-        }
-        text
+        self.pods_diagnostics(ISTIO_CNI_SELECTOR)
     }
 }
 
