@@ -115,6 +115,9 @@ pub struct Controller {
     deleted: HashSet<String>,
     /// How often the full state check runs ([`Controller::check_state`]).
     check_interval: Duration,
+    /// The failure last logged for each pod that fails to enrol, by uid: a
+    /// warning names the pod and its reason once per change, not every pass.
+    failures_logged: HashMap<String, String>,
 }
 
 /// A pod this controller enrolled.
@@ -172,6 +175,7 @@ impl Controller {
             held_back: BTreeMap::new(),
             deleted: HashSet::new(),
             check_interval: DEFAULT_CHECK_INTERVAL,
+            failures_logged: HashMap::new(),
         }
     }
 
@@ -208,6 +212,9 @@ impl Controller {
             self.program(pod, &mut pass);
         }
         pass.report.removed = self.remove_unwanted(pods, &pass);
+        // A pod enrolled, or no longer wanted, is warned about afresh.
+        self.failures_logged
+            .retain(|uid, _| pass.report.failed.contains_key(uid));
         self.publish(&pass.ready);
         self.record_pass(&pass.report);
         pass.report
@@ -310,7 +317,13 @@ impl Controller {
                     pass.wanted_cookies.insert(current.key.netns_cookie);
                     pass.ready.push(current.workload.clone());
                 } else {
-                    warn!("pod {name} ({uid}) not enrolled: {e}");
+                    let reason = e.to_string();
+                    if self.failures_logged.get(uid) == Some(&reason) {
+                        tracing::debug!("pod {name} ({uid}) still not enrolled: {reason}");
+                    } else {
+                        warn!("pod {name} ({uid}) not enrolled: {reason}");
+                        self.failures_logged.insert(uid.clone(), reason);
+                    }
                 }
             }
         }
