@@ -161,15 +161,20 @@ pub fn command_line(layout: &Layout, components: &Components, name: &str) -> Res
     Ok(args)
 }
 
+/// The containerd plugins neither node needs (snapshotters this host lacks,
+/// tracing), as containerd's configuration lists them; the testbed's
+/// containerd node uses the same list.
+pub(crate) const CONTAINERD_DISABLED_PLUGINS: &str = r#"["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]"#;
+
 fn containerd_config(layout: &Layout) -> String {
     let systemd = cgroup_driver() == "systemd";
     format!(
         r#"version = 2
 root = "{root}"
 state = "/run/containerd"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+disabled_plugins = {disabled}
 [grpc]
-  address = "/run/containerd/containerd.sock"
+  address = "{socket}"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{pause}"
   disable_apparmor = true
@@ -187,6 +192,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         SystemdCgroup = {systemd}
 "#,
         root = layout.state.join("containerd").display(),
+        disabled = CONTAINERD_DISABLED_PLUGINS,
+        socket = super::CONTAINERD_SOCKET,
         pause = super::images::PAUSE,
     )
 }
@@ -200,7 +207,7 @@ cgroupDriver: {driver}
 cgroupRoot: /{pods}
 failCgroupV1: {fail_v1}
 failSwapOn: false
-containerRuntimeEndpoint: unix:///run/containerd/containerd.sock
+containerRuntimeEndpoint: unix://{socket}
 authentication:
   anonymous: {{enabled: false}}
   webhook: {{enabled: true}}
@@ -223,6 +230,7 @@ evictionHard: {{memory.available: 100Mi, nodefs.available: 1%, imagefs.available
         fail_v1 = !cgroup_v1_in_use(),
         ca = ca.display(),
         dns = super::DNS_SERVICE_IP,
+        socket = super::CONTAINERD_SOCKET,
     )
 }
 

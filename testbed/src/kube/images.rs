@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Layout, in_node, istio};
+use super::{Layout, ctr, istio};
 use crate::oci;
 
 /// The sandbox image (`sandbox_image` in containerd's configuration).
@@ -109,15 +109,8 @@ fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()
     let archive = archive
         .canonicalize()
         .with_context(|| format!("{}", archive.display()))?;
-    let mut cmd = in_node(layout, "ctr");
-    cmd.args([
-        "--address",
-        "/run/containerd/containerd.sock",
-        "--namespace",
-        "k8s.io",
-    ])
-    .args(["images", "import"])
-    .arg(&archive);
+    let mut cmd = ctr(layout);
+    cmd.args(["images", "import"]).arg(&archive);
     super::run_checked(&mut cmd).with_context(|| format!("importing {}", archive.display()))?;
     if let Some(reference) = reference {
         let stored = list(layout)?;
@@ -134,15 +127,7 @@ fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()
 
 /// The references in the node's image store.
 pub fn list(layout: &Layout) -> Result<Vec<String>> {
-    let out = in_node(layout, "ctr")
-        .args([
-            "--address",
-            "/run/containerd/containerd.sock",
-            "--namespace",
-            "k8s.io",
-        ])
-        .args(["images", "list", "-q"])
-        .output()?;
+    let out = ctr(layout).args(["images", "list", "-q"]).output()?;
     Ok(String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(str::to_owned)

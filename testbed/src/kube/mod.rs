@@ -52,6 +52,8 @@ pub const DNS_SERVICE_IP: &str = "10.96.0.10";
 pub const PODS_CGROUP: &str = "ambpf-cluster-pods";
 /// The daemons' cgroup.
 pub const DAEMONS_CGROUP: &str = "ambpf-cluster";
+/// containerd's socket, inside the node's mount namespace.
+pub const CONTAINERD_SOCKET: &str = "/run/containerd/containerd.sock";
 
 /// Where the node keeps everything.
 #[derive(Clone, Debug)]
@@ -143,12 +145,10 @@ pub fn up(layout: &Layout, components: &Components, options: &UpOptions) -> Resu
         ensure_running(layout, components, name)?;
     }
     wait_for(layout, "containerd", Duration::from_secs(30), || {
-        images::list(layout).is_ok_and(|_| {
-            in_node(layout, "ctr")
-                .args(["--address", "/run/containerd/containerd.sock", "version"])
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
+        ctr(layout)
+            .arg("version")
+            .output()
+            .is_ok_and(|o| o.status.success())
     })?;
     let ambpf = options
         .ambpf_image
@@ -321,6 +321,13 @@ pub fn in_node(layout: &Layout, program: &str) -> Command {
         .arg(format!("--net=/run/netns/{}", layout.node_netns))
         .arg("--")
         .arg(program);
+    cmd
+}
+
+/// `ctr` against the node's containerd, in the CRI plugin's namespace.
+pub fn ctr(layout: &Layout) -> Command {
+    let mut cmd = in_node(layout, "ctr");
+    cmd.args(["--address", CONTAINERD_SOCKET, "--namespace", "k8s.io"]);
     cmd
 }
 

@@ -268,7 +268,7 @@ impl Node {
             r#"version = 2
 root = "{d}/root"
 state = "{d}/state"
-disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+disabled_plugins = {disabled}
 [grpc]
   address = "{d}/containerd.sock"
 [ttrpc]
@@ -294,6 +294,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         SystemdCgroup = false
 "#,
             image = image::IMAGE,
+            disabled = crate::kube::daemons::CONTAINERD_DISABLED_PLUGINS,
         );
         fs::write(dir.join("config.toml"), containerd)?;
         // A node's network: pods on a bridge, addresses from host-local.

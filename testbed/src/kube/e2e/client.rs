@@ -321,14 +321,15 @@ impl Cluster {
 
     /// `ctr` against the node's containerd, in the CRI plugin's namespace.
     pub fn ctr(&self, args: &[&str]) -> Result<String> {
-        let mut all = vec![
-            "--address",
-            "/run/containerd/containerd.sock",
-            "--namespace",
-            "k8s.io",
-        ];
-        all.extend(args);
-        self.on_node("ctr", &all)
+        let out = crate::kube::ctr(&self.layout).args(args).output()?;
+        if !out.status.success() {
+            bail!(
+                "ctr {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
     /// The pod's sandbox containers (the runtime's IDs).
