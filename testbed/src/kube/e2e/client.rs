@@ -393,7 +393,23 @@ impl Cluster {
     }
 
     /// ambpf's `status -o json` from its agent container (eBPF mode).
-    pub fn ambpf_status(&self) -> Result<Value> {
+    /// The pods ambpf's pinned state holds (eBPF mode), as (uid, netns inode).
+    pub fn ambpf_pods(&self) -> Result<Vec<(String, u64)>> {
+        let status = self.ambpf_status()?;
+        Ok(status["pods"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|p| {
+                (
+                    p["pod"]["uid"].as_str().unwrap_or_default().to_owned(),
+                    p["netns_inode"].as_u64().unwrap_or_default(),
+                )
+            })
+            .collect())
+    }
+
+    fn ambpf_status(&self) -> Result<Value> {
         let out = self.kubectl(&[
             "exec",
             "-n",

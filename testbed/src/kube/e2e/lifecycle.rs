@@ -124,13 +124,11 @@ pub fn sandbox_recreated(cluster: &Cluster, release: &Release) -> Result<String>
         "{name}'s new sandbox is not captured"
     );
     if release.mode == "ebpf" {
-        let status = cluster.ambpf_status()?;
-        let entries: Vec<u64> = status["pods"]
-            .as_array()
+        let entries: Vec<u64> = cluster
+            .ambpf_pods()?
             .into_iter()
-            .flatten()
-            .filter(|p| p["pod"]["uid"] == uid.as_str())
-            .filter_map(|p| p["netns_inode"].as_u64())
+            .filter(|(held, _)| *held == uid)
+            .map(|(_, inode)| inode)
             .collect();
         ensure!(
             entries == [new],
@@ -218,17 +216,12 @@ pub fn changes_while_agent_down(cluster: &Cluster, release: &Release) -> Result<
         );
     }
     if release.mode == "ebpf" {
-        let status = cluster.ambpf_status()?;
-        let stale: Vec<String> = status["pods"]
-            .as_array()
+        let gone = [deleted_uid, opted_uid, &b[0].1, &b[1].1];
+        let stale: Vec<String> = cluster
+            .ambpf_pods()?
             .into_iter()
-            .flatten()
-            .filter(|p| {
-                [deleted_uid, opted_uid, &b[0].1, &b[1].1]
-                    .iter()
-                    .any(|u| p["pod"]["uid"] == u.as_str())
-            })
-            .map(|p| p["pod"].to_string())
+            .filter(|(uid, _)| gone.contains(&uid))
+            .map(|(uid, _)| uid)
             .collect();
         ensure!(stale.is_empty(), "ambpf still holds {stale:?}");
     }

@@ -349,6 +349,19 @@ pub(super) fn redirection(cluster: &Cluster, namespace: &str, pod: &str) -> Resu
         .map(str::to_owned))
 }
 
+/// Waits until the agent takes the annotation off `pod`.
+fn annotation_cleared(cluster: &Cluster, namespace: &str, pod: &str) -> Result<()> {
+    eventually(
+        &format!("{pod}'s annotation cleared"),
+        Duration::from_secs(30),
+        || {
+            Ok(redirection(cluster, namespace, pod)?
+                .is_none()
+                .then_some(()))
+        },
+    )
+}
+
 /// A connection from outside straight to a pod's address; whether ztunnel
 /// proxied it.
 pub(super) fn direct_is_captured(cluster: &Cluster, pod_ip: &str, uid: &str) -> Result<bool> {
@@ -392,15 +405,7 @@ fn opt_out(cluster: &Cluster, release: &Release) -> Result<String> {
         opted,
         "istio.io/dataplane-mode=none",
     ])?;
-    eventually(
-        &format!("{opted}'s annotation cleared"),
-        Duration::from_secs(30),
-        || {
-            Ok(redirection(cluster, &namespace, opted)?
-                .is_none()
-                .then_some(()))
-        },
-    )?;
+    annotation_cleared(cluster, &namespace, opted)?;
     ensure!(
         !direct_is_captured(cluster, opted_ip, opted_uid)?,
         "{opted} opted out but still captured"
@@ -411,15 +416,7 @@ fn opt_out(cluster: &Cluster, release: &Release) -> Result<String> {
         "{kept} lost its capture with its neighbour's opt-out"
     );
     cluster.kubectl(&["label", "namespace", &namespace, "istio.io/dataplane-mode-"])?;
-    eventually(
-        &format!("{kept}'s annotation cleared"),
-        Duration::from_secs(30),
-        || {
-            Ok(redirection(cluster, &namespace, kept)?
-                .is_none()
-                .then_some(()))
-        },
-    )?;
+    annotation_cleared(cluster, &namespace, kept)?;
     ensure!(
         !direct_is_captured(cluster, kept_ip, kept_uid)?,
         "{kept}'s namespace unlabelled but still captured"
