@@ -96,8 +96,14 @@ pub fn run_action(root: &Path, action: Action) -> Result<()> {
             build_cluster_tool()?;
             run(Command::new(&cluster).arg("kubectl").args(&args))
         }
-        Action::E2e { keep, args } => on_a_node(root, &cluster, keep, "e2e", &args),
-        Action::Bench { keep, args } => on_a_node(root, &cluster, keep, "bench", &args),
+        Action::E2e { keep, args } => {
+            build_cluster_tool()?;
+            on_a_node(root, &cluster, keep, "e2e", &args)
+        }
+        Action::Bench { keep, args } => {
+            build_cluster_tool()?;
+            on_a_node(root, &cluster, keep, "bench", &args)
+        }
     }
 }
 
