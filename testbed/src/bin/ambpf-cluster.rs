@@ -72,6 +72,10 @@ enum Cmd {
         /// Pods started per agent and run.
         #[arg(long, default_value_t = 50)]
         pods: usize,
+        /// One more pod every so many milliseconds, so each starts on a
+        /// quiet node (what an agent adds to a pod); 0 starts them at once.
+        #[arg(long, default_value_t = 1000)]
+        pod_pace_ms: u64,
         /// Pods of the namespace enrolled at once (and held for the
         /// agent's memory and idle CPU).
         #[arg(long, default_value_t = 100)]
@@ -155,6 +159,7 @@ fn main() -> Result<()> {
             ambpf_reference,
             runs,
             pods,
+            pod_pace_ms,
             namespace_pods,
             agents,
             idle_secs,
@@ -174,6 +179,7 @@ fn main() -> Result<()> {
                     agents,
                     runs,
                     pods,
+                    pod_pace_ms,
                     namespace_pods,
                     idle_secs,
                     readiness_probe,

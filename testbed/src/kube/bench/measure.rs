@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::proc::{self, AgentProcesses, CpuShare};
 use super::report::Summary;
+use super::sandbox::{self, LogMark};
 use super::watch::{Watch, boottime, name_of, pod_ready};
 use crate::kube::e2e::{Agent, Cluster, eventually};
 
@@ -105,19 +106,26 @@ pub struct PodStart {
     /// relists every second), so it carries up to a second of kubelet's
     /// own timing.
     pub ready_ms: Summary,
+    /// containerd's sandbox creation (the CNI chain runs inside it), from
+    /// its own log to the nanosecond ([`sandbox`]).
+    pub sandbox_ms: Option<Summary>,
     /// Pods that carried `ambient.istio.io/redirection: enabled` at the end.
     pub redirected: usize,
     pub wall_s: f64,
+    /// One more pod every `pace_ms`; 0: all at once.
+    pub pace_ms: f64,
     pub per_pod_started_ms: Vec<f64>,
 }
 
 /// Scales a Deployment in a fresh namespace (ambient unless `agent` is
-/// `none`) from 0 to `pods` and times each pod; deletes the namespace.
+/// `none`) from 0 to `pods`, one more every `pace` (at once if zero), and
+/// times each pod; deletes the namespace.
 pub fn pod_start(
     cluster: &Cluster,
     agent: Agent,
     namespace: &str,
     pods: usize,
+    pace: Duration,
     probe: bool,
 ) -> Result<PodStart> {
     cluster.apply(&workload_yaml(
@@ -129,18 +137,31 @@ pub fn pod_start(
     ))?;
     wait_service_account(cluster, namespace);
     let watch = Watch::start(cluster, &["pods", "-n", namespace])?;
+    let containerd_log = LogMark::now(&cluster.layout.log("containerd"))?;
     let started = Instant::now();
-    cluster.kubectl(&[
-        "scale",
-        "-n",
-        namespace,
-        "deployment/podstart",
-        &format!("--replicas={pods}"),
-    ])?;
+    let scale = |replicas: usize| {
+        cluster.kubectl(&[
+            "scale",
+            "-n",
+            namespace,
+            "deployment/podstart",
+            &format!("--replicas={replicas}"),
+        ])
+    };
+    // Paced, a pod at a time: the time a pod's start takes on a quiet node,
+    // which is what an agent adds to each pod; at once, the node's burst.
+    let mut scaled_to = if pace.is_zero() { pods } else { 1 };
+    scale(scaled_to)?;
+    let mut next_scale = Instant::now() + pace;
     let mut created: HashMap<String, f64> = HashMap::new();
     let mut ready: HashMap<String, f64> = HashMap::new();
-    let deadline = Instant::now() + Duration::from_secs(300 + 2 * pods as u64);
+    let deadline = Instant::now() + pace * pods as u32 + Duration::from_secs(300 + 2 * pods as u64);
     while ready.len() < pods {
+        if scaled_to < pods && Instant::now() >= next_scale {
+            scaled_to += 1;
+            scale(scaled_to)?;
+            next_scale += pace;
+        }
         if Instant::now() > deadline {
             bail!(
                 "{namespace}: {} of {pods} pods Ready after {:.0} s",
@@ -148,7 +169,12 @@ pub fn pod_start(
                 started.elapsed().as_secs_f64()
             );
         }
-        let Some((at, pod)) = watch.next(Duration::from_secs(1))? else {
+        let wait = if scaled_to < pods {
+            next_scale.saturating_duration_since(Instant::now())
+        } else {
+            Duration::from_secs(1)
+        };
+        let Some((at, pod)) = watch.next(wait.max(Duration::from_millis(1)))? else {
             continue;
         };
         let Some(name) = name_of(&pod) else { continue };
@@ -170,6 +196,11 @@ pub fn pod_start(
         &format!("--max-log-requests={}", pods + 10),
     ])?;
     let uptimes = parse_uptime_logs(&logs);
+    let sandbox_ms: Vec<f64> = sandbox::durations_ms(&containerd_log.since()?, namespace)
+        .into_iter()
+        .filter(|(pod, _)| created.contains_key(pod))
+        .map(|(_, took)| took)
+        .collect();
     let mut started_ms = Vec::new();
     let mut ready_ms = Vec::new();
     for (name, at) in &created {
@@ -202,8 +233,10 @@ pub fn pod_start(
         pods,
         started_ms: Summary::of(&started_ms).context("no pod printed its start")?,
         ready_ms: Summary::of(&ready_ms).context("no pod Ready")?,
+        sandbox_ms: Summary::of(&sandbox_ms),
         redirected,
         wall_s,
+        pace_ms: pace.as_secs_f64() * 1e3,
         per_pod_started_ms: started_ms,
     })
 }

@@ -24,6 +24,7 @@
 mod measure;
 mod proc;
 mod report;
+mod sandbox;
 mod watch;
 
 use std::{
@@ -59,6 +60,8 @@ pub struct Options {
     pub runs: usize,
     /// Pods started per agent and run.
     pub pods: usize,
+    /// One more pod every so many milliseconds; 0 starts them at once.
+    pub pod_pace_ms: u64,
     /// Pods of the namespace enrolled at once.
     pub namespace_pods: usize,
     /// The idle CPU window.
@@ -79,6 +82,8 @@ pub struct AgentRun {
     pub pod_start: Option<PodStart>,
     /// This run's started p50 minus `none`'s in the same run.
     pub added_p50_ms: Option<f64>,
+    /// This run's sandbox creation p50 minus `none`'s in the same run.
+    pub added_sandbox_p50_ms: Option<f64>,
     pub enrol: Option<Enrol>,
     pub cost: Option<Cost>,
     pub error: Option<String>,
@@ -230,6 +235,7 @@ fn measure_agent(
         install_s: None,
         pod_start: None,
         added_p50_ms: None,
+        added_sandbox_p50_ms: None,
         enrol: None,
         cost: None,
         error: None,
@@ -245,6 +251,7 @@ fn measure_agent(
             agent,
             &start_ns,
             options.pods,
+            Duration::from_millis(options.pod_pace_ms),
             options.readiness_probe,
         );
         measure::delete_namespace(cluster, &start_ns)?;
@@ -294,8 +301,14 @@ fn measure_agent(
 fn print_run(r: &AgentRun) {
     if let Some(p) = &r.pod_start {
         println!(
-            "  pod start: {} pods, p50 {:.1} ms, p99 {:.1} ms (Ready p50 {:.0} ms); {} redirected",
-            p.pods, p.started_ms.p50, p.started_ms.p99, p.ready_ms.p50, p.redirected
+            "  pod start: {} pods, p50 {:.1} ms, p99 {:.1} ms (Ready p50 {:.0} ms, sandbox p50 {}); {} redirected",
+            p.pods,
+            p.started_ms.p50,
+            p.started_ms.p99,
+            p.ready_ms.p50,
+            p.sandbox_ms
+                .map_or_else(|| "n/a".to_owned(), |s| format!("{:.1} ms", s.p50)),
+            p.redirected
         );
     }
     if let Some(e) = &r.enrol {
@@ -318,18 +331,26 @@ fn print_run(r: &AgentRun) {
 /// Fills each run's `added_p50_ms` (against `none` in the same run) and
 /// each agent's medians.
 fn summarise(results: &mut [AgentResult]) {
-    let none: Vec<(usize, f64)> = results
+    // `none`'s pod start in each run: (run, started p50, sandbox p50).
+    let none: Vec<(usize, f64, Option<f64>)> = results
         .iter()
         .filter(|r| r.agent == Agent::None)
         .flat_map(|r| r.runs.iter().chain(r.warmup.iter()))
-        .filter_map(|run| run.pod_start.as_ref().map(|p| (run.run, p.started_ms.p50)))
+        .filter_map(|run| {
+            let p = run.pod_start.as_ref()?;
+            Some((run.run, p.started_ms.p50, p.sandbox_ms.map(|s| s.p50)))
+        })
         .collect();
     for result in results.iter_mut() {
         for run in result.runs.iter_mut().chain(result.warmup.iter_mut()) {
-            run.added_p50_ms = match (&run.pod_start, none.iter().find(|(r, _)| *r == run.run)) {
-                (Some(p), Some((_, baseline))) => Some(p.started_ms.p50 - baseline),
-                _ => None,
+            let baseline = none.iter().find(|(r, ..)| *r == run.run);
+            let (Some(p), Some(&(_, started, sandbox))) = (&run.pod_start, baseline) else {
+                run.added_p50_ms = None;
+                run.added_sandbox_p50_ms = None;
+                continue;
             };
+            run.added_p50_ms = Some(p.started_ms.p50 - started);
+            run.added_sandbox_p50_ms = p.sandbox_ms.zip(sandbox).map(|(s, b)| s.p50 - b);
         }
         result.medians = Medians::of(result);
     }
@@ -371,11 +392,17 @@ mod tests {
                 pods: 1,
                 started_ms: s,
                 ready_ms: s,
+                sandbox_ms: Some(Summary {
+                    p50: p50 / 10.0,
+                    ..s
+                }),
                 redirected: 1,
                 wall_s: 1.0,
+                pace_ms: 1000.0,
                 per_pod_started_ms: vec![p50],
             }),
             added_p50_ms: None,
+            added_sandbox_p50_ms: None,
             enrol: None,
             cost: None,
             error: None,
@@ -406,11 +433,18 @@ mod tests {
             .filter_map(|r| r.added_p50_ms)
             .collect();
         assert_eq!(added, vec![10.0, 25.0, 5.0]);
+        let added_sandbox: Vec<f64> = results[0]
+            .runs
+            .iter()
+            .filter_map(|r| r.added_sandbox_p50_ms)
+            .collect();
+        assert_eq!(added_sandbox, vec![1.0, 2.5, 0.5]);
         assert_eq!(
             results[0].warmup.as_ref().unwrap().added_p50_ms,
             Some(100.0)
         );
         assert_eq!(results[0].medians.added_p50_ms, Some(10.0));
+        assert_eq!(results[0].medians.added_sandbox_p50_ms, Some(1.0));
         assert_eq!(results[0].medians.started_p50_ms, Some(125.0));
         assert_eq!(results[0].medians.runs, 3);
         assert_eq!(results[1].medians.added_p50_ms, Some(0.0));

@@ -73,6 +73,9 @@ pub struct Medians {
     pub started_p99_ms: Option<f64>,
     /// Per run: this agent's started p50 minus `none`'s in the same run.
     pub added_p50_ms: Option<f64>,
+    /// Per run: this agent's sandbox creation p50 minus `none`'s.
+    pub added_sandbox_p50_ms: Option<f64>,
+    pub sandbox_p50_ms: Option<f64>,
     pub ready_p50_ms: Option<f64>,
     pub enrol_all_ms: Option<f64>,
     pub enrol_p50_ms: Option<f64>,
@@ -92,6 +95,8 @@ impl Medians {
             started_p50_ms: m(&|r| r.pod_start.as_ref().map(|p| p.started_ms.p50)),
             started_p99_ms: m(&|r| r.pod_start.as_ref().map(|p| p.started_ms.p99)),
             added_p50_ms: m(&|r| r.added_p50_ms),
+            added_sandbox_p50_ms: m(&|r| r.added_sandbox_p50_ms),
+            sandbox_p50_ms: m(&|r| r.pod_start.as_ref()?.sandbox_ms.map(|s| s.p50)),
             ready_p50_ms: m(&|r| r.pod_start.as_ref().map(|p| p.ready_ms.p50)),
             enrol_all_ms: m(&|r| r.enrol.as_ref().map(|e| e.all_ms)),
             enrol_p50_ms: m(&|r| r.enrol.as_ref().map(|e| e.per_pod_ms.p50)),
@@ -112,13 +117,27 @@ struct Metric {
     get: fn(&Medians) -> Option<f64>,
 }
 
-const METRICS: [Metric; 7] = [
+const METRICS: [Metric; 9] = [
     Metric {
         name: "pod start added p50",
         unit: "ms",
         scale: 1.0,
         decimals: 1,
         get: |m| m.added_p50_ms,
+    },
+    Metric {
+        name: "sandbox added p50",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 1,
+        get: |m| m.added_sandbox_p50_ms,
+    },
+    Metric {
+        name: "sandbox p50",
+        unit: "ms",
+        scale: 1.0,
+        decimals: 1,
+        get: |m| m.sandbox_p50_ms,
     },
     Metric {
         name: "pod start p50",
@@ -210,6 +229,8 @@ pub fn table(all: &[(Agent, Medians)]) -> Table {
         "start p50 ms",
         "start p99 ms",
         "added p50 ms",
+        "sandbox p50 ms",
+        "sandbox added ms",
         "Ready p50 ms",
         "enrol all ms",
         "enrol p50 ms",
@@ -225,6 +246,8 @@ pub fn table(all: &[(Agent, Medians)]) -> Table {
             cell(m.started_p50_ms, 1.0, 1),
             cell(m.started_p99_ms, 1.0, 1),
             cell(m.added_p50_ms, 1.0, 1),
+            cell(m.sandbox_p50_ms, 1.0, 1),
+            cell(m.added_sandbox_p50_ms, 1.0, 1),
             cell(m.ready_p50_ms, 1.0, 0),
             cell(m.enrol_all_ms, 1.0, 0),
             cell(m.enrol_p50_ms, 1.0, 0),
