@@ -12,8 +12,11 @@ use crate::oci;
 
 /// The sandbox image (`sandbox_image` in containerd's configuration).
 pub const PAUSE: &str = "localhost/ambpf/pause:3.10";
-/// The test apps: busybox's `nc`, `httpd` and `wget`.
+/// The test apps: busybox's `nc`, `httpd` and `wget`, and
+/// [`CONN_GENERATOR`].
 pub const APP: &str = "localhost/ambpf/app:1";
+/// The testbed's `conn-generator` in the app image.
+pub const CONN_GENERATOR: &str = "/usr/local/bin/conn-generator";
 /// The ztunnel double (`ztunnel-double`).
 pub const ZTUNNEL: &str = "localhost/ambpf/ztunnel-double:1";
 
@@ -53,11 +56,15 @@ pub fn import_all(
         .iter()
         .map(|a| (format!("/bin/{a}"), "busybox".to_owned()))
         .collect();
+    let generator = ztunnel_binaries.join("conn-generator");
+    let mut app_files = oci::program_with_libraries(&generator, CONN_GENERATOR)
+        .with_context(|| format!("{}: build it first", generator.display()))?;
+    app_files.push((busybox, "/bin/busybox".into()));
     let app = oci::build(
         &work.join("app"),
         &oci::ImageSpec {
             reference: APP,
-            files: &[(busybox, "/bin/busybox".into())],
+            files: &app_files,
             links: &links,
             entrypoint: &["/bin/sh"],
             env: &["PATH=/bin"],

@@ -35,6 +35,8 @@ pub struct Cluster {
 #[derive(Debug, Clone)]
 pub struct Release {
     pub mode: String,
+    /// The chart it was installed from, to install it again.
+    pub chart: PathBuf,
     /// The node before the install, for the uninstall's comparison.
     pub before: super::node_state::NodeState,
 }
@@ -143,6 +145,7 @@ impl Cluster {
         }
         Ok(Release {
             mode: mode.to_owned(),
+            chart: chart.to_owned(),
             before,
         })
     }
@@ -236,13 +239,17 @@ impl Cluster {
 
     /// Every event the ztunnel double logged, oldest first (its JSON lines).
     pub fn ztunnel_events(&self) -> Result<Vec<Value>> {
-        let log = self.kubectl(&[
-            "logs",
-            "-n",
-            SYSTEM_NAMESPACE,
-            "daemonset/ztunnel",
-            "--tail=-1",
-        ])?;
+        self.ztunnel_log("--tail=-1")
+    }
+
+    /// The events the double logged in the last `seconds`: cheap under
+    /// heavy traffic, and whole even after the kubelet rotated the log.
+    pub fn recent_ztunnel_events(&self, seconds: u64) -> Result<Vec<Value>> {
+        self.ztunnel_log(&format!("--since={seconds}s"))
+    }
+
+    fn ztunnel_log(&self, window: &str) -> Result<Vec<Value>> {
+        let log = self.kubectl(&["logs", "-n", SYSTEM_NAMESPACE, "daemonset/ztunnel", window])?;
         Ok(log
             .lines()
             .filter_map(|l| serde_json::from_str::<Value>(l).ok())

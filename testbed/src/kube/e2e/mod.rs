@@ -13,6 +13,7 @@ mod client;
 mod istio_agent;
 mod lifecycle;
 mod node_state;
+mod rollout;
 mod scenarios;
 
 use std::{

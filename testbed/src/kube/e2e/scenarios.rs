@@ -20,7 +20,7 @@ fn every_mode(_: &str) -> bool {
     true
 }
 
-pub const ALL: [Scenario; 9] = [
+pub const ALL: [Scenario; 10] = [
     Scenario {
         name: "first-connection",
         applies: every_mode,
@@ -60,6 +60,11 @@ pub const ALL: [Scenario; 9] = [
         name: "agent-down",
         applies: every_mode,
         run: lifecycle::changes_while_agent_down,
+    },
+    Scenario {
+        name: "rollout-restart",
+        applies: every_mode,
+        run: super::rollout::rollout_restart,
     },
     Scenario {
         name: "uninstall",
