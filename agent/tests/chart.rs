@@ -26,6 +26,7 @@ use clap::{CommandFactory as _, Parser as _, ValueEnum as _};
 use k8s_openapi::{
     api::{
         apps::v1::DaemonSet,
+        batch::v1::Job,
         core::v1::{
             ConfigMap, Container, PodSpec, ResourceRequirements, Service, ServiceAccount,
             Toleration,
@@ -72,6 +73,7 @@ struct Values {
     excluded_namespaces: Vec<String>,
     maps: Maps,
     cni: Cni,
+    uninstall_hook: UninstallHookValues,
     health: Port,
     metrics: Port,
     dashboards: Dashboards,
@@ -98,6 +100,13 @@ struct Cni {
     bin_dir: PathBuf,
     socket: PathBuf,
     repair_interval: u32,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct UninstallHookValues {
+    enabled: bool,
+    timeout_seconds: u64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -171,6 +180,10 @@ fn every_value_changed() -> Values {
             socket: "/run/ambpf-test/cni.sock".into(),
             repair_interval: 3,
         },
+        uninstall_hook: UninstallHookValues {
+            enabled: true,
+            timeout_seconds: 90,
+        },
         health: Port { port: 18000 },
         metrics: Port { port: 25014 },
         dashboards: Dashboards {
@@ -208,6 +221,12 @@ fn every_value_changed() -> Values {
 fn cni_disabled() -> Values {
     let mut values = default_values();
     values.cni.enabled = false;
+    values
+}
+
+fn uninstall_hook_disabled() -> Values {
+    let mut values = default_values();
+    values.uninstall_hook.enabled = false;
     values
 }
 
@@ -275,6 +294,18 @@ struct Rendered {
     /// `serviceMonitor.enabled`: the headless Service and its ServiceMonitor
     /// (a CRD, checked untyped).
     service_monitor: Option<(Service, Value)>,
+    /// `uninstallHook.enabled`: Helm's pre-delete hook.
+    uninstall_hook: Option<UninstallHook>,
+}
+
+/// The pre-delete hook's objects (annotated `helm.sh/hook`).
+struct UninstallHook {
+    account: ServiceAccount,
+    role: Role,
+    binding: RoleBinding,
+    job: Job,
+    /// Each object's `helm.sh/hook-weight`, by kind.
+    weights: BTreeMap<String, i32>,
 }
 
 fn render(values: Option<&Values>) -> Rendered {
@@ -290,6 +321,7 @@ fn render(values: Option<&Values>) -> Rendered {
         values,
     );
     let mut objects: BTreeMap<String, Value> = BTreeMap::new();
+    let mut hooks: BTreeMap<String, Value> = BTreeMap::new();
     for document in serde_yaml_ng::Deserializer::from_str(&out) {
         let object = Value::deserialize(document).expect("helm rendered invalid YAML");
         if object.is_null() {
@@ -299,11 +331,49 @@ fn render(values: Option<&Values>) -> Rendered {
             .as_str()
             .unwrap_or_else(|| panic!("an object without a kind: {object:?}"))
             .to_owned();
+        let set = if object["metadata"]["annotations"]["helm.sh/hook"].is_null() {
+            &mut objects
+        } else {
+            &mut hooks
+        };
         assert!(
-            objects.insert(kind.clone(), object).is_none(),
+            set.insert(kind.clone(), object).is_none(),
             "the chart renders two {kind}s"
         );
     }
+    let uninstall_hook = (!hooks.is_empty()).then(|| {
+        let weights = hooks
+            .iter()
+            .map(|(kind, object)| {
+                let annotations = &object["metadata"]["annotations"];
+                assert_eq!(annotations["helm.sh/hook"].as_str(), Some("pre-delete"));
+                assert_eq!(
+                    annotations["helm.sh/hook-delete-policy"].as_str(),
+                    Some("before-hook-creation,hook-succeeded,hook-failed"),
+                    "a hook object left after the uninstall"
+                );
+                let weight = annotations["helm.sh/hook-weight"]
+                    .as_str()
+                    .and_then(|w| w.parse().ok())
+                    .unwrap_or_else(|| panic!("the hook's {kind} has no weight"));
+                (kind.clone(), weight)
+            })
+            .collect();
+        let mut take = |kind: &str| {
+            hooks
+                .remove(kind)
+                .unwrap_or_else(|| panic!("the uninstall hook has no {kind}"))
+        };
+        let hook = UninstallHook {
+            account: typed(take("ServiceAccount")),
+            role: typed(take("Role")),
+            binding: typed(take("RoleBinding")),
+            job: typed(take("Job")),
+            weights,
+        };
+        assert!(hooks.is_empty(), "unchecked hook objects: {:?}", hooks.keys());
+        hook
+    });
     let has_role = objects.contains_key("Role");
     let has_dashboard = objects.contains_key("ConfigMap");
     let has_monitor = objects.contains_key("ServiceMonitor");
@@ -320,6 +390,7 @@ fn render(values: Option<&Values>) -> Rendered {
         role: has_role.then(|| (typed(take("Role")), typed(take("RoleBinding")))),
         dashboard: has_dashboard.then(|| typed(take("ConfigMap"))),
         service_monitor: has_monitor.then(|| (typed(take("Service")), take("ServiceMonitor"))),
+        uninstall_hook,
     };
     assert!(
         objects.is_empty(),
@@ -767,6 +838,7 @@ fn check(values: &Values, rendered: &Rendered) {
     }
 
     check_rbac(rendered, pod);
+    check_uninstall_hook(values, rendered);
 }
 
 /// Least privilege: read pods and namespaces, patch pods' status; nothing
@@ -823,6 +895,77 @@ fn check_rbac(rendered: &Rendered, pod: &PodSpec) {
         role.metadata.name.as_ref(),
         account,
     );
+}
+
+/// The pre-delete hook: a Job of the agent's image, as an unprivileged user,
+/// whose own account may only read and delete this release's DaemonSet,
+/// waiting as long as the values say.
+fn check_uninstall_hook(values: &Values, rendered: &Rendered) {
+    assert_eq!(rendered.uninstall_hook.is_some(), values.uninstall_hook.enabled);
+    let Some(hook) = &rendered.uninstall_hook else {
+        return;
+    };
+    let daemonset = rendered.daemonset.metadata.name.clone().unwrap();
+    let account = &hook.account.metadata;
+    assert_eq!(account.namespace.as_deref(), Some(NAMESPACE));
+    assert_ne!(account.name, rendered.service_account.metadata.name);
+
+    // Its RBAC exists before the Job runs.
+    for kind in ["ServiceAccount", "Role", "RoleBinding"] {
+        assert!(hook.weights[kind] < hook.weights["Job"], "{kind} after the Job");
+    }
+    let rules = hook.role.rules.as_deref().unwrap_or_default();
+    assert_eq!(rules.len(), 1, "{rules:?}");
+    let rule = &rules[0];
+    assert_eq!(rule.api_groups.as_deref(), Some(&["apps".to_owned()][..]));
+    assert_eq!(rule.resources.as_deref(), Some(&["daemonsets".to_owned()][..]));
+    assert_eq!(rule.resource_names.as_deref(), Some(&[daemonset.clone()][..]));
+    assert_eq!(
+        rule.verbs.iter().cloned().collect::<BTreeSet<_>>(),
+        set(&["get", "delete"])
+    );
+    assert_eq!(hook.binding.metadata.namespace.as_deref(), Some(NAMESPACE));
+    check_binding(
+        &hook.binding.role_ref,
+        hook.binding.subjects.as_deref(),
+        "Role",
+        hook.role.metadata.name.as_ref(),
+        account,
+    );
+
+    let job = hook.job.spec.as_ref().unwrap();
+    let pod = job.template.spec.as_ref().unwrap();
+    assert_eq!(pod.service_account_name, account.name);
+    assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+    assert!(pod.host_network.is_none() && pod.host_pid.is_none());
+    assert_eq!(pod.node_selector.as_ref(), Some(&values.node_selector));
+    assert_eq!(pod.tolerations.as_ref(), Some(&values.tolerations));
+    let agent = container(
+        rendered.daemonset.spec.template.spec.as_ref().unwrap(),
+        "agent",
+    );
+    let [hook_container] = &pod.containers[..] else {
+        panic!("the hook runs one container");
+    };
+    let container = hook_container;
+    assert_eq!(container.image, agent.image);
+    assert_eq!(container.image_pull_policy, agent.image_pull_policy);
+    let security = container.security_context.as_ref().unwrap();
+    assert_eq!(security.run_as_non_root, Some(true));
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+    let (added, dropped) = capabilities(container);
+    assert!(added.is_empty(), "the hook needs no capability: {added:?}");
+    assert_eq!(dropped, ["ALL"]);
+    let AgentCommand::UninstallRelease(args) = parse_cli(container).command else {
+        panic!("the hook does not run `ambpf uninstall-release`");
+    };
+    assert_eq!(args.namespace, NAMESPACE);
+    assert_eq!(args.daemonset, daemonset);
+    assert_eq!(args.timeout_secs, values.uninstall_hook.timeout_seconds);
+    assert!(args.kubeconfig.is_none());
+    // The Job outlives the agents' wait, so a slow node ends the wait, not the Job.
+    assert!(job.active_deadline_seconds.unwrap() > values.uninstall_hook.timeout_seconds as i64);
 }
 
 /// (API group, resource) -> verbs that `rules` grant; no rule may name
@@ -979,6 +1122,14 @@ fn every_changed_value_reaches_the_agent() {
 }
 
 #[test]
+fn without_the_uninstall_hook_helm_runs_no_hook() {
+    let values = uninstall_hook_disabled();
+    let rendered = render(Some(&values));
+    check(&values, &rendered);
+    assert!(rendered.uninstall_hook.is_none());
+}
+
+#[test]
 fn without_cni_the_installer_and_the_endpoint_are_gone() {
     let values = cni_disabled();
     let rendered = render(Some(&values));
@@ -997,7 +1148,8 @@ fn without_cni_the_installer_and_the_endpoint_are_gone() {
 }
 
 /// `every_value_changed` changes every value (so each is checked to reach
-/// the agent), but `cni.enabled`, which has its own render.
+/// the agent), but `cni.enabled` and `uninstallHook.enabled`, which have
+/// their own renders.
 #[test]
 fn every_value_is_changed() {
     fn walk(path: String, default: &Value, changed: &Value, unchanged: &mut Vec<String>) {
@@ -1015,7 +1167,7 @@ fn every_value_is_changed() {
                     walk(path, value, &changed[key], unchanged);
                 }
             }
-            _ if path == "cni.enabled" => {}
+            _ if path == "cni.enabled" || path == "uninstallHook.enabled" => {}
             _ if default == changed => unchanged.push(path),
             _ => {}
         }

@@ -4,6 +4,7 @@
 
 mod cni_install;
 mod run;
+mod uninstall_release;
 
 use std::path::PathBuf;
 
@@ -107,6 +108,10 @@ pub enum Command {
     /// One line each: pod, direction, tuple, original destination, verdict
     /// (why a connection was or was not captured).
     Trace(crate::trace::TraceArgs),
+    /// Delete the agents' DaemonSet and wait until every agent has
+    /// uninstalled (the chart's pre-delete hook: the agents' credentials
+    /// stay valid until they are done).
+    UninstallRelease(uninstall_release::UninstallReleaseArgs),
 }
 
 #[derive(Debug, Args)]
@@ -424,6 +429,7 @@ pub fn execute(cli: Cli) -> Result<()> {
         }
         Command::CniInstall(args) => cni_install::cni_install(args),
         Command::Trace(args) => crate::trace::run(&pins, args),
+        Command::UninstallRelease(args) => uninstall_release::uninstall_release(args),
     }
 }
 

@@ -442,12 +442,12 @@ fn uninstall(cluster: &Cluster, release: &Release) -> Result<String> {
         "the node differs from before the install:\n{}",
         diff.join("\n")
     );
-    let mut annotated = 0;
     for (name, uid, ip) in &pods {
-        // Not asserted: helm deletes the agent's RBAC moments after its
-        // DaemonSet, before the agent's shutdown can patch the pods
-        // (docs/operations.md, "Uninstalling").
-        annotated += usize::from(redirection(cluster, &ambient, name)?.is_some());
+        // The chart's pre-delete hook waits for the agents' own uninstall,
+        // which clears the annotation while their RBAC is still there.
+        if let Some(value) = redirection(cluster, &ambient, name)? {
+            bail!("{name} still annotated {value:?} after uninstall");
+        }
         ensure!(
             !direct_is_captured(cluster, ip, uid)?,
             "{name} still captured after uninstall"
@@ -461,8 +461,8 @@ fn uninstall(cluster: &Cluster, release: &Release) -> Result<String> {
         "--wait=false",
     ])?;
     Ok(format!(
-        "conflist, plugins, pins and policy routing as before; {} pods uncaptured, {annotated} \
-         still annotated",
+        "conflist, plugins, pins and policy routing as before; {} pods uncaptured and \
+         unannotated",
         pods.len()
     ))
 }
