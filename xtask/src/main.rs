@@ -68,7 +68,7 @@ enum Cmd {
         /// The suite: `zds`, `redirect`, `enroll`, `control`, `attach`, `storm` or
         /// `podstart` (see
         /// `target/release/ambpf-bench --help`, and `<suite> --help` for its
-        /// arguments).
+        /// arguments); or `cluster`, the same as `cargo xtask cluster bench`.
         suite: String,
         /// Extra arguments for the suite (e.g. `--pods 100,1000 --runs 7`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -209,6 +209,9 @@ fn main() -> Result<()> {
                 .arg(root.join("target/release/ambpf"))
                 .args(&args);
             run(&mut cmd)
+        }
+        Cmd::Bench { suite, args } if suite == "cluster" => {
+            cluster::run_action(&root, cluster::Action::Bench { keep: false, args })
         }
         Cmd::Bench { suite, args } => {
             let mut build = vec!["build", "--release", "-p", "ambpf", "-p", "ambpf-testbed"];
