@@ -14,7 +14,7 @@
 
 use std::{
     io::{self, Write},
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
     process::ExitCode,
     time::Duration,
@@ -52,6 +52,10 @@ struct Args {
     /// The DNS proxy's answer to every AAAA query.
     #[arg(long, value_name = "IPV6", default_value_t = DEFAULT_DNS_ANSWER_V6)]
     dns_answer_v6: Ipv6Addr,
+    /// Forward every DNS query to this resolver (ztunnel's upstream: the
+    /// cluster's DNS) and relay its answer, instead of answering it.
+    #[arg(long, value_name = "IP:PORT")]
+    dns_upstream: Option<SocketAddr>,
 }
 
 /// A DNS query answered, tagged like the ZDS events.
@@ -93,6 +97,9 @@ async fn run(args: Args) -> io::Result<()> {
     config = config
         .dns_answer_v4(args.dns_answer_v4)
         .dns_answer_v6(args.dns_answer_v6);
+    if let Some(upstream) = args.dns_upstream {
+        config = config.dns_upstream(upstream);
+    }
 
     let mut terminate = signal(SignalKind::terminate())?;
     let mut interrupt = signal(SignalKind::interrupt())?;

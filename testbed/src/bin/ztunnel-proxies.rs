@@ -5,7 +5,7 @@
 //! then stops every pod's proxies.
 
 use std::{
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     process::ExitCode,
     time::Duration,
 };
@@ -27,6 +27,10 @@ struct Args {
     /// The DNS proxy's answer to every AAAA query.
     #[arg(long, value_name = "IPV6", default_value_t = DEFAULT_DNS_ANSWER_V6)]
     dns_answer_v6: Ipv6Addr,
+    /// Forward every DNS query to this resolver (ztunnel's upstream: the
+    /// cluster's DNS) and relay its answer, instead of answering it.
+    #[arg(long, value_name = "IP:PORT")]
+    dns_upstream: Option<SocketAddr>,
     /// Wait this long after accepting a connection before asking its
     /// original destination.
     #[arg(long, value_name = "MS", default_value_t = 0)]
@@ -35,10 +39,13 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let config = ZtunnelConfig::default()
+    let mut config = ZtunnelConfig::default()
         .dns_answer_v4(args.dns_answer_v4)
         .dns_answer_v6(args.dns_answer_v6)
         .original_dst_delay(Duration::from_millis(args.original_dst_delay_ms));
+    if let Some(upstream) = args.dns_upstream {
+        config = config.dns_upstream(upstream);
+    }
     let served = ambpf_testbed::bench::raise_fd_limit().and_then(|_| {
         tokio::runtime::Builder::new_multi_thread()
             .enable_all()

@@ -29,6 +29,7 @@ pub const CLASS_IN: u16 = 1;
 pub const CLASS_ANY: u16 = 255;
 pub const RCODE_NOERROR: u8 = 0;
 pub const RCODE_FORMERR: u8 = 1;
+pub const RCODE_SERVFAIL: u8 = 2;
 pub const RCODE_NOTIMP: u8 = 4;
 /// The fixed header of every message.
 pub const HEADER_LEN: usize = 12;

@@ -1,7 +1,8 @@
 //! ztunnel's DNS proxy in one pod: `127.0.0.1:15053` and `[::1]:15053`, UDP
-//! and TCP. The double has no upstream and no service registry: it answers
-//! every A query with one configured IPv4 address, every AAAA query with one
-//! IPv6 address, anything else with NOERROR and no answer.
+//! and TCP. The double has no service registry: with an upstream it forwards
+//! every query there ([`super::dns_upstream`]); without one it answers every
+//! A query with one configured IPv4 address, every AAAA query with one IPv6
+//! address, anything else with NOERROR and no answer.
 
 use std::{
     io,
@@ -19,6 +20,7 @@ use tokio::{
 use super::{
     DnsQuery, DnsTransport, Shared,
     dns::{self, Parsed},
+    dns_upstream::Upstream,
     sockets::canonical,
 };
 
@@ -31,11 +33,12 @@ const RESPONSE_CAPACITY: usize = 2 + dns::HEADER_LEN + dns::MAX_NAME_LEN + 4 + 2
 /// After an error that is not about one peer, do not spin.
 const ERROR_PAUSE: Duration = Duration::from_millis(50);
 
-/// What the double answers.
+/// What the double answers, or where it forwards.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct DnsAnswers {
     pub(super) v4: Ipv4Addr,
     pub(super) v6: Ipv6Addr,
+    pub(super) upstream: Option<SocketAddr>,
 }
 
 impl DnsAnswers {
@@ -43,6 +46,7 @@ impl DnsAnswers {
         Self {
             v4: config.dns_answer_v4,
             v6: config.dns_answer_v6,
+            upstream: config.dns_upstream,
         }
     }
 
@@ -63,6 +67,8 @@ impl DnsAnswers {
 pub(super) struct DnsContext {
     pub(super) uid: String,
     pub(super) answers: DnsAnswers,
+    /// Made from `answers.upstream` with the pod's sockets.
+    pub(super) upstream: Option<Upstream>,
     pub(super) shared: Arc<Shared>,
 }
 
@@ -95,9 +101,10 @@ impl DnsAnswers {
 }
 
 impl DnsContext {
-    /// Appends the response to `message` to `out`, recording the query;
-    /// false if the message is dropped unanswered.
-    fn respond(
+    /// Appends the response to `message` to `out` (the upstream's, if the
+    /// pod has one, for a query), recording the query; false if the message
+    /// is dropped unanswered.
+    async fn respond(
         &self,
         message: &[u8],
         transport: DnsTransport,
@@ -105,7 +112,18 @@ impl DnsContext {
         server: SocketAddr,
         out: &mut Vec<u8>,
     ) -> bool {
-        match self.answers.reply(message, out) {
+        let reply = match (&self.upstream, dns::parse_query(message)) {
+            (Some(upstream), Some(Parsed::Query(header, question))) => {
+                let answer = upstream
+                    .relay(message, &header, &question, transport, out)
+                    .await;
+                Reply::Answered(question, answer)
+            }
+            // Messages that are no query are refused or dropped as without
+            // an upstream.
+            _ => self.answers.reply(message, out),
+        };
+        match reply {
             Reply::Answered(question, answer) => {
                 // Recorded before the answer leaves, so a test that has the
                 // answer finds the record.
@@ -139,6 +157,7 @@ pub async fn serve_resolver_udp(socket: UdpSocket, answer_v4: Ipv4Addr, answer_v
     let answers = DnsAnswers {
         v4: answer_v4,
         v6: answer_v6,
+        upstream: None,
     };
     let mut request = vec![0u8; UDP_BUFFER_LEN].into_boxed_slice();
     let mut response = Vec::with_capacity(RESPONSE_CAPACITY);
@@ -178,13 +197,18 @@ pub(super) async fn serve_udp(socket: UdpSocket, server: SocketAddr, dns: Arc<Dn
         };
         let client = canonical(client);
         response.clear();
-        if dns.respond(
-            &request[..len],
-            DnsTransport::Udp,
-            client,
-            server,
-            &mut response,
-        ) {
+        // One at a time: a forwarded query holds the socket until its
+        // answer or SERVFAIL, at most the upstream's timeout.
+        if dns
+            .respond(
+                &request[..len],
+                DnsTransport::Udp,
+                client,
+                server,
+                &mut response,
+            )
+            .await
+        {
             // A client that went away is not the server's problem.
             let _ = socket.send_to(&response, client).await;
         }
@@ -234,7 +258,10 @@ async fn serve_tcp_connection(
         }
         response.clear();
         response.extend_from_slice(&[0, 0]);
-        if !dns.respond(&request, DnsTransport::Tcp, client, server, &mut response) {
+        if !dns
+            .respond(&request, DnsTransport::Tcp, client, server, &mut response)
+            .await
+        {
             return;
         }
         let Ok(len) = u16::try_from(response.len() - 2) else {
@@ -320,6 +347,7 @@ mod tests {
         let answers = DnsAnswers {
             v4: Ipv4Addr::new(10, 96, 0, 53),
             v6: "fd00:96::53".parse().unwrap(),
+            upstream: None,
         };
         let a = dns::encode_query(1, "a.example", dns::TYPE_A).unwrap();
         assert_eq!(answers.answer(&question(&a)), Some(answers.v4.into()));

@@ -44,7 +44,10 @@
 //! Each pod also gets ztunnel's DNS proxy: `127.0.0.1:15053` and
 //! `[::1]:15053` (the latter only if the netns has IPv6 loopback), UDP and
 //! TCP (2-byte length prefix, several queries per connection), SO_MARK 0x539
-//! and SO_REUSEPORT. It answers queries itself, with no upstream: A with
+//! and SO_REUSEPORT. Given an upstream ([`ZtunnelConfig::dns_upstream`]),
+//! it forwards every query there as ztunnel forwards what its registry lacks
+//! (`dns_upstream.rs`) and relays the answer, or SERVFAIL. Without one it
+//! answers queries itself: A with
 //! [`ZtunnelConfig::dns_answer_v4`], AAAA with
 //! [`ZtunnelConfig::dns_answer_v6`] (class IN, TTL 30), anything else with
 //! NOERROR and no answer; id, opcode, RD and the question are copied, QR and
@@ -60,6 +63,7 @@
 mod client;
 pub mod dns;
 mod dns_server;
+mod dns_upstream;
 mod proxy;
 mod proxy_host;
 mod reconnect;
@@ -69,7 +73,7 @@ mod wire;
 
 use std::{
     collections::{BTreeMap, HashSet},
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     sync::{Arc, Mutex, MutexGuard, PoisonError},
     time::Duration,
@@ -137,6 +141,9 @@ pub struct ZtunnelConfig {
     pub dns_answer_v4: Ipv4Addr,
     /// The DNS proxy's answer to every AAAA query.
     pub dns_answer_v6: Ipv6Addr,
+    /// Where the DNS proxy forwards queries (ztunnel: the resolvers of its
+    /// own `/etc/resolv.conf`); `None`: it answers them itself.
+    pub dns_upstream: Option<SocketAddr>,
     /// Run the in-pod proxies in a child process of this `ztunnel-proxies`
     /// binary, whose descriptors are its own, as ztunnel's are (see
     /// `proxy_host.rs`); `None`: in this process.
@@ -154,6 +161,7 @@ impl Default for ZtunnelConfig {
             pending_retry_interval: Duration::from_secs(5),
             dns_answer_v4: DEFAULT_DNS_ANSWER_V4,
             dns_answer_v6: DEFAULT_DNS_ANSWER_V6,
+            dns_upstream: None,
             proxy_process: None,
         }
     }
@@ -203,6 +211,12 @@ impl ZtunnelConfig {
     /// Answers AAAA queries with `address`.
     pub fn dns_answer_v6(mut self, address: Ipv6Addr) -> Self {
         self.dns_answer_v6 = address;
+        self
+    }
+
+    /// Forwards DNS queries to `upstream` and relays its answers.
+    pub fn dns_upstream(mut self, upstream: SocketAddr) -> Self {
+        self.dns_upstream = Some(upstream);
         self
     }
 

@@ -27,6 +27,7 @@ use super::{
     ConnectionOutcome, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT,
     ProxiedConnection, Shared,
     dns_server::{self, DnsAnswers, DnsContext},
+    dns_upstream::Upstream,
     sockets::{PodSockets, canonical, so_original_dst},
 };
 
@@ -140,6 +141,9 @@ impl PodProxies {
         let dns = Arc::new(DnsContext {
             uid: uid.to_owned(),
             answers: dns_answers,
+            upstream: dns_answers
+                .upstream
+                .map(|address| Upstream::new(address, sockets.clone())),
             shared: shared.clone(),
         });
         let pod = Arc::new(ProxyContext {

@@ -152,13 +152,18 @@ impl ProxyProcess {
         answers: DnsAnswers,
         shared: Arc<Shared>,
     ) -> io::Result<Arc<Self>> {
-        let mut child = Command::new(binary)
+        let mut child = Command::new(binary);
+        child
             .arg("--dns-answer-v4")
             .arg(answers.v4.to_string())
             .arg("--dns-answer-v6")
             .arg(answers.v6.to_string())
             .arg("--original-dst-delay-ms")
-            .arg(shared.original_dst_delay.as_millis().to_string())
+            .arg(shared.original_dst_delay.as_millis().to_string());
+        if let Some(upstream) = answers.upstream {
+            child.arg("--dns-upstream").arg(upstream.to_string());
+        }
+        let mut child = child
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true)

@@ -38,6 +38,10 @@ enum SocketRequest {
         address: SocketAddr,
         reply: oneshot::Sender<io::Result<Option<DnsSockets>>>,
     },
+    DnsUpstream {
+        target: SocketAddr,
+        reply: oneshot::Sender<io::Result<std::net::UdpSocket>>,
+    },
 }
 
 /// The DNS proxy's UDP socket and TCP listener on one address.
@@ -46,8 +50,9 @@ pub(super) struct DnsSockets {
     pub(super) tcp: std::net::TcpListener,
 }
 
-/// Creates sockets in one pod's netns. The thread ends once every handle is
-/// dropped.
+/// Creates sockets in one pod's netns. The thread ends once every handle
+/// (clones included) is dropped.
+#[derive(Clone)]
 pub(super) struct PodSockets {
     requests: mpsc::Sender<SocketRequest>,
 }
@@ -123,6 +128,15 @@ impl PodSockets {
         }
     }
 
+    /// A UDP socket created in the pod's netns with SO_MARK 0x539 and
+    /// connected to `target`, registered with tokio: the DNS proxy's
+    /// forwarding socket.
+    pub(super) async fn udp_upstream(&self, target: SocketAddr) -> io::Result<UdpSocket> {
+        let (reply, response) = oneshot::channel();
+        self.request(SocketRequest::DnsUpstream { target, reply })?;
+        UdpSocket::from_std(receive_reply(response).await?)
+    }
+
     fn request(&self, request: SocketRequest) -> io::Result<()> {
         self.requests
             .send(request)
@@ -161,6 +175,9 @@ fn serve_requests(requests: mpsc::Receiver<SocketRequest>) {
             }
             SocketRequest::Dns { address, reply } => {
                 let _ = reply.send(dns_sockets(address));
+            }
+            SocketRequest::DnsUpstream { target, reply } => {
+                let _ = reply.send(dns_upstream_socket(target));
             }
         }
     }
@@ -240,6 +257,33 @@ fn dns_socket(address: SocketAddr, kind: Type) -> io::Result<Socket> {
     socket.set_nonblocking(true)?;
     socket.bind(&address.into())?;
     Ok(socket)
+}
+
+/// A non-blocking UDP socket marked 0x539, on an ephemeral port, connected
+/// to `target`.
+fn dns_upstream_socket(target: SocketAddr) -> io::Result<std::net::UdpSocket> {
+    let context = |what: &str, e: io::Error| {
+        io::Error::new(
+            e.kind(),
+            format!("DNS upstream socket to {target}: {what}: {e}"),
+        )
+    };
+    let socket = Socket::new(
+        Domain::for_address(target),
+        Type::DGRAM,
+        Some(Protocol::UDP),
+    )
+    .map_err(|e| context("socket", e))?;
+    socket
+        .set_mark(ZTUNNEL_MARK)
+        .map_err(|e| context("SO_MARK", e))?;
+    socket
+        .set_nonblocking(true)
+        .map_err(|e| context("O_NONBLOCK", e))?;
+    socket
+        .connect(&target.into())
+        .map_err(|e| context("connect", e))?;
+    Ok(socket.into())
 }
 
 /// The address (EADDRNOTAVAIL) or its whole family (EAFNOSUPPORT) is missing

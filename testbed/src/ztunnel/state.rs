@@ -129,8 +129,8 @@ pub enum DnsTransport {
     Tcp,
 }
 
-/// A DNS query the double answered (NOERROR, with or without an answer),
-/// recorded before the answer is sent.
+/// A DNS query the double answered (NOERROR, with or without an answer, or
+/// what its upstream answered), recorded before the answer is sent.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DnsQuery {
     pub uid: String,
@@ -145,7 +145,8 @@ pub struct DnsQuery {
     /// unusual bytes escaped (`\.`, `\DDD`).
     pub name: String,
     pub qtype: u16,
-    /// The address answered: for A and AAAA of class IN or ANY.
+    /// The address answered: for A and AAAA of class IN or ANY; with an
+    /// upstream, the first address of the answer relayed.
     pub answer: Option<IpAddr>,
 }
 
