@@ -10,10 +10,13 @@
 //! uncaptured fails.
 
 mod client;
+mod control_plane;
+mod enrolment;
 mod istio_agent;
 mod lifecycle;
 mod node_state;
 mod rollout;
+mod scale;
 mod scenarios;
 
 use std::{

@@ -7,7 +7,7 @@ use anyhow::{Result, bail, ensure};
 use serde_json::Value;
 
 use super::client::{Cluster, Release};
-use super::{eventually, lifecycle};
+use super::{control_plane, eventually, lifecycle, scale};
 use crate::kube::NODE_IP;
 
 pub struct Scenario {
@@ -20,7 +20,7 @@ fn every_mode(_: &str) -> bool {
     true
 }
 
-pub const ALL: [Scenario; 10] = [
+pub const ALL: [Scenario; 12] = [
     Scenario {
         name: "first-connection",
         applies: every_mode,
@@ -60,6 +60,16 @@ pub const ALL: [Scenario; 10] = [
         name: "agent-down",
         applies: every_mode,
         run: lifecycle::changes_while_agent_down,
+    },
+    Scenario {
+        name: "apiserver-restart",
+        applies: every_mode,
+        run: control_plane::apiserver_restart,
+    },
+    Scenario {
+        name: "scale-100",
+        applies: every_mode,
+        run: scale::scale_100,
     },
     Scenario {
         name: "rollout-restart",
