@@ -61,19 +61,28 @@ pub fn check_filter(filter: &str) -> Result<String, String> {
     parse_filter(filter).map(|_| filter.to_owned())
 }
 
-/// The filter in force: `--log-level`, else RUST_LOG, else `info`.
+/// The filter in force: `--log-level`, else RUST_LOG, else `info`. Unless
+/// it names kube-rs's watcher, that logs errors only: it warns at every
+/// retry of a failing watch, which the pod source reports once itself.
 pub fn filter(flag: Option<&str>) -> Result<EnvFilter, FilterError> {
-    let (source, filter) = match (flag, std::env::var("RUST_LOG")) {
+    let (source, mut filter) = match (flag, std::env::var("RUST_LOG")) {
         (Some(flag), _) => ("--log-level", flag.to_owned()),
         (None, Ok(env)) if !env.trim().is_empty() => ("RUST_LOG", env),
         _ => ("default", DEFAULT_FILTER.to_owned()),
     };
+    let given = filter.clone();
+    if !filter.contains(KUBE_WATCHER) {
+        filter = format!("{filter},{KUBE_WATCHER}=error");
+    }
     parse_filter(&filter).map_err(|why| FilterError {
         source,
-        filter,
+        filter: given,
         why,
     })
 }
+
+/// kube-rs's watcher, quieted by [`filter`].
+const KUBE_WATCHER: &str = "kube_runtime::watcher";
 
 /// Installs the process-wide subscriber (and the `log` bridge) writing to
 /// stderr.
@@ -150,5 +159,20 @@ mod tests {
         for bad in ["ambpf::zds=loud", "ambpf=debug=x", "ambpf[{=info"] {
             assert!(parse_filter(bad).is_err(), "{bad} parsed");
         }
+    }
+
+    #[test]
+    fn kube_rs_watcher_retries_are_quiet_unless_asked_for() {
+        let quiet = filter(Some("info")).unwrap().to_string();
+        assert!(quiet.contains("kube_runtime::watcher=error"), "{quiet}");
+        let asked = filter(Some("info,kube_runtime::watcher=debug"))
+            .unwrap()
+            .to_string();
+        assert!(!asked.contains("watcher=error"), "{asked}");
+        let err = filter(Some("ambpf=loud")).unwrap_err().to_string();
+        assert!(
+            err.contains("ambpf=loud") && !err.contains("watcher"),
+            "{err}"
+        );
     }
 }

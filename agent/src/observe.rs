@@ -488,14 +488,21 @@ impl MetricsEncoder {
     }
 }
 
-/// Serves `/healthz` and `/readyz`.
-pub async fn serve_health(listener: TcpListener, zds: ZdsHandle) {
-    serve(listener, move |path| match path {
-        "/healthz" => (200, "text/plain", "ok\n".to_owned()),
-        "/readyz" if ZdsStats::get(&zds.stats().snapshots_acked) > 0 => {
+/// Serves `/healthz` and `/readyz`: ready while the pod source (when there
+/// is one) serves and once ztunnel has acked a snapshot.
+pub async fn serve_health(
+    listener: TcpListener,
+    zds: ZdsHandle,
+    source: Option<crate::sources::kube::SourceHealth>,
+) {
+    let not_serving = move || source.as_ref().and_then(|s| s.not_ready());
+    serve(listener, move |path| match (path, not_serving()) {
+        ("/healthz", _) => (200, "text/plain", "ok\n".to_owned()),
+        ("/readyz", Some(why)) => (503, "text/plain", format!("{why}\n")),
+        ("/readyz", None) if ZdsStats::get(&zds.stats().snapshots_acked) > 0 => {
             (200, "text/plain", "ready\n".to_owned())
         }
-        "/readyz" => (
+        ("/readyz", None) => (
             503,
             "text/plain",
             "waiting for ztunnel to ack a snapshot\n".to_owned(),
@@ -584,7 +591,7 @@ mod tests {
             pins: None,
             cni: Some(cni),
         }));
-        tokio::spawn(serve_health(health, zds.clone()));
+        tokio::spawn(serve_health(health, zds.clone(), None));
         tokio::spawn(serve_metrics(metrics, registry));
 
         assert!(
@@ -641,7 +648,8 @@ mod tests {
         });
         let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let health_addr = health.local_addr().unwrap();
-        tokio::spawn(serve_health(health, server.clone()));
+        let source = crate::sources::kube::SourceHealth::new();
+        tokio::spawn(serve_health(health, server.clone(), Some(source.clone())));
         tokio::spawn(
             server
                 .clone()
@@ -670,6 +678,11 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), server.snapshot_acked())
             .await
             .unwrap();
+        // Not while the pod source cannot serve, whatever ztunnel did.
+        let waiting = get(health_addr, "/readyz").await;
+        assert!(waiting.starts_with("HTTP/1.1 503"), "{waiting}");
+        assert!(waiting.contains("waiting for the first list"), "{waiting}");
+        source.recover(crate::sources::kube::health::START);
         assert!(
             get(health_addr, "/readyz")
                 .await

@@ -437,11 +437,17 @@ async fn watch_errors_and_410_relists_lose_nothing() {
     let (_source, mut pods) = start(&server, config()).await;
     assert_eq!(uids(&pods.borrow()), ["uid-doomed", "uid-stable"]);
     let seen = record(pods.clone());
+    // The watcher's lists, not the one-object probes of a failing watch's
+    // recovery check.
     let lists = || {
         server
             .requests()
             .iter()
-            .filter(|r| r.path == "/api/v1/pods" && !r.is_watch())
+            .filter(|r| {
+                r.path == "/api/v1/pods"
+                    && !r.is_watch()
+                    && r.query.get("limit").map(String::as_str) != Some("1")
+            })
             .count()
     };
     let lists_before = lists();
@@ -572,68 +578,144 @@ async fn the_source_keeps_its_last_set_while_the_api_server_is_away_and_recovers
     wait_for_uids(&mut pods, &["uid-c"]).await;
 }
 
+/// A kubeconfig for `server` whose user presents `token`.
+fn kubeconfig_with_token(server: &ApiServer, token: &str) -> tempfile_path::TempKubeconfig {
+    tempfile_path::TempKubeconfig::new(
+        &server
+            .kubeconfig()
+            .replace("  user: {}\n", &format!("  user: {{token: {token}}}\n")),
+    )
+}
+
+mod tempfile_path {
+    use std::path::{Path, PathBuf};
+
+    /// A kubeconfig file of the test's own, removed on drop.
+    pub struct TempKubeconfig(PathBuf);
+
+    impl TempKubeconfig {
+        pub fn new(yaml: &str) -> Self {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path =
+                std::env::temp_dir().join(format!("ambpf-kubeconfig-{}-{n}", std::process::id()));
+            std::fs::write(&path, yaml).unwrap();
+            Self(path)
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempKubeconfig {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+/// Starts a source with `client` that must wait, not Ready, saying `why`,
+/// having published nothing; returns the start in flight.
+async fn waits_saying(
+    client: kube::Client,
+    why: &str,
+) -> (
+    tokio::task::JoinHandle<Result<KubeSourceHandle, KubeSourceError>>,
+    ambpf::sources::kube::SourceHealth,
+    Pods,
+) {
+    let (tx, rx) = watch::channel(Arc::default());
+    let source = KubeSource::new(client, config())
+        .named("http://test")
+        .with_resolver(fake_netns);
+    let health = source.health();
+    let starting = tokio::spawn(source.start(tx));
+    eventually(&format!("not ready: {why}"), || {
+        health.not_ready().is_some_and(|r| r.contains(why))
+    })
+    .await;
+    // Still waiting after a few retries, with nothing published.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!starting.is_finished(), "started while: {why}");
+    assert!(!rx.has_changed().unwrap(), "published while: {why}");
+    (starting, health, rx)
+}
+
+/// Once the API server answers, the waiting start completes with the full
+/// set, and the source is ready.
+async fn starts_once_mended(
+    (starting, health, mut pods): (
+        tokio::task::JoinHandle<Result<KubeSourceHandle, KubeSourceError>>,
+        ambpf::sources::kube::SourceHealth,
+        Pods,
+    ),
+) -> KubeSourceHandle {
+    let handle = tokio::time::timeout(PATIENCE, starting)
+        .await
+        .expect("started once the API server answers")
+        .unwrap()
+        .unwrap();
+    assert_eq!(uids(&pods.borrow_and_update()), ["uid-a"]);
+    assert_eq!(health.not_ready(), None);
+    handle
+}
+
 #[tokio::test]
-async fn start_up_errors_say_what_is_wrong() {
+async fn start_waits_not_ready_while_the_api_server_says_no_and_starts_once_it_answers() {
     init_logging();
     let mut server = ApiServer::start().await.unwrap();
-    let client = client(&server);
-    let attempt = |config: KubeSourceConfig| {
-        let (tx, _rx) = watch::channel(Arc::default());
-        let source = KubeSource::new(client.clone(), config).with_resolver(fake_netns);
-        async move {
-            tokio::time::timeout(PATIENCE, source.start(tx))
-                .await
-                .expect("no hang")
-                .err()
-                .expect("an error")
-        }
-    };
+    server.apply("namespaces", namespace("shop", true));
+    server.apply("pods", pod("shop", "a"));
 
-    let err = attempt(KubeSourceConfig::new("")).await;
+    // A missing node name is the one start-up error: nothing to wait for.
+    let (tx, _rx) = watch::channel(Arc::default());
+    let err = KubeSource::new(client(&server), KubeSourceConfig::new(""))
+        .start(tx)
+        .await
+        .err()
+        .expect("an error");
     assert!(matches!(err, KubeSourceError::NoNodeName), "{err}");
     assert!(err.to_string().contains("NODE_NAME"), "{err}");
 
-    server.deny("list", "pods");
-    let err = attempt(config()).await;
-    assert!(
-        matches!(
-            err,
-            KubeSourceError::Forbidden {
-                verb: "list",
-                resource: "pods",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(
-        err.to_string()
-            .contains("RBAC denies the agent `list` on pods"),
-        "{err}"
-    );
-    server.allow("list", "pods");
+    // RBAC lacking each verb the source needs.
+    for (verb, resource) in [
+        ("list", "pods"),
+        ("watch", "pods"),
+        ("list", "namespaces"),
+        ("watch", "namespaces"),
+    ] {
+        server.deny(verb, resource);
+        let why = format!("RBAC denies the agent `{verb}` on {resource}");
+        let waiting = waits_saying(client(&server), &why).await;
+        server.allow(verb, resource);
+        starts_once_mended(waiting).await;
+    }
 
-    server.deny("list", "namespaces");
-    let err = attempt(config()).await;
-    assert!(
-        matches!(
-            err,
-            KubeSourceError::Forbidden {
-                resource: "namespaces",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    server.allow("list", "namespaces");
+    // A wrong or expired token, then one the API server takes.
+    server.require_token(Some("fresh"));
+    let expired = kubeconfig_with_token(&server, "expired");
+    let expired = ambpf::sources::kube::client(Some(expired.path()))
+        .await
+        .unwrap();
+    let waiting = waits_saying(
+        expired,
+        "the API server rejected the agent's credentials (401) to list pods: Unauthorized",
+    )
+    .await;
+    server.require_token(Some("expired"));
+    starts_once_mended(waiting).await;
+    server.require_token(None);
 
+    // The API server down, named, then back.
     server.shutdown().await;
-    let err = attempt(config()).await;
-    assert!(
-        err.to_string()
-            .starts_with("cannot list pods from the API server"),
-        "{err}"
-    );
+    let waiting = waits_saying(
+        client(&server),
+        "the API server http://test: cannot list pods from the API server",
+    )
+    .await;
+    server.restart().await.unwrap();
+    starts_once_mended(waiting).await;
 
     let missing = ambpf::sources::kube::client(Some(Path::new("/nonexistent/kubeconfig")))
         .await
@@ -643,6 +725,45 @@ async fn start_up_errors_say_what_is_wrong() {
         missing.to_string().contains("/nonexistent/kubeconfig"),
         "{missing}"
     );
+}
+
+#[tokio::test]
+async fn a_running_source_is_not_ready_while_its_watches_fail_and_keeps_its_set() {
+    let mut server = ApiServer::start().await.unwrap();
+    server.apply("namespaces", namespace("shop", true));
+    server.apply("pods", pod("shop", "a"));
+    let (source, pods) = start(&server, config()).await;
+    let health = source.health();
+    assert_eq!(health.not_ready(), None);
+
+    // RBAC loses `watch` on pods; the running watch ends (as it does on
+    // its timeout) and cannot start again.
+    server.deny("watch", "pods");
+    server.break_watches();
+    eventually("not ready without watch on pods", || {
+        health
+            .not_ready()
+            .is_some_and(|r| r.contains("RBAC denies the agent `watch` on pods"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(uids(&pods.borrow()), ["uid-a"], "the last set is kept");
+    // Back with nothing changed: no event tells the watch recovered, the
+    // source finds out by itself.
+    server.allow("watch", "pods");
+    eventually("ready again", || health.not_ready().is_none()).await;
+
+    server.shutdown().await;
+    eventually("not ready while the API server is away", || {
+        health
+            .not_ready()
+            .is_some_and(|r| r.contains("cannot watch"))
+    })
+    .await;
+    assert_eq!(uids(&pods.borrow()), ["uid-a"], "the last set is kept");
+    server.restart().await.unwrap();
+    eventually("ready again", || health.not_ready().is_none()).await;
+    assert!(source.is_running());
 }
 
 fn annotation(server: &ApiServer, name: &str) -> Option<String> {

@@ -151,6 +151,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let (programmed_tx, programmed_rx) =
             tokio::sync::watch::channel(std::sync::Arc::new(Default::default()));
         let mut kube_source = None;
+        // Served from before the pod source starts: a wait for the API
+        // server is live and says why it is not ready.
+        let mut health = Some(health);
         // This pod's DaemonSet, followed to tell an uninstall at shutdown.
         let mut owner = None;
         // Without Kubernetes there is no one to ask which pods are ambient.
@@ -161,7 +164,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             }
             (Some(PodSource::Kube), _) => {
                 use sources::kube::{KubeSource, KubeSourceConfig};
-                let client = sources::kube::client(args.kubeconfig.as_deref()).await?;
+                let (client, api_server) =
+                    sources::kube::connect(args.kubeconfig.as_deref()).await?;
                 owner = match (&args.pod_name, &args.pod_namespace) {
                     (Some(name), Some(namespace)) if !name.is_empty() && !namespace.is_empty() => {
                         Some(crate::cni::shutdown::OwnerWatch::start(
@@ -189,7 +193,15 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     config.node_name
                 );
                 let source = KubeSource::new(client, config)
+                    .named(api_server)
                     .annotate_from(programmed_rx, zds.ztunnel_pods());
+                if let Some(listener) = health.take() {
+                    tokio::spawn(observe::serve_health(
+                        listener,
+                        zds.clone(),
+                        Some(source.health()),
+                    ));
+                }
                 let started = source.start(pods_tx.clone()).await?;
                 // The CNI endpoint reads pods from the source's caches, and
                 // through its client what they do not have yet.
@@ -223,7 +235,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             metrics,
             std::sync::Arc::new(registry),
         ));
-        tokio::spawn(observe::serve_health(health, zds.clone()));
+        if let Some(listener) = health {
+            tokio::spawn(observe::serve_health(listener, zds.clone(), None));
+        }
         let first = controller.apply(&pods_rx.borrow().ambient);
         controller.check_state(crate::redirect::CheckScope::Records);
         let (cni_shutdown, cni_shutdown_rx) = tokio::sync::watch::channel(false);

@@ -3,9 +3,13 @@
 //! The plugin entry `{"type": "ambpf-cni", "agentSocket": ...}` is appended
 //! to the `plugins` of the first `*.conflist` (by name) in the configuration
 //! directory, and the plugin binary is copied into the CNI bin directory.
-//! Both are idempotent; [`keep_installed`] re-applies them on a poll, so an
-//! entry removed (e.g. by the network plugin rewriting its conflist) comes
-//! back. [`uninstall`] takes both out again, so that pods can start on a node
+//! Both are idempotent; [`keep_installed`] re-applies them whenever the
+//! directory changes and on a poll, so an entry removed (e.g. by the network
+//! plugin rewriting its conflist) comes back. Every write is a temporary
+//! file renamed over the conflist, made only if the file still holds what
+//! was read, so neither the runtime nor another installer ever reads a
+//! half-written file, and another installer's change is built on rather
+//! than overwritten. [`uninstall`] takes both out again, so that pods can start on a node
 //! ambpf has left (the plugin fails every pod while no agent answers).
 
 use std::{
@@ -46,6 +50,11 @@ pub enum InstallError {
     Io { path: PathBuf, cause: io::Error },
     #[error("{path}: not a CNI conflist: {why}")]
     Invalid { path: PathBuf, why: String },
+    #[error(
+        "{0}: another writer kept replacing it while ambpf-cni was being chained; trying again \
+         at the next check"
+    )]
+    Contended(PathBuf),
 }
 
 /// What [`install_once`] changed.
@@ -124,39 +133,82 @@ fn without_entry(mut conflist: Value) -> Option<Value> {
     (plugins.len() != before).then_some(conflist)
 }
 
-/// Writes `conflist` over `path`, atomically and with the file's mode.
-fn write_conflist(path: &Path, conflist: &Value) -> Result<(), InstallError> {
-    let mut bytes = serde_json::to_vec_pretty(conflist).expect("a JSON value serializes");
-    // As the file was, so that unchaining gives back the bytes chaining
-    // found (keys keep their order too: serde_json's `preserve_order`).
-    let ended_with_newline = fs::read(path).map_or(true, |old| old.ends_with(b"\n"));
-    if ended_with_newline {
-        bytes.push(b'\n');
+/// How often a conflist is read again when another writer replaced it
+/// between ambpf's read and its write.
+const WRITE_ATTEMPTS: usize = 5;
+
+/// Rewrites the conflist at `path` with `change` (`None`: nothing to
+/// change), atomically and with the file's mode, unless another writer
+/// (another CNI installer) replaced it since it was read: then it is read
+/// again and changed anew, so their change is kept rather than overwritten.
+/// Whether it was rewritten. `before_write` runs between the read and the
+/// write (a test's racing writer).
+fn rewrite_conflist(
+    path: &Path,
+    change: impl Fn(Value) -> Result<Option<Value>, String>,
+    mut before_write: impl FnMut(),
+) -> Result<bool, InstallError> {
+    for _ in 0..WRITE_ATTEMPTS {
+        let text = fs::read(path).map_err(io_err(path))?;
+        let conflist: Value = serde_json::from_slice(&text).map_err(|e| InstallError::Invalid {
+            path: path.to_owned(),
+            why: e.to_string(),
+        })?;
+        let change = change(conflist).map_err(|why| InstallError::Invalid {
+            path: path.to_owned(),
+            why,
+        })?;
+        let Some(updated) = change else {
+            return Ok(false);
+        };
+        let mut bytes = serde_json::to_vec_pretty(&updated).expect("a JSON value serializes");
+        // As the file was, so that unchaining gives back the bytes chaining
+        // found (keys keep their order too: serde_json's `preserve_order`).
+        if text.ends_with(b"\n") || text.is_empty() {
+            bytes.push(b'\n');
+        }
+        let mode = fs::metadata(path)
+            .map(|m| m.permissions().mode() & 0o777)
+            .unwrap_or(0o644);
+        before_write();
+        if write_atomically(path, &bytes, mode, Some(&text))? {
+            return Ok(true);
+        }
     }
-    let mode = fs::metadata(path)
-        .map(|m| m.permissions().mode() & 0o777)
-        .unwrap_or(0o644);
-    write_atomically(path, &bytes, mode)
+    Err(InstallError::Contended(path.to_owned()))
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so the
-/// runtime never reads a half-written file.
-fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError> {
+/// runtime never reads a half-written file. With `expected`, only if the
+/// file still holds those bytes just before the rename (whether it wrote):
+/// the window in which another writer's change can be lost shrinks from
+/// the whole read-modify-write to the rename.
+fn write_atomically(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    expected: Option<&[u8]>,
+) -> Result<bool, InstallError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    // Not *.conflist, so the runtime never picks the temporary file up.
-    let temp = dir.join(format!(".{name}.ambpf-{}.tmp", std::process::id()));
+    // Not *.conflist, so the runtime never picks the temporary file up;
+    // one per write, so that writers never share one.
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let write = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let temp = dir.join(format!(".{name}.ambpf-{}-{write}.tmp", std::process::id()));
     let written = fs::write(&temp, bytes)
         .and_then(|()| fs::set_permissions(&temp, fs::Permissions::from_mode(mode)))
-        .and_then(|()| fs::rename(&temp, path));
-    if let Err(e) = written {
+        .and_then(|()| match expected {
+            Some(expected) if fs::read(path)? != expected => Ok(false),
+            _ => fs::rename(&temp, path).map(|()| true),
+        });
+    if !matches!(written, Ok(true)) {
         let _ = fs::remove_file(&temp);
-        return Err(io_err(path)(e));
     }
-    Ok(())
+    written.map_err(io_err(path))
 }
 
 /// Whether `target` is already a copy of `source`: same size and written
@@ -185,23 +237,19 @@ pub fn install_once(config: &InstallConfig) -> Result<Installed, InstallError> {
         if !same_binary(source, &target) {
             let wanted = fs::read(source).map_err(io_err(source))?;
             fs::create_dir_all(&config.bin_dir).map_err(io_err(&config.bin_dir))?;
-            write_atomically(&target, &wanted, 0o755)?;
+            write_atomically(&target, &wanted, 0o755, None)?;
             installed.binary_changed = true;
         }
     }
     let path = find_conflist(&config.conf_dir)?;
-    let text = fs::read(&path).map_err(io_err(&path))?;
-    let invalid = |why: String| InstallError::Invalid {
-        path: path.clone(),
-        why,
-    };
-    let conflist: Value = serde_json::from_slice(&text).map_err(|e| invalid(e.to_string()))?;
-    if let Some(updated) = with_entry(conflist, &plugin_entry(config)).map_err(invalid)? {
-        write_conflist(&path, &updated)?;
-        installed.conflist_changed = true;
-    }
+    installed.conflist_changed = chain(&path, &plugin_entry(config), || {})?;
     installed.conflist = path;
     Ok(installed)
+}
+
+/// Chains `entry` into the conflist at `path` (see [`rewrite_conflist`]).
+fn chain(path: &Path, entry: &Value, before_write: impl FnMut()) -> Result<bool, InstallError> {
+    rewrite_conflist(path, |conflist| with_entry(conflist, entry), before_write)
 }
 
 /// What [`uninstall`] removed, and what it could not.
@@ -276,31 +324,62 @@ fn unchain(path: &Path) -> Result<bool, InstallError> {
     if !text.windows(needle.len()).any(|w| w == needle) {
         return Ok(false);
     }
-    let conflist: Value = serde_json::from_slice(&text).map_err(|e| InstallError::Invalid {
-        path: path.to_owned(),
-        why: e.to_string(),
-    })?;
-    match without_entry(conflist) {
-        Some(updated) => write_conflist(path, &updated).map(|()| true),
-        None => Ok(false),
-    }
+    rewrite_conflist(path, |conflist| Ok(without_entry(conflist)), || {})
 }
 
-/// [`install_once`] now and every `interval`, forever: repairs the entry or
-/// the binary when something removes them.
+/// [`install_once`] now, whenever the configuration directory changes (as
+/// another installer rewrites a conflist), and every `interval` besides,
+/// forever: repairs the entry or the binary when something removes them.
+/// Each repair is logged once; a failure once until it changes.
 pub async fn keep_installed(config: InstallConfig, interval: Duration) {
+    let changes = match super::conf_dir_watch::DirChanges::new(&config.conf_dir) {
+        Ok(changes) => Some(changes),
+        Err(e) => {
+            warn!(
+                "cannot watch {} ({e}): checking the plugin every {} s only",
+                config.conf_dir.display(),
+                interval.as_secs_f64()
+            );
+            None
+        }
+    };
+    let mut failing = None;
     loop {
         match install_once(&config) {
-            Ok(done) if done.conflist_changed || done.binary_changed => info!(
-                "CNI plugin installed in {} (conflist changed: {}, binary changed: {})",
-                done.conflist.display(),
-                done.conflist_changed,
-                done.binary_changed
-            ),
-            Ok(_) => {}
-            Err(e) => warn!("installing the CNI plugin: {e}"),
+            Ok(done) => {
+                if done.conflist_changed {
+                    info!(
+                        "re-chained ambpf-cni into {}: its entry was missing or not as ambpf \
+                         writes it (another installer rewrote the file); the other plugins are \
+                         kept",
+                        done.conflist.display()
+                    );
+                }
+                if done.binary_changed {
+                    info!("copied ambpf-cni into {} again", config.bin_dir.display());
+                }
+                failing = None;
+            }
+            Err(e) => {
+                let text = e.to_string();
+                if failing.as_ref() != Some(&text) {
+                    warn!("installing the CNI plugin: {text}");
+                }
+                failing = Some(text);
+            }
         }
-        tokio::time::sleep(interval).await;
+        match &changes {
+            Some(changes) => {
+                tokio::select! {
+                    changed = changes.changed() => if let Err(e) = changed {
+                        warn!("watching {}: {e}", config.conf_dir.display());
+                        tokio::time::sleep(interval).await;
+                    },
+                    () = tokio::time::sleep(interval) => {}
+                }
+            }
+            None => tokio::time::sleep(interval).await,
+        }
     }
 }
 
@@ -372,6 +451,188 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    /// The plugins' types, in order.
+    fn plugin_types(list: &Value) -> Vec<String> {
+        list["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["type"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// Another installer's version of the network: its own plugin added,
+    /// ambpf's dropped, and a generation of its own.
+    fn rewritten(generation: u64) -> Value {
+        let mut list = network("k8s-pod-network");
+        list["generation"] = json!(generation);
+        list["plugins"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({ "type": "other-installer" }));
+        list
+    }
+
+    #[test]
+    fn a_rewrite_between_read_and_write_is_built_on_not_overwritten() {
+        let dir = TempDir::new();
+        let path = dir.conf_dir().join("10-ptp.conflist");
+        fs::write(&path, network("k8s-pod-network").to_string()).unwrap();
+        let entry = plugin_entry(&dir.config());
+        // Another installer replaces the file after ambpf read it, before
+        // ambpf writes.
+        let mut raced = false;
+        let changed = chain(&path, &entry, || {
+            if !std::mem::replace(&mut raced, true) {
+                write_atomically(&path, rewritten(7).to_string().as_bytes(), 0o644, None).unwrap();
+            }
+        })
+        .unwrap();
+        assert!(changed && raced);
+        let list = read_json(&path);
+        assert_eq!(
+            list["generation"], 7,
+            "the other installer's change was lost"
+        );
+        assert_eq!(
+            plugin_types(&list),
+            ["ptp", "portmap", "other-installer", PLUGIN_TYPE]
+        );
+
+        // One that never stops rewriting: ambpf gives up for this round
+        // rather than overwrite it.
+        let mut generation = 8;
+        write_atomically(
+            &path,
+            rewritten(generation).to_string().as_bytes(),
+            0o644,
+            None,
+        )
+        .unwrap();
+        let contended = chain(&dir.conf_dir().join("10-ptp.conflist"), &entry, || {
+            generation += 1;
+            write_atomically(
+                &path,
+                rewritten(generation).to_string().as_bytes(),
+                0o644,
+                None,
+            )
+            .unwrap();
+        });
+        assert!(
+            matches!(contended, Err(InstallError::Contended(_))),
+            "{contended:?}"
+        );
+        assert_eq!(read_json(&path), rewritten(generation));
+        assert_eq!(file_names(&dir.conf_dir()), ["10-ptp.conflist"]);
+    }
+
+    #[test]
+    fn racing_another_installer_ends_valid_with_both_plugins_once_and_nothing_torn() {
+        let dir = TempDir::new();
+        let config = dir.config();
+        let path = dir.conf_dir().join("10-ptp.conflist");
+        fs::write(&path, rewritten(0).to_string()).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Rewrites the file from its own template, dropping ambpf's entry;
+        // every other time in place and in two halves, as a careless
+        // installer does (a reader can see half a file then).
+        let rewriter = std::thread::spawn({
+            let (path, stop) = (path.clone(), stop.clone());
+            move || {
+                let mut generation = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    generation += 1;
+                    let bytes = rewritten(generation).to_string().into_bytes();
+                    if generation % 2 == 0 {
+                        write_atomically(&path, &bytes, 0o644, None).unwrap();
+                    } else {
+                        use std::io::Write as _;
+                        let mut file = fs::File::create(&path).unwrap();
+                        let (head, tail) = bytes.split_at(bytes.len() / 2);
+                        file.write_all(head).unwrap();
+                        std::thread::sleep(Duration::from_micros(200));
+                        file.write_all(tail).unwrap();
+                    }
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+                generation
+            }
+        });
+        let (mut chained, mut torn) = (0, 0);
+        let racing_until = std::time::Instant::now() + Duration::from_secs(2);
+        while std::time::Instant::now() < racing_until {
+            match install_once(&config) {
+                Ok(done) => chained += usize::from(done.conflist_changed),
+                // Half of the other installer's file: nothing written.
+                Err(InstallError::Invalid { .. } | InstallError::Contended(_)) => torn += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let last = rewriter.join().unwrap();
+        assert!(
+            chained > 0 && last > 10,
+            "no race: {chained} chained, {last} rewrites"
+        );
+
+        // The other installer has stopped with its last version in place
+        // (or ambpf's on top of it): ambpf's next check leaves both.
+        install_once(&config).unwrap();
+        let list = read_json(&path);
+        assert_eq!(
+            plugin_types(&list),
+            ["ptp", "portmap", "other-installer", PLUGIN_TYPE],
+            "after {chained} chains and {torn} torn or contended reads"
+        );
+        assert_eq!(file_names(&dir.conf_dir()), ["10-ptp.conflist"]);
+    }
+
+    #[tokio::test]
+    async fn a_conflist_rewritten_by_another_installer_is_re_chained_at_once() {
+        let dir = TempDir::new();
+        let path = dir.conf_dir().join("10-ptp.conflist");
+        fs::write(&path, network("k8s-pod-network").to_string()).unwrap();
+        // A poll far longer than the test: only the directory's change can
+        // wake the installer in time.
+        let keeper = tokio::spawn(keep_installed(dir.config(), Duration::from_secs(3600)));
+        let chained = || {
+            fs::read(&path)
+                .ok()
+                .and_then(|text| serde_json::from_slice::<Value>(&text).ok())
+                .is_some_and(|list| {
+                    plugin_types(&list).last().map(String::as_str) == Some(PLUGIN_TYPE)
+                })
+        };
+        for generation in 1..=3 {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while !chained() {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "not re-chained in 5 s"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            write_atomically(
+                &path,
+                rewritten(generation).to_string().as_bytes(),
+                0o644,
+                None,
+            )
+            .unwrap();
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !chained() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not re-chained in 5 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        keeper.abort();
+        assert_eq!(read_json(&path)["generation"], 3);
     }
 
     #[test]

@@ -17,10 +17,11 @@
 //!   [`Controller`](crate::controller::Controller).
 //! - [`selection`]: which posted pods are enrolled.
 //! - [`install`]: puts the plugin into the node's CNI configuration and keeps
-//!   it there; takes it out again.
+//!   it there (woken by [`conf_dir_watch`]); takes it out again.
 //! - [`shutdown`]: whether the plugin stays when the installer stops (an
 //!   upgrade) or goes with it (an uninstall).
 
+mod conf_dir_watch;
 pub mod install;
 pub mod selection;
 pub mod server;

@@ -184,11 +184,26 @@ pub(super) async fn handle(
         query: query.clone(),
     };
     let watch = recorded.is_watch();
-    state
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .requests
-        .push(recorded);
+    let token = {
+        let mut state = state.lock().unwrap_or_else(|p| p.into_inner());
+        state.requests.push(recorded);
+        state.token.clone()
+    };
+    // Authentication comes first, discovery included, and says no more than
+    // a real API server does about a wrong or expired token.
+    if let Some(token) = token
+        && parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            != Some(format!("Bearer {token}").as_str())
+    {
+        return Ok(failure(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "Unauthorized",
+        ));
+    }
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
 
     if parts.method == Method::GET

@@ -31,14 +31,16 @@
 //! [`ApiServer::compact`] resource versions (410); end watches with
 //! [`ApiServer::break_watches`] or [`ApiServer::watch_error`]; send
 //! [`ApiServer::send_raw_watch_line`]; [`ApiServer::deny`] a verb on a
-//! resource (403, as RBAC answers); [`ApiServer::shutdown`] and
+//! resource (403, as RBAC answers); accept only one bearer token
+//! ([`ApiServer::require_token`]; any other gets 401, as a real API server
+//! answers a wrong or expired token); [`ApiServer::shutdown`] and
 //! [`ApiServer::restart`] on the same port (the objects survive). A process
 //! of its own reaches it through [`ApiServer::kubeconfig`]; one in a test
 //! node's namespace when it listens there ([`ApiServer::start_in`]).
 //!
 //! Not served: pagination (`limit` is ignored, lists come whole), creation,
-//! deletion and update through the API, other patch types (415), TLS and
-//! authentication.
+//! deletion and update through the API, other patch types (415), TLS, and
+//! authentication other than one bearer token.
 
 use std::{
     collections::{BTreeMap, HashSet},
@@ -333,6 +335,12 @@ impl ApiServer {
             .insert((verb.to_owned(), resource.to_owned()));
     }
 
+    /// Accepts only requests with `Authorization: Bearer <token>` (any
+    /// other gets 401 Unauthorized); `None`: no authentication.
+    pub fn require_token(&self, token: Option<&str>) {
+        self.lock().token = token.map(str::to_owned);
+    }
+
     pub fn allow(&self, verb: &str, resource: &str) {
         self.lock()
             .denied
@@ -501,6 +509,33 @@ mod tests {
             &get("/api/v1/namespaces?watch=true&timeoutSeconds=1"),
         )
         .await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_wrong_or_missing_token_is_401_as_a_real_api_server_answers() {
+        let server = ApiServer::start().await.unwrap();
+        server.require_token(Some("right"));
+        let with = |token: &str| {
+            format!(
+                "GET /api HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
+            )
+        };
+        for request in [get("/api/v1/pods"), with("expired"), with("right-ish")] {
+            let text = raw(&server, &request).await;
+            assert!(text.starts_with("HTTP/1.1 401"), "{text}");
+            assert_eq!(
+                body(&text),
+                json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                    "message": "Unauthorized", "reason": "Unauthorized", "code": 401
+                })
+            );
+        }
+        let text = raw(&server, &with("right")).await;
+        assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+        server.require_token(None);
+        let text = raw(&server, &get("/api/v1/pods")).await;
         assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     }
 

@@ -241,6 +241,8 @@ pub(super) struct State {
     pub(super) history: Vec<Change>,
     pub(super) watches: Vec<Subscription>,
     pub(super) denied: HashSet<(String, String)>,
+    /// The only bearer token accepted, when set (else no authentication).
+    pub(super) token: Option<String>,
     pub(super) requests: Vec<RecordedRequest>,
     pub(super) patches: Vec<RecordedPatch>,
     pub(super) next_uid: u64,

@@ -127,9 +127,10 @@ pub(super) struct Annotator {
     pods: Store<Lenient<WatchedPod>>,
     /// uid -> patches whose result the watch has not shown yet.
     in_flight: HashMap<String, InFlight>,
-    /// The last patch failure logged as a warning, to log a run of the same
-    /// failure once.
-    last_failure: Option<String>,
+    /// uid -> the change whose failure was last logged as a warning, and
+    /// why: each pod's failed change is warned about once, not every retry
+    /// (RBAC without `patch` on pods/status fails every pod every pass).
+    warned: HashMap<String, (Option<Redirection>, String)>,
 }
 
 impl Annotator {
@@ -138,7 +139,7 @@ impl Annotator {
             client,
             pods,
             in_flight: HashMap::new(),
-            last_failure: None,
+            warned: HashMap::new(),
         }
     }
 
@@ -229,23 +230,25 @@ impl Annotator {
                         version,
                         patched_version,
                     );
-                    self.last_failure = None;
+                    self.warned.remove(uid);
                 }
                 Err(PatchError::Gone) => {
                     debug!("pod {namespace}/{name} is gone; not annotating it");
                 }
                 Err(PatchError::Failed(why)) => {
-                    if self.last_failure.as_ref() != Some(&why) {
-                        warn!("pod {namespace}/{name}: {why}; retrying");
+                    let failure = (wanted, why);
+                    if self.warned.get(uid) != Some(&failure) {
+                        warn!("pod {namespace}/{name}: {}; retrying", failure.1);
+                        self.warned.insert(uid.clone(), failure);
                     } else {
-                        debug!("pod {namespace}/{name}: {why}; retrying");
+                        debug!("pod {namespace}/{name}: {}; retrying", failure.1);
                     }
-                    self.last_failure = Some(why);
                     self.in_flight.remove(uid);
                 }
             }
         }
         self.in_flight.retain(|uid, _| present.contains(uid));
+        self.warned.retain(|uid, _| present.contains(uid));
     }
 }
 

@@ -16,6 +16,8 @@ pub(super) struct Engine {
     /// The UIDs last published, for the annotator.
     pub(super) published: watch::Sender<Arc<BTreeSet<String>>>,
     pub(super) pods_changed: Arc<Notify>,
+    /// Where the watches' failures and the first publish are reported.
+    pub(super) health: SourceHealth,
     /// What was last logged about pods and malformed objects.
     pub(super) notes: Notes,
     pub(super) first: bool,
@@ -32,29 +34,40 @@ pub(super) struct Resolved {
 
 type Found = std::collections::BTreeMap<String, Result<crate::zds::NetnsSource, String>>;
 
-/// Logs a watch's failures once per run of failures.
-#[derive(Default)]
-struct StreamHealth {
-    failing: Option<String>,
+/// A watch's failure: logged once per run of the same failure (a 410 is
+/// not one: the watcher lists again), and the agent not Ready meanwhile.
+fn watch_failed(health: &SourceHealth, what: &'static str, error: &watcher::Error) {
+    let text = describe_watch_error(what, error);
+    let problem = health::Problem {
+        kind: failure_kind(error),
+        why: text.clone(),
+    };
+    if matches!(error, watcher::Error::WatchError(status) if status.code == 410) {
+        info!("{text}");
+    } else if health.fail(what, problem) {
+        warn!("{text}; keeping the last known {what} and retrying, not ready meanwhile");
+    } else {
+        debug!("{text}");
+    }
 }
 
-impl StreamHealth {
-    fn failed(&mut self, what: &str, error: &watcher::Error) {
-        let text = describe_watch_error(what, error);
-        if matches!(error, watcher::Error::WatchError(status) if status.code == 410) {
-            info!("{text}");
-        } else if self.failing.as_ref() != Some(&text) {
-            warn!("{text}; keeping the last known {what} and retrying");
-        } else {
-            debug!("{text}");
-        }
-        self.failing = Some(text);
+fn watch_answered(health: &SourceHealth, what: &'static str) {
+    if health.recover(what) {
+        info!("watching {what} again");
     }
+}
 
-    fn ok(&mut self, what: &str) {
-        if self.failing.take().is_some() {
-            info!("watching {what} again");
-        }
+/// The kind of a watch's failure: the API's answer by its code, or
+/// `unreachable` (refused, reset, cut mid-stream: one outage, whatever the
+/// retry meets).
+fn failure_kind(error: &watcher::Error) -> String {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status))
+        | watcher::Error::WatchError(status) => status.code.to_string(),
+        watcher::Error::NoResourceVersion => "no resourceVersion".to_owned(),
+        _ => "unreachable".to_owned(),
     }
 }
 
@@ -63,6 +76,12 @@ fn describe_watch_error(what: &str, error: &watcher::Error) -> String {
         kube::Error::Api(status) if status.code == 403 => {
             format!(
                 "RBAC denies the agent `{verb}` on {what}: {}",
+                status.message
+            )
+        }
+        kube::Error::Api(status) if status.code == 401 => {
+            format!(
+                "the API server rejected the agent's credentials (401) to {verb} {what}: {}",
                 status.message
             )
         }
@@ -96,8 +115,6 @@ impl Engine {
         let mut pod_events = std::pin::pin!(pod_events);
         let mut namespace_events = std::pin::pin!(namespace_events);
         let (mut pods_synced, mut namespaces_synced) = (false, false);
-        let (mut pod_health, mut namespace_health) =
-            (StreamHealth::default(), StreamHealth::default());
         let mut synced = Some(synced);
         let mut tick = tokio::time::interval(self.config.resync);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -108,11 +125,11 @@ impl Engine {
             // the last one (else the pass only checks the namespaces found).
             let (mut dirty, mut changed) = tokio::select! {
                 Some(event) = pod_events.next() => {
-                    let changed = on_event("pods", event, &mut pods_synced, &mut pod_health);
+                    let changed = on_event("pods", event, &mut pods_synced, &self.health);
                     (changed, changed)
                 }
                 Some(event) = namespace_events.next() => {
-                    let changed = on_event("namespaces", event, &mut namespaces_synced, &mut namespace_health);
+                    let changed = on_event("namespaces", event, &mut namespaces_synced, &self.health);
                     (changed, changed)
                 }
                 _ = tick.tick() => (true, false),
@@ -130,16 +147,11 @@ impl Engine {
             loop {
                 let mut progressed = false;
                 if let Some(Some(event)) = pod_events.next().now_or_never() {
-                    changed |= on_event("pods", event, &mut pods_synced, &mut pod_health);
+                    changed |= on_event("pods", event, &mut pods_synced, &self.health);
                     progressed = true;
                 }
                 if let Some(Some(event)) = namespace_events.next().now_or_never() {
-                    changed |= on_event(
-                        "namespaces",
-                        event,
-                        &mut namespaces_synced,
-                        &mut namespace_health,
-                    );
+                    changed |= on_event("namespaces", event, &mut namespaces_synced, &self.health);
                     progressed = true;
                 }
                 if progressed {
@@ -162,6 +174,7 @@ impl Engine {
                 .and_then(|resolver| resolver.retry_in())
                 .map(|after| tokio::time::Instant::now() + after);
             if let Some(synced) = synced.take() {
+                self.health.recover(health::START);
                 let _ = synced.send(());
             }
         }
@@ -246,10 +259,10 @@ impl Engine {
 /// Whether an event changes the caches (the store swaps in a relist only at
 /// `InitDone`); marks the stream synced at `InitDone`.
 fn on_event<K>(
-    what: &str,
+    what: &'static str,
     event: WatchResult<K>,
     synced: &mut bool,
-    health: &mut StreamHealth,
+    health: &SourceHealth,
 ) -> bool
 where
     K: k8s_openapi::Resource
@@ -264,7 +277,7 @@ where
     }
     match event {
         Ok(watcher::Event::InitDone) => {
-            health.ok(what);
+            watch_answered(health, what);
             if !*synced {
                 debug!("{what} synced");
             }
@@ -272,12 +285,12 @@ where
             true
         }
         Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => {
-            health.ok(what);
+            watch_answered(health, what);
             true
         }
         Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => false,
         Err(error) => {
-            health.failed(what, &error);
+            watch_failed(health, what, &error);
             false
         }
     }

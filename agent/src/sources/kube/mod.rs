@@ -15,6 +15,11 @@
 //! reconcile state pinned by an earlier agent against the truth rather than
 //! against an empty set.
 //!
+//! Until the API server answers a list and a watch of both, [`KubeSource::start`]
+//! waits, retrying with backoff and logging each new reason once; while a
+//! watch fails later, the source keeps its last set. Both make the agent not
+//! Ready ([`SourceHealth`]) without changing what is enrolled.
+//!
 //! Relabelling a namespace or a pod enrols or removes its pods at once.
 //! Objects that do not parse are logged and skipped ([`Lenient`]); the rest
 //! still apply. When the API server is unreachable, or a watch fails, the
@@ -29,6 +34,7 @@
 pub mod annotate;
 mod engine;
 mod evaluate;
+pub mod health;
 pub mod lenient;
 pub mod netns;
 pub mod pod;
@@ -45,7 +51,6 @@ use futures::{FutureExt as _, Stream, StreamExt as _};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::{
     Api, Client, Config,
-    api::ListParams,
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{
         WatchStreamExt as _,
@@ -62,6 +67,7 @@ use tracing::{debug, info, warn};
 
 use self::{engine::Engine, evaluate::Notes};
 pub use self::{
+    health::SourceHealth,
     lenient::Lenient,
     netns::{NetnsResolver, PodQuery, ProcNetnsFinder},
     pod::WatchedPod,
@@ -174,6 +180,11 @@ pub fn credentials_available(kubeconfig: Option<&Path>) -> bool {
 /// A client from `kubeconfig`, else the in-cluster service account, else the
 /// default kubeconfig (`KUBECONFIG`, `~/.kube/config`).
 pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, KubeSourceError> {
+    connect(kubeconfig).await.map(|(client, _)| client)
+}
+
+/// [`client`], and the URL of the API server it talks to.
+pub async fn connect(kubeconfig: Option<&Path>) -> Result<(Client, String), KubeSourceError> {
     let config = match kubeconfig {
         Some(path) => {
             let error = |source| KubeSourceError::Kubeconfig {
@@ -199,7 +210,11 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, KubeSourceError
         None => return Err(KubeSourceError::NoCredentials),
     };
     info!("Kubernetes API server: {}", config.cluster_url);
-    Client::try_from(config).map_err(KubeSourceError::Client)
+    let url = config.cluster_url.to_string();
+    Ok((
+        Client::try_from(config).map_err(KubeSourceError::Client)?,
+        url,
+    ))
 }
 
 fn default_kubeconfig() -> PathBuf {
@@ -215,12 +230,15 @@ pub struct KubeSource {
     config: KubeSourceConfig,
     resolver: Box<dyn NetnsResolver>,
     annotate: Option<(ProgrammedPods, ZtunnelPods)>,
+    health: SourceHealth,
+    api_server: String,
 }
 
 /// The running source's tasks; dropping it stops them.
 pub struct KubeSourceHandle {
     tasks: Vec<JoinHandle<()>>,
     caches: KubeCaches,
+    health: SourceHealth,
 }
 
 /// The source's caches of this node's pods and of the namespaces, kept by
@@ -236,6 +254,11 @@ impl KubeSourceHandle {
     /// have delivered (the CNI endpoint).
     pub fn caches(&self) -> KubeCaches {
         self.caches.clone()
+    }
+
+    /// Whether the source serves (see [`SourceHealth`]).
+    pub fn health(&self) -> SourceHealth {
+        self.health.clone()
     }
 
     /// Whether every task still runs (they only end when stopped or on a panic).
@@ -261,7 +284,20 @@ impl KubeSource {
             config,
             resolver,
             annotate: None,
+            health: SourceHealth::new(),
+            api_server: "the API server".to_owned(),
         }
+    }
+
+    /// Names the API server in the log (`client` does not tell its URL).
+    pub fn named(mut self, api_server: impl std::fmt::Display) -> Self {
+        self.api_server = format!("the API server {api_server}");
+        self
+    }
+
+    /// Whether the source serves: follow it from before [`Self::start`].
+    pub fn health(&self) -> SourceHealth {
+        self.health.clone()
     }
 
     /// Replaces network namespace discovery.
@@ -278,8 +314,10 @@ impl KubeSource {
         self
     }
 
-    /// Checks access, starts the reflectors and returns once the first
-    /// complete set has been published into `pods`. Needs a tokio runtime.
+    /// Waits until the API server answers (and RBAC allows) a list and a
+    /// watch of pods and namespaces, retrying with backoff and not Ready
+    /// meanwhile; starts the reflectors and returns once the first complete
+    /// set has been published into `pods`. Needs a tokio runtime.
     pub async fn start(
         self,
         pods: watch::Sender<Arc<SourcePods>>,
@@ -289,12 +327,14 @@ impl KubeSource {
             config,
             resolver,
             annotate,
+            health,
+            api_server,
         } = self;
         if config.node_name.is_empty() {
             return Err(KubeSourceError::NoNodeName);
         }
         let node_selector = format!("spec.nodeName={}", config.node_name);
-        preflight(&client, &node_selector).await?;
+        wait_for_api_server(&client, &node_selector, &health, &api_server, &config).await;
 
         let backoff = || RetryBackoff::new(config.max_backoff);
         let (pod_store, pod_writer) = reflector::store::<Lenient<WatchedPod>>();
@@ -326,6 +366,7 @@ impl KubeSource {
             out: pods,
             published: published_tx,
             pods_changed: pods_changed.clone(),
+            health: health.clone(),
             notes: Notes::default(),
             first: true,
             last: None,
@@ -335,11 +376,15 @@ impl KubeSource {
             namespaces: namespace_store,
         };
         let (synced_tx, synced_rx) = oneshot::channel();
-        let mut tasks = vec![tokio::spawn(engine.run(
-            pod_events,
-            namespace_events,
-            synced_tx,
-        ))];
+        let mut tasks = vec![
+            tokio::spawn(engine.run(pod_events, namespace_events, synced_tx)),
+            tokio::spawn(health::recheck(
+                client.clone(),
+                node_selector,
+                health.clone(),
+                config.resync,
+            )),
+        ];
         if let Some((programmed, ztunnel)) = annotate {
             let annotator = annotate::Annotator::new(client, pod_store);
             tasks.push(tokio::spawn(annotator.run(
@@ -350,31 +395,65 @@ impl KubeSource {
                 config.resync,
             )));
         }
-        let handle = KubeSourceHandle { tasks, caches };
+        let handle = KubeSourceHandle {
+            tasks,
+            caches,
+            health,
+        };
         synced_rx.await.map_err(|_| KubeSourceError::Stopped)?;
         Ok(handle)
     }
 }
 
-/// Lists pods of the node and namespaces once, so that missing credentials
-/// or RBAC are a clear start-up error rather than a retry loop.
-async fn preflight(client: &Client, node_selector: &str) -> Result<(), KubeSourceError> {
-    let params = ListParams::default().fields(node_selector).limit(1);
-    let pods = Api::<Lenient<WatchedPod>>::all(client.clone())
-        .list(&params)
-        .await;
-    check("list", "pods", pods.map(drop))?;
-    let namespaces = Api::<Lenient<Namespace>>::all(client.clone())
-        .list(&ListParams::default().limit(1))
-        .await;
-    check("list", "namespaces", namespaces.map(drop))
+/// Probes the API server until it answers what the source needs; each new
+/// reason it does not is logged once, and is the agent's readiness answer.
+async fn wait_for_api_server(
+    client: &Client,
+    node_selector: &str,
+    health: &SourceHealth,
+    api_server: &str,
+    config: &KubeSourceConfig,
+) {
+    let mut backoff = RetryBackoff::new(config.max_backoff);
+    let mut failing = false;
+    loop {
+        let Err(error) = health::probe(client, node_selector).await else {
+            if failing {
+                info!(
+                    "{api_server} answers: listing the pods of node {}",
+                    config.node_name
+                );
+            }
+            return;
+        };
+        let why = format!("{api_server}: {error}");
+        let kind = match &error {
+            KubeSourceError::Forbidden { verb, resource, .. } => format!("403 {verb} {resource}"),
+            KubeSourceError::Unauthorized { .. } => "401".to_owned(),
+            _ => "unreachable".to_owned(),
+        };
+        let problem = health::Problem {
+            kind,
+            why: format!("not ready: {why}"),
+        };
+        if health.fail(health::START, problem) {
+            warn!(
+                "{why}; not ready, retrying with backoff (up to {} s)",
+                config.max_backoff.as_secs()
+            );
+        } else {
+            debug!("{why}");
+        }
+        failing = true;
+        tokio::time::sleep(backoff.next().unwrap_or(config.max_backoff)).await;
+    }
 }
 
-fn check(
+fn check<T>(
     verb: &'static str,
     resource: &'static str,
-    result: Result<(), kube::Error>,
-) -> Result<(), KubeSourceError> {
+    result: Result<T, kube::Error>,
+) -> Result<T, KubeSourceError> {
     result.map_err(|e| api_error(verb, resource, e))
 }
 
