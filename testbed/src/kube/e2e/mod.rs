@@ -9,7 +9,9 @@
 //! leave no trace in it: a scenario that cannot tell captured from
 //! uncaptured fails.
 
+mod bad_input;
 mod client;
+mod cni_config;
 mod control_plane;
 mod enrolment;
 mod istio_agent;

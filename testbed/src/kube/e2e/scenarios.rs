@@ -20,7 +20,7 @@ fn every_mode(_: &str) -> bool {
     true
 }
 
-pub const ALL: [Scenario; 12] = [
+pub const ALL: [Scenario; 15] = [
     Scenario {
         name: "first-connection",
         applies: every_mode,
@@ -75,6 +75,21 @@ pub const ALL: [Scenario; 12] = [
         name: "rollout-restart",
         applies: every_mode,
         run: super::rollout::rollout_restart,
+    },
+    Scenario {
+        name: "rbac-lacking-a-verb",
+        applies: super::bad_input::ebpf_mode,
+        run: super::bad_input::rbac_lacking_a_verb,
+    },
+    Scenario {
+        name: "api-server-down",
+        applies: super::bad_input::ebpf_mode,
+        run: super::bad_input::api_server_down,
+    },
+    Scenario {
+        name: "conflist-rewritten",
+        applies: super::bad_input::ebpf_mode,
+        run: super::cni_config::conflist_rewritten,
     },
     Scenario {
         name: "uninstall",
