@@ -104,9 +104,11 @@ pub(super) fn is_reply_rule(rule: &RuleMessage, family: IpFamily) -> bool {
         && !narrowed
 }
 
-/// `local default dev lo table 100`. For a deletion the protocol is left
-/// unspecified and the scope is `RT_SCOPE_NOWHERE`, both wildcards to the
-/// kernel (as `ip route del` sends them).
+/// `local default dev lo table 100`, with the protocol Istio's node agent
+/// gives it (`boot`, netlink's default for a route added without one: `ip
+/// route` prints Istio's and ours alike). For a deletion the protocol is
+/// left unspecified and the scope is `RT_SCOPE_NOWHERE`, both wildcards to
+/// the kernel (as `ip route del` sends them).
 pub(super) fn reply_route(family: IpFamily, lo_index: u32, for_delete: bool) -> RouteMessage {
     let mut route = RouteMessage::default();
     route.header.address_family = family.address_family();
@@ -117,7 +119,7 @@ pub(super) fn reply_route(family: IpFamily, lo_index: u32, for_delete: bool) -> 
         route.header.protocol = RouteProtocol::Unspec;
         route.header.scope = RouteScope::NoWhere;
     } else {
-        route.header.protocol = RouteProtocol::Static;
+        route.header.protocol = RouteProtocol::Boot;
         route.header.scope = RouteScope::Host;
     }
     route.attributes = vec![

@@ -28,6 +28,16 @@ impl Cluster {
     /// then the DaemonSet's rollout. Fails if ambpf's release is installed:
     /// uninstall it first.
     pub fn install_istio_cni(&self, nftables: bool) -> Result<()> {
+        self.install_istio_cni_with(nftables, &[])
+    }
+
+    /// [`Cluster::install_istio_cni`] with `overrides` in place of the
+    /// values of the same name (or added).
+    pub fn install_istio_cni_with(
+        &self,
+        nftables: bool,
+        overrides: &[(&'static str, &str)],
+    ) -> Result<()> {
         if self.release_installed()? {
             bail!(
                 "ambpf's release is installed: uninstall it before Istio's agent \
@@ -41,7 +51,15 @@ impl Cluster {
             SYSTEM_NAMESPACE,
             "--create-namespace",
         ]);
-        for (name, value) in istio_cni_helm_values(nftables) {
+        let values = istio_cni_helm_values(nftables)
+            .into_iter()
+            .filter(|(name, _)| !overrides.iter().any(|(o, _)| o == name))
+            .chain(
+                overrides
+                    .iter()
+                    .map(|(name, value)| (*name, (*value).to_owned())),
+            );
+        for (name, value) in values {
             cmd.args(["--set", &format!("{name}={value}")]);
         }
         let out = cmd.args(["--wait", "--timeout", "120s"]).output()?;

@@ -14,10 +14,12 @@ mod client;
 mod cni_config;
 mod control_plane;
 mod enrolment;
+mod fidelity;
 mod istio_agent;
 mod lifecycle;
 mod node_state;
 mod rollout;
+mod rule_dump;
 mod scale;
 mod scenarios;
 

@@ -20,7 +20,14 @@ fn every_mode(_: &str) -> bool {
     true
 }
 
-pub const ALL: [Scenario; 15] = [
+pub const ALL: &[Scenario] = &[
+    // First: Istio's agent, installed in its course, must find no other
+    // ambient pod to enrol.
+    Scenario {
+        name: "rule-fidelity",
+        applies: super::fidelity::compared_mode,
+        run: super::fidelity::rule_fidelity,
+    },
     Scenario {
         name: "first-connection",
         applies: every_mode,
