@@ -248,6 +248,11 @@ struct Summary {
 }
 
 fn generate(run: &Run, stop_file: &Path, max: Duration) -> io::Result<()> {
+    // The image may have no /tmp: the stop file's directory is made here,
+    // so that the caller only has to create the file.
+    if let Some(dir) = stop_file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     let started = Instant::now();
     let counters = Arc::new(Counters::default());
     let stopping = Arc::new(AtomicBool::new(false));
