@@ -11,6 +11,9 @@
 //! - etcd: `go.etcd.io/etcd/server/v3`, whose root is the `etcd` command,
 //!   through the same kind of wrapper (its `go.mod` replaces its siblings
 //!   with local paths too).
+//! - CoreDNS: `github.com/coredns/coredns`, the cluster's DNS
+//!   ([`super::coredns`]), through the same kind of wrapper, with the
+//!   plugins of its release's `plugin.cfg`.
 //!
 //! containerd and runc are Debian's (`containerd` 1.6, `runc`): kubelet
 //! 1.37 still talks to containerd 1.6 (it warns that the CRI lacks
@@ -33,6 +36,8 @@ pub const KUBERNETES: &str = "v1.37.2";
 /// The etcd release Kubernetes 1.37 is tested with (kubeadm's 3.7.0),
 /// at its newest patch.
 pub const ETCD: &str = "v3.7.3";
+/// The CoreDNS release (kubeadm 1.37 deploys the 1.1x line).
+pub const COREDNS: &str = "v1.15.0";
 
 /// The Kubernetes commands the node runs, and kubectl.
 pub const KUBERNETES_COMMANDS: [&str; 6] = [
@@ -71,6 +76,14 @@ impl Components {
         self.cache.join(format!("etcd-{ETCD}"))
     }
 
+    pub fn coredns_dir(&self) -> PathBuf {
+        self.cache.join(format!("coredns-{COREDNS}"))
+    }
+
+    pub fn coredns(&self) -> PathBuf {
+        self.coredns_dir().join("bin/coredns")
+    }
+
     /// One Kubernetes command (`kubelet`, `kubectl`, ...).
     pub fn kube(&self, command: &str) -> PathBuf {
         self.kubernetes_dir().join("bin").join(command)
@@ -90,7 +103,7 @@ impl Components {
         KUBERNETES_COMMANDS
             .iter()
             .map(|c| self.kube(c))
-            .chain([self.etcd()])
+            .chain([self.etcd(), self.coredns()])
             .chain(
                 super::istio::ISTIO_CNI_BINARIES
                     .map(|b| super::istio::istio_dir(&self.cache).join("bin").join(b)),
@@ -117,16 +130,27 @@ impl Components {
             );
         }
         super::istio::build_istio_cni(&self.cache)?;
-        if self.etcd().is_file() {
-            println!("etcd {ETCD}: cached in {}", self.etcd_dir().display());
-        } else {
-            let started = Instant::now();
-            build_etcd(&go, &self.etcd_dir())?;
-            println!(
-                "etcd {ETCD}: built in {:.0} s into {}",
-                started.elapsed().as_secs_f64(),
-                self.etcd_dir().display()
-            );
+        // Each module's root package is its command.
+        for (name, version, binary, module) in [
+            ("etcd", ETCD, self.etcd(), "go.etcd.io/etcd/server/v3"),
+            (
+                "coredns",
+                COREDNS,
+                self.coredns(),
+                "github.com/coredns/coredns",
+            ),
+        ] {
+            if binary.is_file() {
+                println!("{name} {version}: cached in {}", binary.display());
+            } else {
+                let started = Instant::now();
+                build_wrapped(&go, name, module, version, &binary)?;
+                println!(
+                    "{name} {version}: built in {:.0} s into {}",
+                    started.elapsed().as_secs_f64(),
+                    binary.display()
+                );
+            }
         }
         Ok(())
     }
@@ -198,20 +222,26 @@ fn build_kubernetes(go: &Path, dir: &Path) -> Result<()> {
     run(&mut build)
 }
 
-fn build_etcd(go: &Path, dir: &Path) -> Result<()> {
+/// Builds the command at the root of `module@version` into `binary`, through a wrapper
+/// module beside `binary`'s directory: `go build` of a dependency ignores
+/// the `replace` directives of its own `go.mod` (etcd's point at sibling
+/// paths), and a wrapper pins the release.
+fn build_wrapped(go: &Path, name: &str, module: &str, version: &str, binary: &Path) -> Result<()> {
+    let dir = binary
+        .parent()
+        .and_then(Path::parent)
+        .context("a component's binary lives in <dir>/bin")?;
     let src = dir.join("src");
     fs::create_dir_all(&src)?;
     fs::write(
         src.join("go.mod"),
-        format!(
-            "module ambpf.local/etcd-build\n\ngo 1.26.0\n\nrequire go.etcd.io/etcd/server/v3 {ETCD}\n"
-        ),
+        format!("module ambpf.local/{name}-build\n\ngo 1.26.0\n\nrequire {module} {version}\n"),
     )?;
     let mut build = go_command(go, &src);
     build
         .args(["build", "-trimpath", "-ldflags", "-s -w", "-o"])
-        .arg(dir.join("bin/etcd"))
-        .arg("go.etcd.io/etcd/server/v3");
+        .arg(binary)
+        .arg(module);
     run(&mut build)
 }
 

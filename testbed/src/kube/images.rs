@@ -22,9 +22,9 @@ pub const ZTUNNEL: &str = "localhost/ambpf/ztunnel-double:1";
 
 const BUSYBOX: &str = "/usr/bin/busybox";
 /// busybox applets the app image links, for tests' `kubectl exec`.
-const APPLETS: [&str; 14] = [
+const APPLETS: [&str; 15] = [
     "sh", "nc", "httpd", "wget", "sleep", "cat", "echo", "ls", "ps", "kill", "ip", "date", "seq",
-    "timeout",
+    "timeout", "nslookup",
 ];
 
 /// Builds the node's own images under `<state>/images` and imports them, and
@@ -111,7 +111,7 @@ pub fn import_all(
 
 /// `ctr images import`, then a check that `reference` is what it stored
 /// (`cargo xtask image` names the image in full in the archive's index).
-fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()> {
+pub(super) fn import(layout: &Layout, archive: &Path, reference: Option<&str>) -> Result<()> {
     // The node's mount namespace has its own working directory.
     let archive = archive
         .canonicalize()

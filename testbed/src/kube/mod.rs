@@ -17,6 +17,7 @@
 
 pub mod bench;
 pub mod components;
+pub mod coredns;
 pub mod daemons;
 pub mod e2e;
 pub mod host;
@@ -102,7 +103,8 @@ pub struct UpOptions {
 }
 
 /// Brings the node up, or finishes bringing it up; returns once the node
-/// is Ready. On failure the node is left for `status` and `down`.
+/// is Ready and the cluster's DNS answers. On failure the node is left for
+/// `status` and `down`.
 pub fn up(layout: &Layout, components: &Components, options: &UpOptions) -> Result<()> {
     let missing = components.missing();
     if !missing.is_empty() {
@@ -184,6 +186,7 @@ pub fn up(layout: &Layout, components: &Components, options: &UpOptions) -> Resu
         components::ETCD,
         daemons::cgroup_driver()
     );
+    coredns::deploy(layout, components)?;
     Ok(())
 }
 
@@ -348,6 +351,24 @@ pub fn kubectl(layout: &Layout, components: &Components, args: &[&str]) -> Resul
         );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `kubectl apply -f -` with `yaml`, as cluster admin.
+pub fn kubectl_apply(layout: &Layout, components: &Components, yaml: &str) -> Result<()> {
+    let mut cmd = in_node(layout, &components.kube("kubectl").display().to_string());
+    cmd.arg(format!(
+        "--kubeconfig={}",
+        layout.admin_kubeconfig().display()
+    ))
+    .args(["apply", "-f", "-"]);
+    let out = crate::output_with_stdin(&mut cmd, yaml.as_bytes())?;
+    if !out.status.success() {
+        bail!(
+            "kubectl apply: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
 }
 
 pub(crate) fn run_checked(cmd: &mut Command) -> Result<()> {

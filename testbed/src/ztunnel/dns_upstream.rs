@@ -29,7 +29,7 @@ use super::{
 
 /// How long one forwarded query may take before it is answered SERVFAIL
 /// (a stub resolver retries after about 5 s).
-pub(super) const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
+const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 /// A UDP response is read whole, whatever size the client allowed.
 const UDP_RESPONSE_MAX: usize = u16::MAX as usize;
 

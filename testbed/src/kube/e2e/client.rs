@@ -48,23 +48,7 @@ impl Cluster {
 
     /// `kubectl apply -f -` with `yaml`.
     pub fn apply(&self, yaml: &str) -> Result<()> {
-        let mut cmd = in_node(
-            &self.layout,
-            &self.components.kube("kubectl").display().to_string(),
-        );
-        cmd.arg(format!(
-            "--kubeconfig={}",
-            self.layout.admin_kubeconfig().display()
-        ))
-        .args(["apply", "-f", "-"]);
-        let out = crate::output_with_stdin(&mut cmd, yaml.as_bytes())?;
-        if !out.status.success() {
-            bail!(
-                "kubectl apply: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(())
+        crate::kube::kubectl_apply(&self.layout, &self.components, yaml)
     }
 
     /// A JSON object from `kubectl get <args> -o json`.
