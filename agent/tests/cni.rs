@@ -568,6 +568,10 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
+fn is_chained(conflist: &Path, binary: &Path) -> bool {
+    ours(&read_json(conflist)).len() == 1 && binary.exists()
+}
+
 fn ours(list: &Value) -> Vec<Value> {
     list["plugins"]
         .as_array()
@@ -739,7 +743,11 @@ impl Installer {
             _dir: dir,
         };
         installer.wait_for_log("on shutdown ambpf-cni").await;
-        assert!(installer.chained(), "{}", installer.log());
+        let (conflist, binary) = (installer.conflist.clone(), installer.binary.clone());
+        installer
+            .process
+            .wait_until("chained the plugin", |_| is_chained(&conflist, &binary))
+            .await;
         installer
     }
 
@@ -755,7 +763,7 @@ impl Installer {
 
     /// Whether the plugin is in the conflist and its binary in place.
     fn chained(&self) -> bool {
-        ours(&read_json(&self.conflist)).len() == 1 && self.binary.exists()
+        is_chained(&self.conflist, &self.binary)
     }
 
     /// SIGTERM, as the kubelet stops the container; its exit status.

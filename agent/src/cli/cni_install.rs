@@ -8,7 +8,7 @@ use super::{CniInstallArgs, run::shutdown_signal};
 use crate::sources;
 
 pub(super) fn cni_install(args: CniInstallArgs) -> Result<()> {
-    use crate::cni::install::{InstallConfig, install_once, keep_installed};
+    use crate::cni::install::{InstallConfig, Installed, install_once, install_then_keep};
     let owner = args.owner_lookup();
     let plugin_binary = match args.plugin_binary {
         Some(path) => path,
@@ -24,14 +24,16 @@ pub(super) fn cni_install(args: CniInstallArgs) -> Result<()> {
         agent_socket: args.agent_socket,
         agent_timeout_seconds: args.agent_timeout,
     };
-    let done = install_once(&config)?;
-    println!(
-        "ambpf-cni chained in {} (conflist changed: {}, binary changed: {})",
-        done.conflist.display(),
-        done.conflist_changed,
-        done.binary_changed
-    );
+    let chained = |done: &Installed| {
+        println!(
+            "ambpf-cni chained in {} (conflist changed: {}, binary changed: {})",
+            done.conflist.display(),
+            done.conflist_changed,
+            done.binary_changed
+        )
+    };
     let Some(every) = args.watch else {
+        chained(&install_once(&config)?);
         return Ok(());
     };
     let every = std::time::Duration::try_from_secs_f64(every).context("--watch")?;
@@ -56,7 +58,7 @@ pub(super) fn cni_install(args: CniInstallArgs) -> Result<()> {
                 Err(why) => tracing::warn!("on shutdown ambpf-cni will stay chained: {why}"),
             }
             tokio::select! {
-                () = keep_installed(config.clone(), every) => {}
+                () = install_then_keep(config.clone(), every, chained) => {}
                 () = shutdown => {}
             }
             let action = match owner {

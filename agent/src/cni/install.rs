@@ -327,25 +327,103 @@ fn unchain(path: &Path) -> Result<bool, InstallError> {
     rewrite_conflist(path, |conflist| Ok(without_entry(conflist)), || {})
 }
 
+/// When to look at the CNI configuration again: as soon as its directory
+/// changes (another installer writing a conflist) and every `interval`
+/// besides.
+struct Checks {
+    changes: Option<super::conf_dir_watch::DirChanges>,
+    conf_dir: PathBuf,
+    interval: Duration,
+}
+
+impl Checks {
+    fn new(conf_dir: &Path, interval: Duration) -> Self {
+        let changes = match super::conf_dir_watch::DirChanges::new(conf_dir) {
+            Ok(changes) => Some(changes),
+            Err(e) => {
+                warn!(
+                    "cannot watch {} ({e}): checking the plugin every {} s only",
+                    conf_dir.display(),
+                    interval.as_secs_f64()
+                );
+                None
+            }
+        };
+        Self {
+            changes,
+            conf_dir: conf_dir.to_owned(),
+            interval,
+        }
+    }
+
+    async fn next(&self) {
+        let Some(changes) = &self.changes else {
+            return tokio::time::sleep(self.interval).await;
+        };
+        tokio::select! {
+            changed = changes.changed() => if let Err(e) = changed {
+                warn!("watching {}: {e}", self.conf_dir.display());
+                tokio::time::sleep(self.interval).await;
+            },
+            () = tokio::time::sleep(self.interval) => {}
+        }
+    }
+}
+
+/// Logs a failure to install once until it changes.
+fn failed(failing: &mut Option<String>, error: &InstallError, waiting: bool) {
+    let text = error.to_string();
+    if failing.as_ref() != Some(&text) {
+        if waiting {
+            warn!(
+                "cannot chain the CNI plugin yet: {text}; waiting for the configuration (the \
+                 network plugin may not have written it yet)"
+            );
+        } else {
+            warn!("installing the CNI plugin: {text}");
+        }
+    }
+    *failing = Some(text);
+}
+
+/// [`install_once`] until it succeeds, then [`keep_installed`], forever.
+/// At a node's start the network plugin may not have written its conflist
+/// yet (or be halfway through): ambpf's installer waits for it, as Istio's
+/// does, rather than fail and be restarted with a growing backoff. `chained`
+/// is told the first success.
+pub async fn install_then_keep(
+    config: InstallConfig,
+    interval: Duration,
+    chained: impl FnOnce(&Installed),
+) {
+    let checks = Checks::new(&config.conf_dir, interval);
+    let mut failing = None;
+    loop {
+        match install_once(&config) {
+            Ok(done) => {
+                chained(&done);
+                break;
+            }
+            Err(e) => failed(&mut failing, &e, true),
+        }
+        checks.next().await;
+    }
+    checks.next().await;
+    keep(&config, &checks).await
+}
+
 /// [`install_once`] now, whenever the configuration directory changes (as
 /// another installer rewrites a conflist), and every `interval` besides,
 /// forever: repairs the entry or the binary when something removes them.
 /// Each repair is logged once; a failure once until it changes.
 pub async fn keep_installed(config: InstallConfig, interval: Duration) {
-    let changes = match super::conf_dir_watch::DirChanges::new(&config.conf_dir) {
-        Ok(changes) => Some(changes),
-        Err(e) => {
-            warn!(
-                "cannot watch {} ({e}): checking the plugin every {} s only",
-                config.conf_dir.display(),
-                interval.as_secs_f64()
-            );
-            None
-        }
-    };
+    keep(&config, &Checks::new(&config.conf_dir, interval)).await
+}
+
+async fn keep(config: &InstallConfig, checks: &Checks) {
     let mut failing = None;
     loop {
-        match install_once(&config) {
+        match install_once(config) {
             Ok(done) => {
                 if done.conflist_changed {
                     info!(
@@ -360,26 +438,9 @@ pub async fn keep_installed(config: InstallConfig, interval: Duration) {
                 }
                 failing = None;
             }
-            Err(e) => {
-                let text = e.to_string();
-                if failing.as_ref() != Some(&text) {
-                    warn!("installing the CNI plugin: {text}");
-                }
-                failing = Some(text);
-            }
+            Err(e) => failed(&mut failing, &e, false),
         }
-        match &changes {
-            Some(changes) => {
-                tokio::select! {
-                    changed = changes.changed() => if let Err(e) = changed {
-                        warn!("watching {}: {e}", config.conf_dir.display());
-                        tokio::time::sleep(interval).await;
-                    },
-                    () = tokio::time::sleep(interval) => {}
-                }
-            }
-            None => tokio::time::sleep(interval).await,
-        }
+        checks.next().await;
     }
 }
 
@@ -633,6 +694,58 @@ mod tests {
         }
         keeper.abort();
         assert_eq!(read_json(&path)["generation"], 3);
+    }
+
+    #[tokio::test]
+    async fn before_the_network_plugin_writes_its_conflist_the_installer_waits_for_it() {
+        let dir = TempDir::new();
+        let path = dir.conf_dir().join("10-ptp.conflist");
+        let (told, mut first) = tokio::sync::mpsc::unbounded_channel();
+        // A poll far longer than the test: the conflist's arrival wakes it.
+        let installer = tokio::spawn(install_then_keep(
+            dir.config(),
+            Duration::from_secs(3600),
+            move |done: &Installed| told.send(done.conflist.clone()).unwrap(),
+        ));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!installer.is_finished(), "gave up without a conflist");
+        assert!(first.try_recv().is_err());
+        // The network plugin's installer, halfway and then done.
+        fs::write(&path, b"{ \"cniVersion\": ").unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        write_atomically(
+            &path,
+            network("k8s-pod-network").to_string().as_bytes(),
+            0o644,
+            None,
+        )
+        .unwrap();
+        let chained_in = tokio::time::timeout(Duration::from_secs(5), first.recv())
+            .await
+            .expect("chained once the conflist is there")
+            .unwrap();
+        assert_eq!(chained_in, path);
+        assert_eq!(
+            plugin_types(&read_json(&path)),
+            ["ptp", "portmap", PLUGIN_TYPE]
+        );
+        // Then kept: a rewrite is re-chained.
+        write_atomically(
+            &path,
+            network("k8s-pod-network").to_string().as_bytes(),
+            0o644,
+            None,
+        )
+        .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while plugin_types(&read_json(&path)).len() != 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not re-chained in 5 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        installer.abort();
     }
 
     #[test]
