@@ -28,7 +28,8 @@ use super::rule_dump::{
 use super::scenarios::redirection;
 
 /// A difference between Istio's agent and ambpf that has a reason (given in
-/// docs/parity.md, "Against Istio's own node agent").
+/// docs/parity.md, "Against Istio's own node agent"): a line, without its
+/// indentation, that only one side has.
 pub struct Explained {
     pub mode: &'static str,
     pub section: &'static str,
@@ -36,8 +37,79 @@ pub struct Explained {
     pub line: &'static str,
 }
 
+const fn only_ambpf(mode: &'static str, section: &'static str, line: &'static str) -> Explained {
+    Explained {
+        mode,
+        section,
+        side: Side::Ambpf,
+        line,
+    }
+}
+
+const fn only_istio(mode: &'static str, section: &'static str, line: &'static str) -> Explained {
+    Explained {
+        mode,
+        section,
+        side: Side::Istio,
+        line,
+    }
+}
+
+const POD_NFT: &str = "pod nft list ruleset";
+const NODE_NFT: &str = "node nft list ruleset";
+
 /// Every difference ambpf keeps, by mode; docs/parity.md says why.
-pub const EXPLAINED: &[Explained] = &[];
+pub const EXPLAINED: &[Explained] = &[
+    // ambpf's tables say whose they are.
+    only_ambpf(
+        "nftables",
+        POD_NFT,
+        r#"comment "ambpf: Istio ambient redirection""#,
+    ),
+    only_ambpf(
+        "nftables",
+        NODE_NFT,
+        r#"comment "ambpf: Istio ambient redirection""#,
+    ),
+    // A probe set member names its owner by netns cookie, not pod UID.
+    only_istio(
+        "nftables",
+        NODE_NFT,
+        r#"comment "UUID of the pods that are part of ambient mesh""#,
+    ),
+    only_ambpf("nftables", NODE_NFT, r#"comment "ambient pods' addresses""#),
+    only_istio(
+        "nftables",
+        NODE_NFT,
+        r#"elements = { <pod-ip> comment "<pod-uid>" }"#,
+    ),
+    only_ambpf(
+        "nftables",
+        NODE_NFT,
+        r#"elements = { <pod-ip> comment "netns cookie <cookie>" }"#,
+    ),
+    // Probes told apart by a local socket, not by kubelet's UID.
+    only_istio(
+        "nftables",
+        NODE_NFT,
+        "meta l4proto tcp meta skuid 0 ip daddr @istio-inpod-probes-v4 counter snat ip to 169.254.7.127",
+    ),
+    only_ambpf(
+        "nftables",
+        NODE_NFT,
+        "meta l4proto tcp meta skuid >= 0 ip daddr @istio-inpod-probes-v4 counter snat ip to 169.254.7.127",
+    ),
+    only_istio(
+        "nftables",
+        NODE_NFT,
+        "meta l4proto tcp meta skuid 0 ip6 daddr @istio-inpod-probes-v6 counter snat ip6 to fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+    ),
+    only_ambpf(
+        "nftables",
+        NODE_NFT,
+        "meta l4proto tcp meta skuid >= 0 ip6 daddr @istio-inpod-probes-v6 counter snat ip6 to fd16:9254:7127:1337:ffff:ffff:ffff:ffff",
+    ),
+];
 
 /// Istio's values that set what ambpf decides alone: ambpf writes IPv6
 /// rules, in the pod and on the node, whenever the kernel has IPv6 (as
@@ -104,7 +176,7 @@ pub fn rule_fidelity(cluster: &Cluster, release: &Release) -> Result<String> {
 fn matches(explained: &Explained, difference: &Difference) -> bool {
     explained.section == difference.section
         && explained.side == difference.side
-        && explained.line == difference.line
+        && explained.line == difference.line.trim_start()
 }
 
 /// Istio's agent installed (`nftables` picks its backend) while `read`
