@@ -371,7 +371,11 @@ fn render(values: Option<&Values>) -> Rendered {
             job: typed(take("Job")),
             weights,
         };
-        assert!(hooks.is_empty(), "unchecked hook objects: {:?}", hooks.keys());
+        assert!(
+            hooks.is_empty(),
+            "unchecked hook objects: {:?}",
+            hooks.keys()
+        );
         hook
     });
     let has_role = objects.contains_key("Role");
@@ -901,7 +905,10 @@ fn check_rbac(rendered: &Rendered, pod: &PodSpec) {
 /// whose own account may only read and delete this release's DaemonSet,
 /// waiting as long as the values say.
 fn check_uninstall_hook(values: &Values, rendered: &Rendered) {
-    assert_eq!(rendered.uninstall_hook.is_some(), values.uninstall_hook.enabled);
+    assert_eq!(
+        rendered.uninstall_hook.is_some(),
+        values.uninstall_hook.enabled
+    );
     let Some(hook) = &rendered.uninstall_hook else {
         return;
     };
@@ -912,14 +919,23 @@ fn check_uninstall_hook(values: &Values, rendered: &Rendered) {
 
     // Its RBAC exists before the Job runs.
     for kind in ["ServiceAccount", "Role", "RoleBinding"] {
-        assert!(hook.weights[kind] < hook.weights["Job"], "{kind} after the Job");
+        assert!(
+            hook.weights[kind] < hook.weights["Job"],
+            "{kind} after the Job"
+        );
     }
     let rules = hook.role.rules.as_deref().unwrap_or_default();
     assert_eq!(rules.len(), 1, "{rules:?}");
     let rule = &rules[0];
     assert_eq!(rule.api_groups.as_deref(), Some(&["apps".to_owned()][..]));
-    assert_eq!(rule.resources.as_deref(), Some(&["daemonsets".to_owned()][..]));
-    assert_eq!(rule.resource_names.as_deref(), Some(&[daemonset.clone()][..]));
+    assert_eq!(
+        rule.resources.as_deref(),
+        Some(&["daemonsets".to_owned()][..])
+    );
+    assert_eq!(
+        rule.resource_names.as_deref(),
+        Some(&[daemonset.clone()][..])
+    );
     assert_eq!(
         rule.verbs.iter().cloned().collect::<BTreeSet<_>>(),
         set(&["get", "delete"])

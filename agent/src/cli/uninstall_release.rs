@@ -93,10 +93,7 @@ async fn run(args: UninstallReleaseArgs) -> Result<()> {
                     last_reported = Some(left);
                 }
             }
-            Err(e) => warn!(
-                "DaemonSet {name}: {}",
-                api_error("get", "daemonsets", e)
-            ),
+            Err(e) => warn!("DaemonSet {name}: {}", api_error("get", "daemonsets", e)),
         }
         if Instant::now() >= deadline {
             warn!(
