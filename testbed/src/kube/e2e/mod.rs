@@ -13,6 +13,7 @@ mod bad_input;
 mod client;
 mod cni_config;
 mod control_plane;
+mod dns;
 mod enrolment;
 mod fidelity;
 mod istio_agent;

@@ -99,6 +99,11 @@ pub const ALL: &[Scenario] = &[
         run: super::cni_config::conflist_rewritten,
     },
     Scenario {
+        name: "service-name",
+        applies: every_mode,
+        run: super::dns::service_name,
+    },
+    Scenario {
         name: "uninstall",
         applies: every_mode,
         run: uninstall,
@@ -162,7 +167,7 @@ spec:
     cluster.rollout(namespace, "web")
 }
 
-fn setup(cluster: &Cluster, release: &Release) -> Result<(String, String)> {
+pub(super) fn setup(cluster: &Cluster, release: &Release) -> Result<(String, String)> {
     let (ambient, plain) = namespaces(release);
     ensure_web(cluster, &ambient, true)?;
     ensure_web(cluster, &plain, false)?;
