@@ -19,12 +19,6 @@ use crate::kube::daemons;
 const HEALTH_PORT: u16 = 8000;
 const AGENT_SELECTOR: &str = "app.kubernetes.io/name=ambpf";
 
-/// Where these scenarios run: the pod source, the readiness and the CNI
-/// installer they exercise are the same in every mode.
-pub fn ebpf_mode(mode: &str) -> bool {
-    mode == "ebpf"
-}
-
 /// A web pod: `(name, uid, ip)`.
 type Pod = (String, String, String);
 

@@ -20,6 +20,12 @@ fn every_mode(_: &str) -> bool {
     true
 }
 
+/// Scenarios of what is the same code in every mode (the pod source and its
+/// watches, readiness, the CNI installer) run in eBPF mode only.
+pub(super) fn ebpf_only(mode: &str) -> bool {
+    mode == "ebpf"
+}
+
 pub const ALL: &[Scenario] = &[
     // First: Istio's agent, installed in its course, must find no other
     // ambient pod to enrol.
@@ -70,7 +76,7 @@ pub const ALL: &[Scenario] = &[
     },
     Scenario {
         name: "apiserver-restart",
-        applies: every_mode,
+        applies: ebpf_only,
         run: control_plane::apiserver_restart,
     },
     Scenario {
@@ -85,17 +91,17 @@ pub const ALL: &[Scenario] = &[
     },
     Scenario {
         name: "rbac-lacking-a-verb",
-        applies: super::bad_input::ebpf_mode,
+        applies: ebpf_only,
         run: super::bad_input::rbac_lacking_a_verb,
     },
     Scenario {
         name: "api-server-down",
-        applies: super::bad_input::ebpf_mode,
+        applies: ebpf_only,
         run: super::bad_input::api_server_down,
     },
     Scenario {
         name: "conflist-rewritten",
-        applies: super::bad_input::ebpf_mode,
+        applies: ebpf_only,
         run: super::cni_config::conflist_rewritten,
     },
     Scenario {
