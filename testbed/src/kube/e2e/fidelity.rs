@@ -57,6 +57,7 @@ const fn only_istio(mode: &'static str, section: &'static str, line: &'static st
 
 const POD_NFT: &str = "pod nft list ruleset";
 const NODE_NFT: &str = "node nft list ruleset";
+const PROBE_IPSET: &str = "node ipset istio-inpod-probes-v4";
 
 /// Every difference ambpf keeps, by mode; docs/parity.md says why.
 pub const EXPLAINED: &[Explained] = &[
@@ -87,6 +88,12 @@ pub const EXPLAINED: &[Explained] = &[
         "nftables",
         NODE_NFT,
         r#"elements = { <pod-ip> comment "netns cookie <cookie>" }"#,
+    ),
+    only_istio("iptables", PROBE_IPSET, r#"<pod-ip> comment "<pod-uid>""#),
+    only_ambpf(
+        "iptables",
+        PROBE_IPSET,
+        r#"<pod-ip> comment "netns cookie <cookie>""#,
     ),
     // Probes told apart by a local socket, not by kubelet's UID.
     only_istio(

@@ -266,7 +266,8 @@ pub fn normalise_nft(text: &str) -> Vec<String> {
                 }
                 first = false;
                 out.push_str(token);
-                if token == "counter" && tokens.peek() == Some(&"packets") {
+                // iptables-nft's rules start their line with it.
+                if token.trim_start() == "counter" && tokens.peek() == Some(&"packets") {
                     // `packets N bytes M`
                     for _ in 0..4 {
                         tokens.next();
@@ -463,11 +464,13 @@ mod tests {
     #[test]
     fn nft_counters_and_handles_go_but_the_counter_stays() {
         let ruleset = "table inet istio-ambient-nat { # handle 7\n\
-                       \t\tip saddr 169.254.7.127 tcp dport 0-65535 counter packets 3 bytes 180 accept\n}";
+                       \t\tip saddr 169.254.7.127 tcp dport 0-65535 counter packets 3 bytes 180 accept\n\
+                       \t\tcounter packets 1 bytes 76 jump ISTIO_PRERT\n}";
         assert_eq!(
             normalise_nft(ruleset),
             lines(
-                "table inet istio-ambient-nat {\n\t\tip saddr 169.254.7.127 tcp dport 0-65535 counter accept\n}"
+                "table inet istio-ambient-nat {\n\t\tip saddr 169.254.7.127 tcp dport 0-65535 counter accept\n\
+                 \t\tcounter jump ISTIO_PRERT\n}"
             )
         );
     }
