@@ -259,30 +259,38 @@ fn dns_socket(address: SocketAddr, kind: Type) -> io::Result<Socket> {
     Ok(socket)
 }
 
+/// An error from `what` on the socket `label`, naming both.
+fn socket_error(label: &str, what: &str, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("{label}: {what}: {e}"))
+}
+
+/// A socket for `target` marked 0x539, as ztunnel marks its own traffic so
+/// that no redirection captures it.
+fn marked_socket(
+    target: SocketAddr,
+    kind: Type,
+    protocol: Protocol,
+    label: &str,
+) -> io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(target), kind, Some(protocol))
+        .map_err(|e| socket_error(label, "socket", e))?;
+    socket
+        .set_mark(ZTUNNEL_MARK)
+        .map_err(|e| socket_error(label, "SO_MARK", e))?;
+    Ok(socket)
+}
+
 /// A non-blocking UDP socket marked 0x539, on an ephemeral port, connected
 /// to `target`.
 fn dns_upstream_socket(target: SocketAddr) -> io::Result<std::net::UdpSocket> {
-    let context = |what: &str, e: io::Error| {
-        io::Error::new(
-            e.kind(),
-            format!("DNS upstream socket to {target}: {what}: {e}"),
-        )
-    };
-    let socket = Socket::new(
-        Domain::for_address(target),
-        Type::DGRAM,
-        Some(Protocol::UDP),
-    )
-    .map_err(|e| context("socket", e))?;
-    socket
-        .set_mark(ZTUNNEL_MARK)
-        .map_err(|e| context("SO_MARK", e))?;
+    let label = format!("DNS upstream socket to {target}");
+    let socket = marked_socket(target, Type::DGRAM, Protocol::UDP, &label)?;
     socket
         .set_nonblocking(true)
-        .map_err(|e| context("O_NONBLOCK", e))?;
+        .map_err(|e| socket_error(&label, "O_NONBLOCK", e))?;
     socket
         .connect(&target.into())
-        .map_err(|e| context("connect", e))?;
+        .map_err(|e| socket_error(&label, "connect", e))?;
     Ok(socket.into())
 }
 
@@ -295,21 +303,9 @@ fn is_family_unavailable(e: &io::Error) -> bool {
 /// An unconnected, non-blocking TCP socket for `target`, marked 0x539; with
 /// `source`, IP_TRANSPARENT + IP_FREEBIND and bound to `source`:0.
 fn upstream_socket(target: SocketAddr, source: Option<IpAddr>) -> io::Result<std::net::TcpStream> {
-    let context = |what: &str, e: io::Error| {
-        io::Error::new(
-            e.kind(),
-            format!("upstream socket to {target}: {what}: {e}"),
-        )
-    };
-    let socket = Socket::new(
-        Domain::for_address(target),
-        Type::STREAM,
-        Some(Protocol::TCP),
-    )
-    .map_err(|e| context("socket", e))?;
-    socket
-        .set_mark(ZTUNNEL_MARK)
-        .map_err(|e| context("SO_MARK", e))?;
+    let label = format!("upstream socket to {target}");
+    let context = |what: &str, e: io::Error| socket_error(&label, what, e);
+    let socket = marked_socket(target, Type::STREAM, Protocol::TCP, &label)?;
     socket
         .set_tcp_nodelay(true)
         .map_err(|e| context("TCP_NODELAY", e))?;
