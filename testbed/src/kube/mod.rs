@@ -23,6 +23,7 @@ pub mod e2e;
 pub mod host;
 pub mod images;
 pub mod istio;
+pub mod manifest;
 pub mod pki;
 
 use std::{

@@ -8,12 +8,14 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use serde::Serialize;
+use serde_json::json;
 
 use super::proc::{self, AgentProcesses, CpuShare};
 use super::report::Summary;
 use super::sandbox::{self, LogMark};
 use super::watch::{Watch, boottime, name_of, pod_ready};
 use crate::kube::e2e::{Agent, Cluster, eventually};
+use crate::kube::manifest::{AMBIENT, AppDeployment};
 
 pub const AMBIENT_LABEL: &str = "istio.io/dataplane-mode=ambient";
 pub const REDIRECTION: &str = "ambient.istio.io/redirection";
@@ -30,42 +32,23 @@ pub fn workload_yaml(
     replicas: usize,
     probe: bool,
 ) -> String {
-    let ambient = if ambient {
-        ", istio.io/dataplane-mode: ambient"
-    } else {
-        ""
-    };
-    let probe = if probe {
-        "\n        readinessProbe: {exec: {command: [\"true\"]}, periodSeconds: 1}"
-    } else {
-        ""
-    };
-    format!(
-        r#"apiVersion: v1
-kind: Namespace
-metadata:
-  name: {namespace}
-  labels: {{ambpf-bench: "true"{ambient}}}
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: {app}, namespace: {namespace}}}
-spec:
-  replicas: {replicas}
-  selector: {{matchLabels: {{app: {app}}}}}
-  template:
-    metadata: {{labels: {{app: {app}}}}}
-    spec:
-      terminationGracePeriodSeconds: 1
-      enableServiceLinks: false
-      containers:
-      - name: app
-        image: {image}
-        imagePullPolicy: Never
-        command: ["/bin/sh", "-c", "cat /proc/uptime; exec sleep 2147483647"]{probe}
-"#,
-        image = crate::kube::images::APP,
-    )
+    let bench = ("ambpf-bench", "true");
+    let labels = [bench, AMBIENT];
+    let readiness = [(
+        "readinessProbe",
+        json!({"exec": {"command": ["true"]}, "periodSeconds": 1}),
+    )];
+    AppDeployment {
+        namespace,
+        labels: if ambient { &labels } else { &labels[..1] },
+        app,
+        replicas,
+        container: "app",
+        shell: "cat /proc/uptime; exec sleep 2147483647",
+        container_fields: if probe { &readiness } else { &[] },
+        service_links: false,
+    }
+    .yaml()
 }
 
 /// `[pod/<name>/<container>] <uptime> <idle>` lines of `kubectl logs
@@ -514,16 +497,19 @@ mod tests {
 
     #[test]
     fn the_workload_is_ambient_only_when_asked() {
+        let labels = |yaml: &str| {
+            let namespace: serde_json::Value =
+                serde_json::from_str(yaml.split("\n---\n").next().unwrap()).unwrap();
+            namespace["metadata"]["labels"].clone()
+        };
         let ambient = workload_yaml("ns", true, "podstart", 0, false);
-        assert!(
-            ambient.contains("labels: {ambpf-bench: \"true\", istio.io/dataplane-mode: ambient}")
+        assert_eq!(
+            labels(&ambient),
+            json!({"ambpf-bench": "true", "istio.io/dataplane-mode": "ambient"})
         );
-        assert!(ambient.contains("replicas: 0"));
-        assert!(ambient.contains("imagePullPolicy: Never"));
         assert!(!ambient.contains("readinessProbe"));
         let plain = workload_yaml("ns", false, "enrol", 100, true);
-        assert!(!plain.contains("dataplane-mode"));
-        assert!(plain.contains("readinessProbe: {exec: {command: [\"true\"]}, periodSeconds: 1}"));
-        assert_eq!(plain.matches("\n---\n").count(), 1);
+        assert_eq!(labels(&plain), json!({"ambpf-bench": "true"}));
+        assert!(plain.contains("readinessProbe"));
     }
 }

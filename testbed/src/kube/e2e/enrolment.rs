@@ -10,6 +10,7 @@ use serde_json::Value;
 use super::client::{Cluster, Release};
 use super::eventually;
 use super::scenarios::WEB_PORT;
+use crate::kube::manifest::{AMBIENT, AppDeployment, httpd};
 
 /// One pod as read from the API server.
 #[derive(Debug, Clone)]
@@ -145,35 +146,17 @@ pub(super) fn server_deployment(
     app: &str,
     replicas: u32,
 ) -> String {
-    let label = if ambient {
-        "\n  labels: {istio.io/dataplane-mode: ambient}"
-    } else {
-        ""
-    };
-    format!(
-        r#"apiVersion: v1
-kind: Namespace
-metadata:
-  name: {namespace}{label}
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: {app}, namespace: {namespace}}}
-spec:
-  replicas: {replicas}
-  selector: {{matchLabels: {{app: {app}}}}}
-  template:
-    metadata: {{labels: {{app: {app}}}}}
-    spec:
-      terminationGracePeriodSeconds: 1
-      containers:
-      - name: server
-        image: {image}
-        imagePullPolicy: Never
-        command: ["/bin/sh", "-c", "mkdir -p /tmp/www && hostname > /tmp/www/index.html && exec httpd -f -p {WEB_PORT} -h /tmp/www"]
-"#,
-        image = crate::kube::images::APP,
-    )
+    AppDeployment {
+        namespace,
+        labels: if ambient { &[AMBIENT] } else { &[] },
+        app,
+        replicas: replicas as usize,
+        container: "server",
+        shell: &httpd(WEB_PORT),
+        container_fields: &[],
+        service_links: true,
+    }
+    .yaml()
 }
 
 /// Deletes the scenario's namespaces without waiting; `result` is the

@@ -4,11 +4,12 @@
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::client::{Cluster, Release};
 use super::{control_plane, eventually, lifecycle, scale};
 use crate::kube::NODE_IP;
+use crate::kube::manifest::{AMBIENT, AppDeployment, httpd};
 
 pub struct Scenario {
     pub name: &'static str,
@@ -130,35 +131,24 @@ fn namespaces(release: &Release) -> (String, String) {
 /// name, with kubelet HTTP readiness and TCP liveness probes) behind a
 /// NodePort Service; made once per namespace.
 pub(super) fn ensure_web(cluster: &Cluster, namespace: &str, ambient: bool) -> Result<()> {
-    let label = if ambient {
-        "\n  labels: {istio.io/dataplane-mode: ambient}"
-    } else {
-        ""
+    let probe = |kind: &str| json!({kind: {"port": WEB_PORT}, "periodSeconds": 2});
+    let mut readiness = probe("httpGet");
+    readiness["httpGet"]["path"] = json!("/");
+    let deployment = AppDeployment {
+        namespace,
+        labels: if ambient { &[AMBIENT] } else { &[] },
+        app: "web",
+        replicas: 2,
+        container: "web",
+        shell: &httpd(WEB_PORT),
+        container_fields: &[
+            ("readinessProbe", readiness),
+            ("livenessProbe", probe("tcpSocket")),
+        ],
+        service_links: true,
     };
     cluster.apply(&format!(
-        r#"apiVersion: v1
-kind: Namespace
-metadata:
-  name: {namespace}{label}
----
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: web, namespace: {namespace}}}
-spec:
-  replicas: 2
-  selector: {{matchLabels: {{app: web}}}}
-  template:
-    metadata: {{labels: {{app: web}}}}
-    spec:
-      terminationGracePeriodSeconds: 1
-      containers:
-      - name: web
-        image: {app}
-        imagePullPolicy: Never
-        command: ["/bin/sh", "-c", "mkdir -p /tmp/www && hostname > /tmp/www/index.html && exec httpd -f -p {WEB_PORT} -h /tmp/www"]
-        readinessProbe: {{httpGet: {{path: /, port: {WEB_PORT}}}, periodSeconds: 2}}
-        livenessProbe: {{tcpSocket: {{port: {WEB_PORT}}}, periodSeconds: 2}}
----
+        r#"{}---
 apiVersion: v1
 kind: Service
 metadata: {{name: web, namespace: {namespace}}}
@@ -168,7 +158,7 @@ spec:
   selector: {{app: web}}
   ports: [{{port: 80, targetPort: {WEB_PORT}}}]
 "#,
-        app = crate::kube::images::APP,
+        deployment.yaml()
     ))?;
     cluster.rollout(namespace, "web")
 }
