@@ -219,6 +219,9 @@ resolvConf: /etc/resolv.conf
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
 maxPods: 250
+# The suites read the ztunnel double's whole log, and `kubectl logs` reads only
+# a container's newest file: one file holds a whole run (the default rotates at 10Mi).
+containerLogMaxSize: 500Mi
 serializeImagePulls: false
 # Images come only from local imports: never collect them.
 imageGCHighThresholdPercent: 100
