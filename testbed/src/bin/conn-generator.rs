@@ -247,6 +247,9 @@ struct Summary {
     first_errors: Vec<String>,
 }
 
+/// How long the long connections may take to open, before the run.
+const SETUP: Duration = Duration::from_secs(30);
+
 fn generate(run: &Run, stop_file: &Path, max: Duration) -> io::Result<()> {
     // The image may have no /tmp: the stop file's directory is made here,
     // so that the caller only has to create the file.
@@ -257,11 +260,25 @@ fn generate(run: &Run, stop_file: &Path, max: Duration) -> io::Result<()> {
     let counters = Arc::new(Counters::default());
     let stopping = Arc::new(AtomicBool::new(false));
     let mut long = Vec::new();
+    // The Service may route a moment after its pod is Ready (kube-proxy
+    // programs it on its next sync), so opening the long connections is
+    // retried for a while; the measured load starts only once all are open.
+    let setup_deadline = Instant::now() + SETUP;
     for i in 0..run.long {
-        // The long connections open before the load starts: a failure here
-        // is the run's failure, not a statistic.
-        let stream =
-            open(run.dialer, LONG).map_err(|(_, e)| io::Error::other(format!("long {i}: {e}")))?;
+        let stream = loop {
+            match open(run.dialer, LONG) {
+                Ok(stream) => break stream,
+                Err(_) if Instant::now() < setup_deadline => {
+                    thread::sleep(Duration::from_millis(200));
+                }
+                Err((_, e)) => {
+                    return Err(io::Error::other(format!(
+                        "long {i}: {e} (still, after {} s of trying)",
+                        SETUP.as_secs()
+                    )));
+                }
+            }
+        };
         let (counters, stopping) = (counters.clone(), stopping.clone());
         let every = run.exchange_every;
         long.push(thread::spawn(move || {
