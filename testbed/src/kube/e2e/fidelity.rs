@@ -10,9 +10,10 @@
 //! what a scenario has (ambpf installed in the mode, the ztunnel double)
 //! and must leave the same for the next: it reads ambpf's pod first, then
 //! swaps ambpf's release for Istio's chart, reads Istio's pod, swaps back
-//! and checks the node holds nothing of Istio's. It runs first in each
-//! mode, so no other ambient pod is on the node for Istio's agent to
-//! enrol and leave its rules in.
+//! and checks the node holds nothing of Istio's. It runs on an install of
+//! its own after every mode's other scenarios (`scenarios::ISOLATED`), so
+//! no other ambient pod is on the node for Istio's agent to enrol and leave
+//! its rules in, and nothing the swap leaves can touch another scenario.
 
 use std::time::Duration;
 

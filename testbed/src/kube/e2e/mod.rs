@@ -68,6 +68,27 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
         if !MODES.contains(&mode.as_str()) {
             bail!("no mode {mode}: {}", MODES.join(", "));
         }
+    }
+    // Every mode's scenarios on one install, then each isolated scenario
+    // on one of its own.
+    let mut installs: Vec<(&String, &[scenarios::Scenario])> = Vec::new();
+    installs.extend(options.modes.iter().map(|m| (m, scenarios::ALL)));
+    for scenario in scenarios::ISOLATED {
+        installs.extend(
+            options
+                .modes
+                .iter()
+                .map(|m| (m, std::slice::from_ref(scenario))),
+        );
+    }
+    for (mode, set) in installs {
+        let selected: Vec<&scenarios::Scenario> = set
+            .iter()
+            .filter(|s| (s.applies)(mode) && selected(options, s.name))
+            .collect();
+        if selected.is_empty() {
+            continue;
+        }
         let release = cluster
             .helm_install(&options.chart, mode)
             .with_context(|| format!("installing ambpf in {mode} mode"));
@@ -85,30 +106,8 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
                 continue;
             }
         };
-        for scenario in scenarios::ALL {
-            if !options.scenarios.is_empty()
-                && !options
-                    .scenarios
-                    .iter()
-                    .any(|s| scenario.name.contains(s.as_str()))
-            {
-                continue;
-            }
-            if !(scenario.applies)(mode) {
-                continue;
-            }
-            let started = Instant::now();
-            let result = (scenario.run)(cluster, &release);
-            let outcome = Outcome {
-                scenario: scenario.name,
-                mode: mode.clone(),
-                passed: result.is_ok(),
-                seconds: started.elapsed().as_secs_f64(),
-                detail: match result {
-                    Ok(seen) => seen,
-                    Err(e) => format!("{e:#}"),
-                },
-            };
+        for scenario in selected {
+            let outcome = run_one(cluster, &release, scenario, mode);
             println!(
                 "{} {:<28} {:<9} {:>6.1} s  {}",
                 if outcome.passed { "ok  " } else { "FAIL" },
@@ -119,7 +118,7 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
             );
             outcomes.push(outcome);
         }
-        // Every mode ends with the uninstall scenario's own checks, or a
+        // Every install ends with the uninstall scenario's own checks, or a
         // plain uninstall when it was not selected.
         if cluster.release_installed()? {
             cluster.helm_uninstall()?;
@@ -144,6 +143,31 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
         bail!("failed:\n{}", failed.join("\n"));
     }
     Ok(())
+}
+
+/// Whether `--scenario` selects the scenario `name` (none given: all).
+fn selected(options: &Options, name: &str) -> bool {
+    options.scenarios.is_empty() || options.scenarios.iter().any(|s| name.contains(s.as_str()))
+}
+
+fn run_one(
+    cluster: &Cluster,
+    release: &client::Release,
+    scenario: &scenarios::Scenario,
+    mode: &str,
+) -> Outcome {
+    let started = Instant::now();
+    let result = (scenario.run)(cluster, release);
+    Outcome {
+        scenario: scenario.name,
+        mode: mode.to_owned(),
+        passed: result.is_ok(),
+        seconds: started.elapsed().as_secs_f64(),
+        detail: match result {
+            Ok(seen) => seen,
+            Err(e) => format!("{e:#}"),
+        },
+    }
 }
 
 /// Polls `check` until it returns `Some`, or fails naming `what`.

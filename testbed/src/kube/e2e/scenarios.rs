@@ -28,13 +28,6 @@ pub(super) fn ebpf_only(mode: &str) -> bool {
 }
 
 pub const ALL: &[Scenario] = &[
-    // First: Istio's agent, installed in its course, must find no other
-    // ambient pod to enrol.
-    Scenario {
-        name: "rule-fidelity",
-        applies: super::fidelity::compared_mode,
-        run: super::fidelity::rule_fidelity,
-    },
     Scenario {
         name: "first-connection",
         applies: every_mode,
@@ -116,6 +109,16 @@ pub const ALL: &[Scenario] = &[
         run: uninstall,
     },
 ];
+
+/// Scenarios that swap ambpf's agent for Istio's and back: each runs on an
+/// install of its own, after every mode's other scenarios, so that Istio's
+/// agent finds no other ambient pod to enrol and nothing it did can touch
+/// another scenario.
+pub const ISOLATED: &[Scenario] = &[Scenario {
+    name: "rule-fidelity",
+    applies: super::fidelity::compared_mode,
+    run: super::fidelity::rule_fidelity,
+}];
 
 pub(super) const WEB_PORT: u16 = 8080;
 
