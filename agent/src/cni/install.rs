@@ -536,6 +536,17 @@ mod tests {
         list
     }
 
+    /// Another installer writes its version `generation` of the file.
+    fn rewrite(path: &Path, generation: u64) {
+        write_atomically(
+            path,
+            rewritten(generation).to_string().as_bytes(),
+            0o644,
+            None,
+        )
+        .unwrap();
+    }
+
     #[test]
     fn a_rewrite_between_read_and_write_is_built_on_not_overwritten() {
         let dir = TempDir::new();
@@ -547,7 +558,7 @@ mod tests {
         let mut raced = false;
         let changed = chain(&path, &entry, || {
             if !std::mem::replace(&mut raced, true) {
-                write_atomically(&path, rewritten(7).to_string().as_bytes(), 0o644, None).unwrap();
+                rewrite(&path, 7);
             }
         })
         .unwrap();
@@ -565,22 +576,10 @@ mod tests {
         // One that never stops rewriting: ambpf gives up for this round
         // rather than overwrite it.
         let mut generation = 8;
-        write_atomically(
-            &path,
-            rewritten(generation).to_string().as_bytes(),
-            0o644,
-            None,
-        )
-        .unwrap();
+        rewrite(&path, generation);
         let contended = chain(&dir.conf_dir().join("10-ptp.conflist"), &entry, || {
             generation += 1;
-            write_atomically(
-                &path,
-                rewritten(generation).to_string().as_bytes(),
-                0o644,
-                None,
-            )
-            .unwrap();
+            rewrite(&path, generation);
         });
         assert!(
             matches!(contended, Err(InstallError::Contended(_))),
@@ -676,13 +675,7 @@ mod tests {
                 );
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            write_atomically(
-                &path,
-                rewritten(generation).to_string().as_bytes(),
-                0o644,
-                None,
-            )
-            .unwrap();
+            rewrite(&path, generation);
         }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while !chained() {
