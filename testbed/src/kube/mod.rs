@@ -337,16 +337,21 @@ pub fn ctr(layout: &Layout) -> Command {
 
 /// kubectl as cluster admin, from inside the node; its stdout.
 pub fn kubectl(layout: &Layout, components: &Components, args: &[&str]) -> Result<String> {
-    let out = in_node(layout, &components.kube("kubectl").display().to_string())
-        .arg(format!(
-            "--kubeconfig={}",
-            layout.admin_kubeconfig().display()
-        ))
-        .args(args)
-        .output()?;
+    let mut cmd = in_node(layout, &components.kube("kubectl").display().to_string());
+    cmd.arg(format!(
+        "--kubeconfig={}",
+        layout.admin_kubeconfig().display()
+    ))
+    .args(args);
+    checked_stdout(&mut cmd, "kubectl", args)
+}
+
+/// Runs `cmd`; its stdout, or an error naming `program args` with its stderr.
+pub fn checked_stdout(cmd: &mut Command, program: &str, args: &[&str]) -> Result<String> {
+    let out = cmd.output()?;
     if !out.status.success() {
         bail!(
-            "kubectl {}: {}",
+            "{program} {}: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         );

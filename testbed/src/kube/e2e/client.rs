@@ -61,15 +61,7 @@ impl Cluster {
 
     /// A command in the node's namespaces (as a hostNetwork process).
     pub fn on_node(&self, program: &str, args: &[&str]) -> Result<String> {
-        let out = in_node(&self.layout, program).args(args).output()?;
-        if !out.status.success() {
-            bail!(
-                "{program} {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        crate::kube::checked_stdout(in_node(&self.layout, program).args(args), program, args)
     }
 
     /// A command on the off-node client (the outside namespace); its
@@ -312,15 +304,7 @@ impl Cluster {
 
     /// `ctr` against the node's containerd, in the CRI plugin's namespace.
     pub fn ctr(&self, args: &[&str]) -> Result<String> {
-        let out = crate::kube::ctr(&self.layout).args(args).output()?;
-        if !out.status.success() {
-            bail!(
-                "ctr {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        crate::kube::checked_stdout(crate::kube::ctr(&self.layout).args(args), "ctr", args)
     }
 
     /// The pod's sandbox containers (the runtime's IDs).
