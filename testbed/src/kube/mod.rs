@@ -45,8 +45,14 @@ pub const NODE_CIDR: &str = "10.200.0.2/24";
 /// An off-node client's address.
 pub const OUTSIDE_IP: &str = "10.200.0.1";
 pub const OUTSIDE_CIDR: &str = "10.200.0.1/24";
-/// The pods' subnet (host-local on the `cni0` bridge).
-pub const POD_CIDR: &str = "10.244.0.0/24";
+/// The pods' subnet (host-local on the `cni0` bridge). A /16, so that one
+/// node's life never reuses an address: the bridge plugin gives a pod a new
+/// MAC but leaves the node's neighbour entry for a reused address with the
+/// old one, and the node's packets to the new pod then vanish for about
+/// 10 s, until the entry is probed and fails (containernetworking/plugins
+/// #858): a plain pod's kubelet probes time out and it is restarted, with or
+/// without any agent.
+pub const POD_CIDR: &str = "10.244.0.0/16";
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
 pub const API_SERVICE_IP: &str = "10.96.0.1";
 pub const DNS_SERVICE_IP: &str = "10.96.0.10";
