@@ -140,6 +140,116 @@ fn pods_are_named_and_another_builds_programs_are_flagged() {
     assert_eq!(entries_of(&json, "ambpf_pod_names"), 0, "{json}");
 }
 
+/// Runs `program args` inside the namespace `ns` with `input` on stdin;
+/// panics with its output unless it succeeds.
+fn run_in(ns: &str, program: &str, args: &[&str], input: &str) {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns, program])
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Istio's in-pod rules written beside the eBPF capture (as Istio's node
+/// agent leaves a pod it enrolled): `status --check` fails naming the pod,
+/// the other rules and which capture gets its connections, for Istio's
+/// iptables rules and for nftables tables of Istio's names that are not
+/// ambpf's; with them gone it passes again.
+#[test]
+fn other_capture_beside_the_ebpf_capture_is_named() {
+    let bpffs = BpffsMount::create().unwrap();
+    let pins = PinLayout::new(bpffs.path().join("ambpf"));
+    let cluster = Cluster::create(1).unwrap();
+    let ns = cluster.pods[0].ns.name();
+    let netns = Netns::open(ns).unwrap();
+    let mut dataplane = EbpfRedirection::new(Dataplane::load(pins.clone()).unwrap());
+    let enrolled = dataplane.enroll_pod(&netns, true).unwrap();
+    let key = enrolled.key();
+    let identity = PodIdentity {
+        namespace: "shop".into(),
+        name: "web-0".into(),
+        uid: "0b7c-uid".into(),
+    };
+    dataplane.record_identity(key, &identity).unwrap();
+    let (ok, text, stderr) = status(pins.root(), &["--check"]);
+    assert!(ok, "{text}{stderr}");
+
+    // Istio's own in-pod rule set, as Istio's node agent restores it.
+    let rules = ambpf::redirect::iptables::render_fresh(&ambpf::redirect::iptables::pod_rules(
+        ambpf::redirect::iptables::Family::V4,
+        true,
+    ));
+    run_in(ns, "iptables-restore", &["--noflush"], &rules);
+    let (ok, text, _) = status(pins.root(), &["--check"]);
+    assert!(!ok, "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("mixed_capture:"))
+        .unwrap_or_else(|| panic!("no mixed_capture in:\n{text}"));
+    assert!(line.contains(&format!("pod shop/web-0 ({key})")), "{line}");
+    assert!(line.contains("Istio's in-pod iptables rules"), "{line}");
+    assert!(line.contains("nat ISTIO_PRERT"), "{line}");
+    assert!(line.contains("raw ISTIO_OUTPUT"), "{line}");
+    assert!(
+        line.contains("ambpf's eBPF capture gets its connections first"),
+        "{line}"
+    );
+    let (_, json, _) = status(pins.root(), &["--check", "-o", "json"]);
+    let json: Value = serde_json::from_str(&json).unwrap();
+    let mixed: Vec<&Value> = json["violations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| v["kind"] == "mixed_capture")
+        .collect();
+    assert_eq!(mixed.len(), 1, "{json}");
+    assert_eq!(mixed[0]["pod"]["netns_cookie"], key.netns_cookie, "{json}");
+
+    for table in ["nat", "mangle", "raw"] {
+        run_in(ns, "iptables", &["-t", table, "-F"], "");
+        run_in(ns, "iptables", &["-t", table, "-X"], "");
+    }
+    // A table of Istio's names without ambpf's comment: another agent's.
+    run_in(
+        ns,
+        "nft",
+        &["-f", "-"],
+        "table inet istio-ambient-nat {\n chain prerouting {\n  type nat hook prerouting \
+         priority dstnat; policy accept;\n  tcp dport 8080 redirect to :15006\n }\n}\n",
+    );
+    let (ok, text, _) = status(pins.root(), &["--check"]);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("another agent's nftables tables of Istio's names")
+            && text.contains("inet istio-ambient-nat"),
+        "{text}"
+    );
+    run_in(
+        ns,
+        "nft",
+        &["delete", "table", "inet", "istio-ambient-nat"],
+        "",
+    );
+    let (ok, text, stderr) = status(pins.root(), &["--check"]);
+    assert!(ok, "{text}{stderr}");
+    assert!(dataplane.unenroll(key).unwrap());
+}
+
 fn entries_of(json: &Value, name: &str) -> u64 {
     json["maps"]
         .as_array()

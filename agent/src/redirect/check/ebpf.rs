@@ -362,6 +362,7 @@ pub fn repair_ebpf_state(
             | ViolationKind::PodAddressesChanged => again.extend(violation.pod),
             ViolationKind::ProbeSetOrphan
             | ViolationKind::ProbeSetMissing
+            | ViolationKind::MixedCapture
             | ViolationKind::Unreadable => {}
         }
     }

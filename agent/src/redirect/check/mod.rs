@@ -19,6 +19,7 @@
 mod ebpf;
 pub mod foreign;
 mod foreign_iface;
+pub mod mixed;
 mod stray;
 
 use std::{
@@ -87,12 +88,16 @@ pub enum ViolationKind {
     /// An address an enrolled pod owns missing from the probe ipset: its
     /// kubelet probes are captured (iptables mode).
     ProbeSetMissing,
+    /// An enrolled pod whose namespace also holds another capture: Istio's
+    /// in-pod rules (its node agent's, or ambpf's other mode's) beside
+    /// ambpf's ([`mixed`]).
+    MixedCapture,
     /// State that could not be read.
     Unreadable,
 }
 
 impl ViolationKind {
-    pub const ALL: [ViolationKind; 13] = [
+    pub const ALL: [ViolationKind; 14] = [
         ViolationKind::AddressOrphan,
         ViolationKind::AddressWrongOwner,
         ViolationKind::AddressMissing,
@@ -105,6 +110,7 @@ impl ViolationKind {
         ViolationKind::RulesMissing,
         ViolationKind::ProbeSetOrphan,
         ViolationKind::ProbeSetMissing,
+        ViolationKind::MixedCapture,
         ViolationKind::Unreadable,
     ];
 
@@ -122,6 +128,7 @@ impl ViolationKind {
             ViolationKind::RulesMissing => "rules_missing",
             ViolationKind::ProbeSetOrphan => "probe_set_orphan",
             ViolationKind::ProbeSetMissing => "probe_set_missing",
+            ViolationKind::MixedCapture => "mixed_capture",
             ViolationKind::Unreadable => "unreadable",
         }
     }

@@ -118,8 +118,8 @@ use tracing::{info, warn};
 use self::tools::{Tools, detect_backend};
 pub use self::{
     node::{
-        NodeUninstall, PodRulesFound, find_pod_capture, find_pod_rules, probe_set_members,
-        remove_host_rules, remove_pod_rules, saved_rules, uninstall_node,
+        NodeUninstall, PodRulesFound, find_any_pod_capture, find_pod_capture, find_pod_rules,
+        probe_set_members, remove_host_rules, remove_pod_rules, saved_rules, uninstall_node,
     },
     probes::{ProbeMember, probe_set_entries},
     rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
@@ -514,6 +514,12 @@ impl PodRedirection for IptablesRedirection {
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }
+            let nft = check::mixed::node_nft(&self.host);
+            out.extend(check::mixed::scan_mixed_capture(
+                RedirectMode::Iptables,
+                pods,
+                nft.as_ref(),
+            ));
             let enrolled = self.pods.keys().copied();
             let enrolled = enrolled.chain(self.adopted.keys().copied()).collect();
             out.extend(check::scan_stray_capture(Some(&self.host), &enrolled, None));

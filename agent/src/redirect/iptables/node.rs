@@ -117,6 +117,14 @@ pub fn find_pod_capture(netns: &Netns) -> Result<Vec<String>, IptablesError> {
     })
 }
 
+/// Istio's in-pod capture chains in `netns` (nat and raw `ISTIO_PRERT` and
+/// `ISTIO_OUTPUT`), whoever wrote them: Istio's node agent and ambpf's
+/// iptables mode write the same rules. Each as `<backend> <family>: <table>
+/// <chain>`.
+pub fn find_any_pod_capture(netns: &Netns) -> Result<Vec<String>, IptablesError> {
+    Ok(scan_pod_rules(netns)?.capture)
+}
+
 struct PodRulesScan {
     found: PodRulesFound,
     capture: Vec<String>,

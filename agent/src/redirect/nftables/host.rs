@@ -260,19 +260,40 @@ pub fn find_pod_tables(
 /// table when it holds rules (an opt-out leaves its base chains empty, so
 /// that NAT stays hooked for the connections it redirected).
 pub fn find_pod_capture(nft: &Nft, netns: &Netns) -> Result<Vec<String>, NftablesError> {
-    let (ours, _) = find_pod_tables(nft, netns)?;
-    let mut capture = Vec::new();
-    for table in ours {
-        let captures = match table {
-            super::NAT_TABLE => nft.has_rules(netns, table)?,
-            super::RAW_TABLE => true,
-            _ => false,
-        };
-        if captures {
-            capture.push(format!("inet {table}"));
+    Ok(find_any_pod_capture(nft, netns)?.ours)
+}
+
+/// The in-pod tables of `netns` that capture ([`find_pod_capture`]), ambpf's
+/// and another's (Istio's node agent's), each as `inet <table>`.
+pub fn find_any_pod_capture(nft: &Nft, netns: &Netns) -> Result<PodCapture, NftablesError> {
+    let (ours, foreign) = find_pod_tables(nft, netns)?;
+    let capturing = |tables: Vec<&'static str>| -> Result<Vec<String>, NftablesError> {
+        let mut capture = Vec::new();
+        for table in tables {
+            let captures = match table {
+                super::NAT_TABLE => nft.has_rules(netns, table)?,
+                super::RAW_TABLE => true,
+                _ => false,
+            };
+            if captures {
+                capture.push(format!("inet {table}"));
+            }
         }
-    }
-    Ok(capture)
+        Ok(capture)
+    };
+    Ok(PodCapture {
+        ours: capturing(ours)?,
+        foreign: capturing(foreign)?,
+    })
+}
+
+/// [`find_any_pod_capture`]'s answer.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PodCapture {
+    /// ambpf's tables (with its comment).
+    pub ours: Vec<String>,
+    /// Tables of the same names without ambpf's comment.
+    pub foreign: Vec<String>,
 }
 
 /// Removes ambpf's tables from `netns` (others' stay) and its policy

@@ -85,7 +85,8 @@ use tracing::{info, warn};
 
 pub use self::{
     host::{
-        find_pod_capture, find_pod_tables, probe_set_entries, remove_host_table, remove_pod_tables,
+        PodCapture, find_any_pod_capture, find_pod_capture, find_pod_tables, probe_set_entries,
+        remove_host_table, remove_pod_tables,
     },
     rules::{host_script, pod_script},
     tool::Nft,
@@ -510,6 +511,11 @@ impl PodRedirection for NftablesRedirection {
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }
+            out.extend(check::mixed::scan_mixed_capture(
+                RedirectMode::Nftables,
+                pods,
+                Some(&self.nft),
+            ));
             let enrolled = self.pods.keys().chain(self.adopted.keys()).copied();
             let enrolled = enrolled.collect();
             out.extend(check::scan_stray_tables(&self.host, &enrolled, &self.nft));
