@@ -8,14 +8,14 @@
 //! leaves nothing behind; the runtime retries with a new sandbox.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap, HashSet},
     time::{Duration, Instant},
 };
 
 use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
-use super::{Controller, PodSpec, SourcePods};
+use super::{Controller, Pass, PassReport, PodSpec, SourcePods};
 use crate::{cni::AddError, netns::Netns, zds::Workload};
 
 /// A pod the CNI plugin posted, kept until the source decides.
@@ -204,6 +204,42 @@ impl Controller {
         });
     }
 
+    /// [`Controller::apply`] for the `posted` pods of `pods` only: each is
+    /// enrolled or kept as a full pass would, and ztunnel's set and the
+    /// programmed report change for them alone. Every other pod stays as the
+    /// latest pass left it.
+    fn apply_posted(&mut self, pods: &[PodSpec], posted: &BTreeSet<&str>) -> PassReport {
+        let mut pass = Pass::default();
+        for pod in pods
+            .iter()
+            .filter(|p| posted.contains(p.workload.uid.as_str()))
+        {
+            self.program(pod, &mut pass);
+        }
+        for uid in posted {
+            if !pass.report.failed.contains_key(*uid) {
+                self.failures_logged.remove(*uid);
+            }
+        }
+        let mut programmed = self
+            .programmed
+            .as_ref()
+            .map(|sender| sender.borrow().programmed.clone())
+            .unwrap_or_default();
+        programmed.retain(|uid| !posted.contains(uid.as_str()));
+        programmed.extend(pass.ready.iter().map(|w| w.uid.clone()));
+        self.send_programmed(programmed);
+        self.share_netns_cookies();
+        for uid in posted {
+            match pass.ready.iter().find(|w| w.uid == *uid) {
+                Some(ready) => self.zds.upsert(self.as_handed_to_ztunnel(ready)),
+                None => self.zds.remove(uid),
+            }
+        }
+        self.record_pass(&pass.report);
+        pass.report
+    }
+
     /// Serves a batch of CNI requests on top of `source`. Abandoned pods go
     /// first. The pods to enrol are enrolled now, and each is answered `Ok`
     /// once its redirection is in place and ztunnel's desired set has it. A
@@ -258,7 +294,17 @@ impl Controller {
             }
         });
         let desired = self.desired(source);
-        let report = self.apply(&desired);
+        // An ADD costs its own pod's enrolment, not a pass over every pod of
+        // the node: unless something else must change with it (an abandoned
+        // pod, or a posted one the source does not want), only the posted
+        // pods are programmed, and the rest wait for the next full pass.
+        let posted: BTreeSet<&str> = enrols.iter().map(|r| r.pod.workload.uid.as_str()).collect();
+        let wanted: HashSet<&str> = desired.iter().map(|p| p.workload.uid.as_str()).collect();
+        let report = if abandoned.is_empty() && posted.iter().all(|uid| wanted.contains(uid)) {
+            self.apply_posted(&desired, &posted)
+        } else {
+            self.apply(&desired)
+        };
         let mut refused = false;
         for request in enrols {
             let uid = &request.pod.workload.uid;

@@ -402,13 +402,32 @@ impl Controller {
     /// Reports the programmed pods and gives ztunnel exactly the pods whose
     /// redirection is in place.
     fn publish(&mut self, ready: &[Workload]) {
-        if let Some(programmed) = &self.programmed {
+        self.send_programmed(ready.iter().map(|w| w.uid.clone()).collect());
+        self.share_netns_cookies();
+        // The namespace each pod was enrolled with is its identity towards
+        // ztunnel: a sandbox re-created at the same path gets a fresh Add.
+        self.zds
+            .replace_all(ready.iter().map(|w| self.as_handed_to_ztunnel(w)));
+    }
+
+    /// `workload` as ztunnel is given it: with the namespace it was enrolled with.
+    fn as_handed_to_ztunnel(&self, workload: &Workload) -> Workload {
+        Workload {
+            netns_inode: self.enrolled.get(&workload.uid).map(|e| e.netns.inode()),
+            ..workload.clone()
+        }
+    }
+
+    /// Reports `programmed` (and the held-back pods) to the source, if it
+    /// listens: always after the first pass, then on a change.
+    fn send_programmed(&mut self, programmed: BTreeSet<String>) {
+        if let Some(sender) = &self.programmed {
             let report = PodsReport {
-                programmed: ready.iter().map(|w| w.uid.clone()).collect(),
+                programmed,
                 held_back: self.held_back.keys().cloned().collect(),
             };
             let first = !std::mem::replace(&mut self.reported, true);
-            programmed.send_if_modified(|current| {
+            sender.send_if_modified(|current| {
                 let changed = first || **current != report;
                 if changed {
                     *current = Arc::new(report);
@@ -416,19 +435,16 @@ impl Controller {
                 changed
             });
         }
+    }
+
+    /// Tells the ZDS server each enrolled pod's netns cookie, for its logs.
+    fn share_netns_cookies(&self) {
         self.zds.set_netns_cookies(
             self.enrolled
                 .iter()
                 .map(|(uid, e)| (uid.clone(), e.key.netns_cookie))
                 .collect(),
         );
-        // The namespace each pod was enrolled with is its identity towards
-        // ztunnel: a sandbox re-created at the same path gets a fresh Add.
-        let enrolled = &self.enrolled;
-        self.zds.replace_all(ready.iter().map(|w| Workload {
-            netns_inode: enrolled.get(&w.uid).map(|e| e.netns.inode()),
-            ..w.clone()
-        }));
     }
 
     /// Updates the metrics after a pass.

@@ -264,6 +264,58 @@ fn abandon(uid: &str, netns_inode: Option<u64>) -> (CniRequest, oneshot::Receive
     (CniRequest::Abandon(request), done)
 }
 
+/// A CNI ADD costs its own pod's enrolment: the other pods wait for the
+/// next full pass (one the source wants enrolled, one it no longer wants),
+/// while ztunnel's set and the programmed report gain the posted pod.
+#[test]
+fn a_cni_add_programs_only_its_own_pod_and_the_next_pass_the_rest() {
+    let (a, b, c) = (
+        NetnsGuard::create("ctl").unwrap(),
+        NetnsGuard::create("ctl").unwrap(),
+        NetnsGuard::create("ctl").unwrap(),
+    );
+    let recorder = Recorder::default();
+    let log = recorder.log.clone();
+    let (mut ctl, zds) = controller(recorder, true);
+    let (tx, mut rx) = watch::channel(Arc::default());
+    ctl.report_programmed(tx);
+    ctl.apply(&[spec("a", &a, None)]);
+
+    // The source now wants "b" and no longer "a"; "c" is posted.
+    let source = SourcePods {
+        ambient: vec![spec("b", &b, None)],
+        ..SourcePods::default()
+    };
+    let (req_c, mut ans_c) = request(spec("c", &c, None));
+    ctl.apply_requests(&source, vec![req_c]);
+    assert_eq!(
+        ans_c.try_recv().unwrap(),
+        Ok(CniEnrolled {
+            netns_inode: inode(&c)
+        })
+    );
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["a", "c"]);
+    assert_eq!(zds.workloads()["c"].netns_inode, Some(inode(&c)));
+    let programmed = rx.borrow_and_update().programmed.clone();
+    assert_eq!(programmed.iter().collect::<Vec<_>>(), ["a", "c"]);
+
+    let pods = ctl.desired(&source);
+    let report = ctl.apply(&pods);
+    assert_eq!((report.enrolled, report.removed), (1, 1));
+    assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["b", "c"]);
+    let programmed = rx.borrow_and_update().programmed.clone();
+    assert_eq!(programmed.iter().collect::<Vec<_>>(), ["b", "c"]);
+    assert_eq!(
+        *log.lock().unwrap(),
+        [
+            format!("enroll {} dns=true", inode(&a)),
+            format!("enroll {} dns=true", inode(&c)),
+            format!("enroll {} dns=true", inode(&b)),
+            format!("unenroll {}", inode(&a)),
+        ]
+    );
+}
+
 #[test]
 fn a_cni_add_is_enrolled_at_once_and_kept_until_the_source_reports_it() {
     let (a, b) = (

@@ -25,6 +25,7 @@ use std::{
     time::Duration,
 };
 
+use futures::StreamExt as _;
 use k8s_openapi::Metadata as _;
 use kube::{
     Api, Client,
@@ -182,6 +183,7 @@ impl Annotator {
     ) {
         let pods = self.pods.state();
         let mut present = BTreeSet::new();
+        let mut changes = Vec::new();
         for pod in &pods {
             let Ok(pod) = &pod.object else { continue };
             let meta = &pod.metadata;
@@ -217,39 +219,91 @@ impl Annotator {
             {
                 continue;
             }
-            match patch_annotation(&self.client, namespace, name, wanted).await {
-                Ok(patched_version) => {
-                    match wanted {
-                        Some(value) => {
-                            info!("pod {namespace}/{name}: {REDIRECTION_ANNOTATION}={value}")
-                        }
-                        None => info!("pod {namespace}/{name}: removed {REDIRECTION_ANNOTATION}"),
-                    }
-                    self.in_flight.entry(uid.clone()).or_default().patched(
-                        wanted,
-                        version,
-                        patched_version,
-                    );
-                    self.warned.remove(uid);
-                }
-                Err(PatchError::Gone) => {
-                    debug!("pod {namespace}/{name} is gone; not annotating it");
-                }
-                Err(PatchError::Failed(why)) => {
-                    let failure = (wanted, why);
-                    if self.warned.get(uid) != Some(&failure) {
-                        warn!("pod {namespace}/{name}: {}; retrying", failure.1);
-                        self.warned.insert(uid.clone(), failure);
-                    } else {
-                        debug!("pod {namespace}/{name}: {}; retrying", failure.1);
-                    }
-                    self.in_flight.remove(uid);
-                }
-            }
+            changes.push(Change {
+                uid: uid.clone(),
+                namespace: namespace.clone(),
+                name: name.clone(),
+                wanted,
+                version,
+            });
         }
+        // Each patch is an API round trip of a few milliseconds, nearly all
+        // of it waiting: a namespace of 100 pods labelled at once would wait
+        // for them one after another. A handful at once, in any order (each
+        // pod's own changes stay one per pass).
+        let client = self.client.clone();
+        let mut patched = futures::stream::iter(changes)
+            .map(|change| {
+                let client = client.clone();
+                async move {
+                    let outcome =
+                        patch_annotation(&client, &change.namespace, &change.name, change.wanted)
+                            .await;
+                    (change, outcome)
+                }
+            })
+            .buffer_unordered(PATCHES_AT_ONCE);
+        while let Some((change, outcome)) = patched.next().await {
+            self.record(change, outcome);
+        }
+        drop(patched);
         self.in_flight.retain(|uid, _| present.contains(uid));
         self.warned.retain(|uid, _| present.contains(uid));
     }
+
+    /// Records what patching one pod's annotation came to.
+    fn record(&mut self, change: Change, outcome: Result<Option<String>, PatchError>) {
+        let Change {
+            uid,
+            namespace,
+            name,
+            wanted,
+            version,
+        } = change;
+        match outcome {
+            Ok(patched_version) => {
+                match wanted {
+                    Some(value) => {
+                        info!("pod {namespace}/{name}: {REDIRECTION_ANNOTATION}={value}")
+                    }
+                    None => info!("pod {namespace}/{name}: removed {REDIRECTION_ANNOTATION}"),
+                }
+                self.warned.remove(&uid);
+                self.in_flight
+                    .entry(uid)
+                    .or_default()
+                    .patched(wanted, version, patched_version);
+            }
+            Err(PatchError::Gone) => {
+                debug!("pod {namespace}/{name} is gone; not annotating it");
+            }
+            Err(PatchError::Failed(why)) => {
+                let failure = (wanted, why);
+                self.in_flight.remove(&uid);
+                if self.warned.get(&uid) != Some(&failure) {
+                    warn!("pod {namespace}/{name}: {}; retrying", failure.1);
+                    self.warned.insert(uid, failure);
+                } else {
+                    debug!("pod {namespace}/{name}: {}; retrying", failure.1);
+                }
+            }
+        }
+    }
+}
+
+/// How many annotation patches are in flight at once: enough to overlap
+/// the API server's round trips, few enough not to crowd a node's other
+/// clients (kubelet, kube-proxy) out of the API server.
+const PATCHES_AT_ONCE: usize = 8;
+
+/// One pod's annotation to change in this pass.
+struct Change {
+    uid: String,
+    namespace: String,
+    name: String,
+    wanted: Option<Redirection>,
+    /// The pod's resourceVersion in the store when the change was decided.
+    version: Option<String>,
 }
 
 /// Sets [`REDIRECTION_ANNOTATION`] on one pod to `value`, or removes it

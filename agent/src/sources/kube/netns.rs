@@ -24,7 +24,10 @@
 //! ([`ScanBudget`]): a burst of [`SCAN_BURST`] of scanning at once, then
 //! [`SCAN_CPU_SHARE`] of the time, however busy the node; pods a skipped
 //! scan would have looked for are retried when the budget allows
-//! ([`NetnsResolver::retry_in`]). On a node of 1,000 pods under churn,
+//! ([`NetnsResolver::retry_in`]). A pod whose status has no IP yet sets
+//! off no scan of its own: its sandbox's network is not set up (the CNI ADD
+//! enrols it then), and the status update that brings the IP is the event
+//! to look for it on. On a node of 1,000 pods under churn,
 //! scanning on every event took a CPU; a fixed 200 ms between scans instead
 //! made a new pod wait up to 200 ms on a quiet node.
 
@@ -73,6 +76,10 @@ pub const OWNERSHIP_RECHECK: Duration = Duration::from_secs(5);
 pub const SCAN_CPU_SHARE: f64 = 0.2;
 /// How much scanning may run back to back on a node that was quiet.
 pub const SCAN_BURST: Duration = Duration::from_millis(200);
+
+/// Why a pod whose status has no IP is not looked for (see [`ProcNetnsFinder::resolve`]).
+const NO_IP_YET: &str = "its status has no IP yet, so its sandbox's network is not set up (the \
+                         CNI plugin enrols it then); looked for once it has one";
 
 /// Time the proc filesystem scans may take: credit that grows with the
 /// wall clock at a fixed share, up to a burst, and that each scan spends by
@@ -322,6 +329,17 @@ impl NetnsResolver for ProcNetnsFinder {
         if missing.is_empty() {
             return results;
         }
+        // A pod whose status has no IP yet has no sandbox network to find
+        // (or has had one only since its CNI ADD, which enrols it): it sets
+        // off no scan of its own. Each event of a starting pod would
+        // otherwise scan every process of the node for nothing, beside the
+        // runtime setting the pod up. It is looked for with pods that do.
+        if missing.iter().all(|pod| pod.ips.is_empty()) {
+            for pod in missing {
+                results.insert(pod.uid.clone(), Err(NO_IP_YET.to_owned()));
+            }
+            return results;
+        }
         if let Some(wait) = self.scan_budget.wait() {
             self.scan_deferred = true;
             for pod in missing {
@@ -558,7 +576,17 @@ mod tests {
 
     /// A finder that scans and checks owners on every pass.
     fn unthrottled(root: &Path) -> ProcNetnsFinder {
-        ProcNetnsFinder::new(root).with_pacing(ScanBudget::unlimited(), Duration::ZERO)
+        ProcNetnsFinder::new(root)
+            .with_pacing(ScanBudget::unlimited(), Duration::ZERO)
+            .with_verifier(fake_namespaces_hold_every_ip())
+    }
+
+    /// The pods' IP in these tests: a fake namespace (a plain file) cannot
+    /// be looked into, so [`fake_namespaces_hold_every_ip`] takes it as held.
+    const IP: &str = "10.244.0.9";
+
+    fn fake_namespaces_hold_every_ip() -> Verifier {
+        Box::new(|_: &Path, _: &[IpAddr]| Ok(true))
     }
 
     #[test]
@@ -567,13 +595,14 @@ mod tests {
         proc.process(200, &v2(UID_A), 10);
         let mut finder = ProcNetnsFinder::new(&proc.root)
             .with_host_netns(None)
+            .with_verifier(fake_namespaces_hold_every_ip())
             .with_pacing(
                 ScanBudget::new(0.001, Duration::ZERO),
                 Duration::from_millis(300),
             );
         let started = Instant::now();
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(200))
         );
         let scan_at_most = started.elapsed();
@@ -582,7 +611,7 @@ mod tests {
         // A pod that appears right after a scan is left for the next one,
         // and the caller is told when to come back.
         proc.process(400, &v2(UID_B), 20);
-        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[])]);
+        let found = finder.resolve(&[query(UID_A, &[IP]), query(UID_B, &[IP])]);
         assert_eq!(found[UID_A], Ok(proc.path(200)));
         assert!(
             found[UID_B]
@@ -601,11 +630,11 @@ mod tests {
         // namespace alone; past it, a pid now another pod's is not.
         fs::write(proc.root.join("200/cgroup"), v2(UID_B)).unwrap();
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(200))
         );
         std::thread::sleep(retry.max(Duration::from_millis(300)) + Duration::from_millis(1));
-        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[])]);
+        let found = finder.resolve(&[query(UID_A, &[IP]), query(UID_B, &[IP])]);
         assert!(found[UID_A].is_err(), "{found:?}");
         assert_eq!(found[UID_B], Ok(proc.path(200)));
         assert_eq!(finder.retry_in(), None);
@@ -621,6 +650,7 @@ mod tests {
         // With credit left, every new pod is looked for at once.
         let mut finder = ProcNetnsFinder::new(&proc.root)
             .with_host_netns(None)
+            .with_verifier(fake_namespaces_hold_every_ip())
             .with_pacing(
                 ScanBudget::new(0.001, Duration::from_secs(60)),
                 Duration::ZERO,
@@ -628,7 +658,7 @@ mod tests {
         let mut asked = Vec::new();
         for (pid, uid) in [(200, UID_A), (300, UID_C)] {
             proc.process(pid, &v2(uid), u64::from(pid));
-            asked.push(query(uid, &[]));
+            asked.push(query(uid, &[IP]));
             assert_eq!(finder.resolve(&asked)[uid], Ok(proc.path(pid)));
             assert_eq!(finder.retry_in(), None);
         }
@@ -637,14 +667,15 @@ mod tests {
         // earned back at the budget's share of the time.
         let mut finder = ProcNetnsFinder::new(&proc.root)
             .with_host_netns(None)
+            .with_verifier(fake_namespaces_hold_every_ip())
             .with_pacing(ScanBudget::new(0.001, Duration::ZERO), Duration::ZERO);
         let started = Instant::now();
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(200))
         );
         let scan_at_most = started.elapsed();
-        let found = finder.resolve(&[query(UID_A, &[]), query(UID_C, &[])]);
+        let found = finder.resolve(&[query(UID_A, &[IP]), query(UID_C, &[IP])]);
         assert!(found[UID_C].is_err(), "{found:?}");
         let wait = finder.retry_in().expect("a scan was deferred");
         assert!(
@@ -655,7 +686,7 @@ mod tests {
         // once (not left for the next event), and then found.
         std::thread::sleep(wait + Duration::from_millis(1));
         assert_eq!(finder.retry_in(), Some(Duration::ZERO));
-        let found = finder.resolve(&[query(UID_A, &[]), query(UID_C, &[])]);
+        let found = finder.resolve(&[query(UID_A, &[IP]), query(UID_C, &[IP])]);
         assert_eq!(found[UID_C], Ok(proc.path(300)));
         assert_eq!(finder.retry_in(), None);
     }
@@ -693,7 +724,11 @@ mod tests {
         proc.process(500, "0::/system.slice/sshd.service\n", 1);
         let mut finder = unthrottled(&proc.root).with_host_netns(None);
 
-        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[]), query("missing", &[])]);
+        let found = finder.resolve(&[
+            query(UID_A, &[IP]),
+            query(UID_B, &[IP]),
+            query("missing", &[IP]),
+        ]);
         assert_eq!(found[UID_A], Ok(proc.path(200)));
         assert_eq!(found[UID_B], Ok(proc.path(400)));
         assert!(
@@ -708,7 +743,7 @@ mod tests {
         proc.process(100, &v2(UID_A), 1);
         proc.share_netns(100, 200);
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(200))
         );
     }
@@ -721,14 +756,14 @@ mod tests {
         proc.share_netns(300, 200);
         let mut finder = unthrottled(&proc.root).with_host_netns(None);
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(200))
         );
 
         // The process is gone: another one of the pod takes over.
         proc.kill(200);
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(300))
         );
 
@@ -738,14 +773,14 @@ mod tests {
         let inode = fs::metadata(proc.root.join("300/ns/net")).unwrap().ino();
         assert_ne!(before.inode, inode);
         assert_eq!(
-            finder.resolve(&[query(UID_A, &[])])[UID_A],
+            finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(300))
         );
         assert_eq!(finder.cache[UID_A], Found { pid: 300, inode });
 
         // The pid now belongs to someone else: not the pod's any more.
         fs::write(proc.root.join("300/cgroup"), v2(UID_B)).unwrap();
-        assert!(finder.resolve(&[query(UID_A, &[])])[UID_A].is_err());
+        assert!(finder.resolve(&[query(UID_A, &[IP])])[UID_A].is_err());
     }
 
     #[test]
@@ -754,7 +789,7 @@ mod tests {
         proc.process(200, &v2(UID_A), 10);
         let host = fs::metadata(proc.root.join("200/ns/net")).unwrap().ino();
         let mut finder = unthrottled(&proc.root).with_host_netns(Some(host));
-        assert!(finder.resolve(&[query(UID_A, &[])])[UID_A].is_err());
+        assert!(finder.resolve(&[query(UID_A, &[IP])])[UID_A].is_err());
     }
 
     #[test]
@@ -803,10 +838,35 @@ mod tests {
         let proc = FakeProc::new();
         proc.process(200, &v2(UID_A), 10);
         let mut finder = unthrottled(&proc.root).with_host_netns(None);
-        finder.resolve(&[query(UID_A, &[])]);
+        finder.resolve(&[query(UID_A, &[IP])]);
         assert!(finder.cache.contains_key(UID_A));
         finder.resolve(&[]);
         assert!(finder.cache.is_empty());
+    }
+
+    /// A starting pod's events (its status without an IP) scan nothing: a
+    /// process of the pod is found only along with a pod that sets off a
+    /// scan, or once the pod's status has its IP.
+    #[test]
+    fn a_pod_without_an_ip_sets_off_no_scan_of_its_own() {
+        let proc = FakeProc::new();
+        proc.process(200, &v2(UID_A), 10);
+        proc.process(300, &v2(UID_B), 20);
+        let mut finder = unthrottled(&proc.root).with_host_netns(None);
+        let err = finder.resolve(&[query(UID_A, &[])]).remove(UID_A).unwrap();
+        assert_eq!(err, Err(NO_IP_YET.to_owned()));
+        assert_eq!(finder.retry_in(), None, "nothing deferred to retry");
+
+        let found = finder.resolve(&[query(UID_A, &[]), query(UID_B, &[IP])]);
+        assert_eq!(found[UID_A], Ok(proc.path(200)));
+        assert_eq!(found[UID_B], Ok(proc.path(300)));
+
+        let mut finder = unthrottled(&proc.root).with_host_netns(None);
+        assert!(finder.resolve(&[query(UID_B, &[])])[UID_B].is_err());
+        assert_eq!(
+            finder.resolve(&[query(UID_B, &[IP])])[UID_B],
+            Ok(proc.path(300))
+        );
     }
 
     #[test]
@@ -817,7 +877,7 @@ mod tests {
                 pod.name
             ))))
         };
-        let found = NetnsResolver::resolve(&mut resolver, &[query(UID_A, &[])]);
+        let found = NetnsResolver::resolve(&mut resolver, &[query(UID_A, &[IP])]);
         assert_eq!(found[UID_A], Ok(NetnsSource::Path("/run/netns/web".into())));
     }
 }
