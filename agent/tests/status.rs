@@ -143,21 +143,9 @@ fn pods_are_named_and_another_builds_programs_are_flagged() {
 /// Runs `program args` inside the namespace `ns` with `input` on stdin;
 /// panics with its output unless it succeeds.
 fn run_in(ns: &str, program: &str, args: &[&str], input: &str) {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", ns, program])
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(input.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let mut command = Command::new("ip");
+    command.args(["netns", "exec", ns, program]).args(args);
+    let out = ambpf_testbed::output_with_stdin(&mut command, input.as_bytes()).unwrap();
     assert!(
         out.status.success(),
         "{program} {args:?}: {}",
