@@ -444,11 +444,15 @@ fn parse_attach(spec: &str) -> Result<(&str, &str)> {
 /// `ambpf status --check`: the eBPF mode's pinned state, checked from the
 /// pins and the host's namespaces alone.
 fn status_check(pins: &PinLayout, json: bool) -> Result<()> {
+    // The pods' namespaces are found once (a scan of every process's), for
+    // both checks.
+    let located = crate::redirect::check::mixed::locate_pinned(pins);
+    let pods: Vec<_> = located.iter().map(|(key, netns)| (*key, netns)).collect();
     let mut violations =
-        crate::redirect::check::ebpf_state(pins, &[], crate::redirect::CheckScope::Full);
+        crate::redirect::check::ebpf_state(pins, &pods, crate::redirect::CheckScope::Full);
     // Istio's rules beside the eBPF capture (a migration left halfway, or
     // Istio's node agent still running): read only here, on demand.
-    violations.extend(crate::redirect::check::mixed::scan_pinned(pins));
+    violations.extend(crate::redirect::check::mixed::scan_pinned(pins, &pods));
     // Other owners' programs warn, as a foreign build does in `status`;
     // only violations fail the check.
     let programs = crate::redirect::check::foreign::scan(pins);

@@ -133,27 +133,25 @@ fn winner(own: RedirectMode) -> &'static str {
     }
 }
 
-/// [`scan_mixed_capture`] for the eBPF mode's pods pinned under `pins`
-/// (`ambpf status --check`); a pod whose namespace is gone is the records
-/// check's to report.
-pub fn scan_pinned(pins: &crate::bpf::PinLayout) -> Vec<Violation> {
-    let pods = match super::read_pinned_pods(pins) {
-        Ok(pinned) => pinned.pods,
-        Err(e) => {
-            return vec![Violation::new(
-                ViolationKind::Unreadable,
-                format!("reading the pinned pods to look for other capture: {e}"),
-            )];
-        }
+/// The eBPF mode's pods pinned under `pins` whose namespaces are found, for
+/// `ambpf status --check` to check once located: none when the pins cannot
+/// be read (the records check says why), and a pod whose namespace is gone
+/// is the records check's to report.
+pub fn locate_pinned(pins: &crate::bpf::PinLayout) -> Vec<(PodKey, Netns)> {
+    let Ok(pinned) = super::read_pinned_pods(pins) else {
+        return Vec::new();
     };
-    let located = super::locate_pods(&pods, &[]);
-    let pods: Vec<(PodKey, &Netns)> = pods
+    let mut located = super::locate_pods(&pinned.pods, &[]);
+    pinned
+        .pods
         .iter()
-        .filter_map(|pod| {
-            let netns = located.get(&pod.netns_cookie)?.as_ref()?;
-            Some((super::key_of(pod), netns))
-        })
-        .collect();
+        .filter_map(|pod| Some((super::key_of(pod), located.remove(&pod.netns_cookie)??)))
+        .collect()
+}
+
+/// [`scan_mixed_capture`] for the eBPF mode's `pods` pinned under `pins`
+/// ([`locate_pinned`]), named as the agent recorded them.
+pub fn scan_pinned(pins: &crate::bpf::PinLayout, pods: &[(PodKey, &Netns)]) -> Vec<Violation> {
     let nft = Netns::open("/proc/self/ns/net")
         .ok()
         .and_then(|h| node_nft(&h));
@@ -163,5 +161,5 @@ pub fn scan_pinned(pins: &crate::bpf::PinLayout) -> Vec<Violation> {
         Some(pod) => format!("pod {}/{} ({key})", pod.namespace, pod.name),
         None => format!("the pod with {key}"),
     };
-    scan_named(RedirectMode::Ebpf, &pods, nft.as_ref(), &name_of)
+    scan_named(RedirectMode::Ebpf, pods, nft.as_ref(), &name_of)
 }

@@ -233,7 +233,7 @@ impl Annotator {
         // pod's own changes stay one per pass).
         let client = self.client.clone();
         let mut patched = futures::stream::iter(changes)
-            .map(|change| {
+            .map(move |change| {
                 let client = client.clone();
                 async move {
                     let outcome =
@@ -246,7 +246,6 @@ impl Annotator {
         while let Some((change, outcome)) = patched.next().await {
             self.record(change, outcome);
         }
-        drop(patched);
         self.in_flight.retain(|uid, _| present.contains(uid));
         self.warned.retain(|uid, _| present.contains(uid));
     }
