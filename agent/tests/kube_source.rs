@@ -825,6 +825,7 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
         programmed_tx.send_replace(Arc::new(ambpf::controller::PodsReport {
             programmed: uids.iter().map(|u| (*u).to_owned()).collect(),
             held_back: BTreeSet::new(),
+            runtime_netns: Default::default(),
         }));
     };
     let ztunnel = |uid: &str, status: ZtunnelStatus| {

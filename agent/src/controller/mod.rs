@@ -134,6 +134,8 @@ struct Enrolled {
     name: String,
     /// What ztunnel was last given for it.
     workload: Workload,
+    /// The path its CNI ADD named for this namespace, if one enrolled it.
+    runtime_path: Option<std::path::PathBuf>,
 }
 
 /// The UIDs of the pods whose redirection is in place and that were handed
@@ -149,6 +151,18 @@ pub struct PodsReport {
     /// pod, and the runtime is to retry (Istio's node agent marks such a
     /// pod `pending`). Until the pod is programmed, or the source drops it.
     pub held_back: BTreeSet<String>,
+    /// Where the container runtime put the namespace of each programmed pod
+    /// a CNI ADD enrolled: the pod source takes it rather than scanning the
+    /// node's processes for the pod.
+    pub runtime_netns: BTreeMap<String, RuntimeNetns>,
+}
+
+/// A pod's network namespace as its CNI ADD named it (`CNI_NETNS`: a path
+/// the runtime removes with the sandbox), and the namespace enrolled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuntimeNetns {
+    pub path: std::path::PathBuf,
+    pub inode: u64,
 }
 
 /// How often failed pods are retried without a new event.
@@ -252,6 +266,12 @@ impl Controller {
                 return;
             }
         };
+        // The path a CNI ADD named for this very namespace.
+        let runtime_path = self
+            .explicit
+            .get(uid)
+            .filter(|cni| cni.netns_inode == netns.inode())
+            .map(|cni| cni.pod.workload.netns.path().to_path_buf());
         if let Some(current) = self.enrolled.get_mut(uid)
             && current.netns.inode() == netns.inode()
             && current.options == options
@@ -260,6 +280,7 @@ impl Controller {
             crate::metrics::histograms().pod_handled(uid, false);
             pass.wanted_cookies.insert(current.key.netns_cookie);
             current.workload = pod.workload.clone();
+            current.runtime_path = runtime_path.or(current.runtime_path.take());
             pass.ready.push(pod.workload.clone());
             return;
         }
@@ -292,6 +313,7 @@ impl Controller {
                     options,
                     name,
                     workload: pod.workload.clone(),
+                    runtime_path,
                 };
                 self.enrolled.insert(uid.clone(), enrolled);
                 // Per pod, so that the gauge climbs through a long pass.
@@ -422,9 +444,25 @@ impl Controller {
     /// listens: always after the first pass, then on a change.
     fn send_programmed(&mut self, programmed: BTreeSet<String>) {
         if let Some(sender) = &self.programmed {
+            let runtime_netns = self
+                .enrolled
+                .iter()
+                .filter(|(uid, _)| programmed.contains(*uid))
+                .filter_map(|(uid, e)| {
+                    let path = e.runtime_path.clone()?;
+                    Some((
+                        uid.clone(),
+                        RuntimeNetns {
+                            path,
+                            inode: e.netns.inode(),
+                        },
+                    ))
+                })
+                .collect();
             let report = PodsReport {
                 programmed,
                 held_back: self.held_back.keys().cloned().collect(),
+                runtime_netns,
             };
             let first = !std::mem::replace(&mut self.reported, true);
             sender.send_if_modified(|current| {

@@ -298,6 +298,16 @@ fn a_cni_add_programs_only_its_own_pod_and_the_next_pass_the_rest() {
     assert_eq!(zds.workloads()["c"].netns_inode, Some(inode(&c)));
     let programmed = rx.borrow_and_update().programmed.clone();
     assert_eq!(programmed.iter().collect::<Vec<_>>(), ["a", "c"]);
+    // Where the runtime put "c" goes to the source, so it need not scan
+    // for it; "a" came from the source itself.
+    let named_c = RuntimeNetns {
+        path: c.path(),
+        inode: inode(&c),
+    };
+    assert_eq!(
+        rx.borrow().runtime_netns,
+        BTreeMap::from([("c".to_owned(), named_c.clone())])
+    );
 
     let pods = ctl.desired(&source);
     let report = ctl.apply(&pods);
@@ -305,6 +315,24 @@ fn a_cni_add_programs_only_its_own_pod_and_the_next_pass_the_rest() {
     assert_eq!(zds.workloads().keys().collect::<Vec<_>>(), ["b", "c"]);
     let programmed = rx.borrow_and_update().programmed.clone();
     assert_eq!(programmed.iter().collect::<Vec<_>>(), ["b", "c"]);
+
+    // Once the source reports "c" in the same namespace (by another path),
+    // the runtime's path is still what names it.
+    let held = std::fs::File::open(c.path()).unwrap();
+    let mut c_from_source = spec("c", &c, None);
+    let other_path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&held));
+    c_from_source.workload.netns = NetnsSource::Path(other_path.into());
+    let source = SourcePods {
+        ambient: vec![spec("b", &b, None), c_from_source],
+        ..SourcePods::default()
+    };
+    let pods = ctl.desired(&source);
+    ctl.apply(&pods);
+    assert!(!ctl.explicit.contains_key("c"));
+    assert_eq!(
+        rx.borrow().runtime_netns,
+        BTreeMap::from([("c".to_owned(), named_c)])
+    );
     assert_eq!(
         *log.lock().unwrap(),
         [

@@ -24,6 +24,9 @@ pub(super) struct Engine {
     /// The last pass's ambient pods and what the resolver found for them:
     /// a resync that no event preceded only checks these again.
     pub(super) last: Option<Resolved>,
+    /// The controller's reports: where the runtime put the pods a CNI ADD
+    /// enrolled, so that discovery need not scan for them.
+    pub(super) reports: Option<crate::controller::ProgrammedPods>,
 }
 
 /// Ambient pods and where their network namespaces were found.
@@ -180,6 +183,18 @@ impl Engine {
         }
     }
 
+    /// Gives each query the namespace the runtime named for the pod, as of
+    /// the controller's latest report.
+    fn name_runtime_netns(&self, queries: &mut [PodQuery]) {
+        let Some(reports) = &self.reports else {
+            return;
+        };
+        let report = reports.borrow();
+        for query in queries {
+            query.runtime_netns = report.runtime_netns.get(&query.uid).cloned();
+        }
+    }
+
     /// Looks for the network namespaces of `queries` on a blocking thread.
     async fn resolve(&mut self, queries: Vec<PodQuery>) -> (Vec<PodQuery>, Found) {
         let mut resolver = self
@@ -202,7 +217,8 @@ impl Engine {
     /// those of the last pass, and only their namespaces are looked at
     /// again: if each is where it was, nothing is evaluated or published.
     async fn publish(&mut self, caches_changed: bool) {
-        if !caches_changed && let Some(last) = self.last.take() {
+        if !caches_changed && let Some(mut last) = self.last.take() {
+            self.name_runtime_netns(&mut last.queries);
             let (queries, found) = self.resolve(last.queries).await;
             if found == last.found {
                 self.last = Some(Resolved { queries, found });
@@ -215,7 +231,8 @@ impl Engine {
             &self.config.excluded_namespaces,
             &mut self.notes,
         );
-        let queries = std::mem::take(&mut classified.queries);
+        let mut queries = std::mem::take(&mut classified.queries);
+        self.name_runtime_netns(&mut queries);
         let (queries, found) = self.resolve(queries).await;
         self.last = Some(Resolved {
             queries: queries.clone(),

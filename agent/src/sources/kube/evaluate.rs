@@ -143,6 +143,7 @@ pub(super) fn classify(
                     namespace: namespace.clone(),
                     name: name.clone(),
                     ips: rules::pod_ips(pod),
+                    runtime_netns: None,
                 });
             }
             Err(why) => {

@@ -370,6 +370,7 @@ impl KubeSource {
             notes: Notes::default(),
             first: true,
             last: None,
+            reports: annotate.as_ref().map(|(programmed, _)| programmed.clone()),
         };
         let caches = KubeCaches {
             pods: pod_store.clone(),

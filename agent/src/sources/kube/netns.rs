@@ -18,6 +18,15 @@
 //! recreated (the process is gone, or its namespace changed) the pod is
 //! found again.
 //!
+//! A pod a CNI ADD enrolled needs no scan: the runtime named its namespace
+//! (`CNI_NETNS`, a path the runtime removes with the sandbox), and the
+//! controller reports that path with the namespace's inode
+//! ([`PodQuery::runtime_netns`]). The path is taken while it still holds
+//! that namespace (one `stat`) and, once the pod has IPs, one of them;
+//! a later ADD (a re-created sandbox) names the new one. Scanning the node
+//! for each new pod cost more of the agent's CPU than the rest of its
+//! start-up together, beside the runtime starting the pod's containers.
+//!
 //! What it costs grows with the node: a scan reads the cgroup file of every
 //! process, and the source passes on every pod event. So a pass checks the
 //! cached answers with one `stat` each, and scans run on a CPU budget
@@ -40,6 +49,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub use crate::controller::RuntimeNetns;
 use crate::{netns::Netns, redirect::podnet, zds::NetnsSource};
 
 /// What discovery needs to know of a pod.
@@ -50,6 +60,9 @@ pub struct PodQuery {
     pub name: String,
     /// The pod's IPs from its status; empty early in its life.
     pub ips: Vec<IpAddr>,
+    /// Where the container runtime put the pod's namespace, if a CNI ADD
+    /// enrolled it: taken before any scan while it still holds that namespace.
+    pub runtime_netns: Option<RuntimeNetns>,
 }
 
 /// Finds the network namespaces of pods: [`ProcNetnsFinder`], or any
@@ -155,10 +168,19 @@ pub struct ProcNetnsFinder {
     scan_deferred: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Found {
-    pid: u32,
+    at: FoundAt,
     inode: u64,
+}
+
+/// Where a found namespace is opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum FoundAt {
+    /// `/proc/<pid>/ns/net` of the pod's oldest process.
+    Process(u32),
+    /// The path the runtime gave in the pod's CNI ADD.
+    Runtime(PathBuf),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -208,8 +230,15 @@ impl ProcNetnsFinder {
         self.proc_root.join(pid.to_string()).join("ns/net")
     }
 
+    fn path_of(&self, found: &Found) -> PathBuf {
+        match &found.at {
+            FoundAt::Process(pid) => self.netns_path(*pid),
+            FoundAt::Runtime(path) => path.clone(),
+        }
+    }
+
     fn inode_of(&self, pid: u32) -> Option<u64> {
-        fs::metadata(self.netns_path(pid)).ok().map(|m| m.ino())
+        inode_at(&self.netns_path(pid))
     }
 
     fn uids_of(&self, pid: u32) -> Option<Vec<String>> {
@@ -217,14 +246,37 @@ impl ProcNetnsFinder {
         Some(pod_uids_in_cgroup(&text))
     }
 
-    /// The cached answer, if the process is still in the same namespace
-    /// and, with `owner`, still belongs to the pod.
-    fn still_valid(&self, uid: &str, found: Found, owner: bool) -> bool {
-        self.inode_of(found.pid) == Some(found.inode)
-            && (!owner
-                || self
-                    .uids_of(found.pid)
-                    .is_some_and(|uids| uids.iter().any(|u| u == uid)))
+    /// The cached answer, if the process (or the runtime's path) is still
+    /// in the same namespace and, with `owner`, the process still belongs to
+    /// the pod (a runtime path names one sandbox for its whole life).
+    fn still_valid(&self, uid: &str, found: &Found, owner: bool) -> bool {
+        match &found.at {
+            FoundAt::Process(pid) => {
+                self.inode_of(*pid) == Some(found.inode)
+                    && (!owner
+                        || self
+                            .uids_of(*pid)
+                            .is_some_and(|uids| uids.iter().any(|u| u == uid)))
+            }
+            FoundAt::Runtime(path) => inode_at(path) == Some(found.inode),
+        }
+    }
+
+    /// The namespace the runtime named for `pod`, if its path still holds
+    /// the namespace enrolled, that is not the host's, and (once the pod has
+    /// IPs) it holds one of them.
+    fn named_by_runtime(&self, pod: &PodQuery) -> Option<Found> {
+        let named = pod.runtime_netns.as_ref()?;
+        if inode_at(&named.path) != Some(named.inode) || Some(named.inode) == self.host_netns {
+            return None;
+        }
+        if !pod.ips.is_empty() && (self.verify)(&named.path, &pod.ips) != Ok(true) {
+            return None;
+        }
+        Some(Found {
+            at: FoundAt::Runtime(named.path.clone()),
+            inode: named.inode,
+        })
     }
 
     /// Whether `last` is `interval` or longer ago (or never was).
@@ -279,7 +331,7 @@ impl ProcNetnsFinder {
         let mut rejected = Vec::new();
         for candidate in candidates.iter().filter(|c| seen.insert(c.inode)) {
             let found = Found {
-                pid: candidate.pid,
+                at: FoundAt::Process(candidate.pid),
                 inode: candidate.inode,
             };
             if pod.ips.is_empty() {
@@ -313,14 +365,21 @@ impl NetnsResolver for ProcNetnsFinder {
         let mut results = BTreeMap::new();
         let mut missing = Vec::new();
         for pod in pods {
-            match self.cache.get(&pod.uid).copied() {
-                Some(found) if self.still_valid(&pod.uid, found, owners) => {
-                    results.insert(
-                        pod.uid.clone(),
-                        Ok(NetnsSource::Path(self.netns_path(found.pid))),
-                    );
+            // The cached answer stands while it is valid and the runtime
+            // names no other namespace (a re-created sandbox's ADD).
+            let cached = self.cache.get(&pod.uid).filter(|found| {
+                self.still_valid(&pod.uid, found, owners)
+                    && pod
+                        .runtime_netns
+                        .as_ref()
+                        .is_none_or(|named| named.inode == found.inode)
+            });
+            match cached.cloned().or_else(|| self.named_by_runtime(pod)) {
+                Some(found) => {
+                    results.insert(pod.uid.clone(), Ok(NetnsSource::Path(self.path_of(&found))));
+                    self.cache.insert(pod.uid.clone(), found);
                 }
-                _ => {
+                None => {
                     self.cache.remove(&pod.uid);
                     missing.push(pod);
                 }
@@ -360,8 +419,9 @@ impl NetnsResolver for ProcNetnsFinder {
                 Err(e) => Err(e.clone()),
             };
             let result = result.map(|found| {
+                let path = self.path_of(&found);
                 self.cache.insert(pod.uid.clone(), found);
-                NetnsSource::Path(self.netns_path(found.pid))
+                NetnsSource::Path(path)
             });
             results.insert(pod.uid.clone(), result);
         }
@@ -374,6 +434,11 @@ impl NetnsResolver for ProcNetnsFinder {
         self.scan_deferred
             .then(|| self.scan_budget.wait().unwrap_or(Duration::ZERO))
     }
+}
+
+/// The inode of the file at `path` (a namespace's, where one is mounted).
+fn inode_at(path: &Path) -> Option<u64> {
+    fs::metadata(path).ok().map(|m| m.ino())
 }
 
 /// Whether the namespace at `path` has one of `ips` on an interface.
@@ -697,6 +762,7 @@ mod tests {
             namespace: "shop".into(),
             name: "web".into(),
             ips: ips.iter().map(|ip| ip.parse().unwrap()).collect(),
+            runtime_netns: None,
         }
     }
 
@@ -768,7 +834,7 @@ mod tests {
         );
 
         // Its namespace changed (sandbox recreated): found again, same pid.
-        let before = finder.cache[UID_A];
+        let before = finder.cache[UID_A].clone();
         proc.new_netns(300);
         let inode = fs::metadata(proc.root.join("300/ns/net")).unwrap().ino();
         assert_ne!(before.inode, inode);
@@ -776,7 +842,13 @@ mod tests {
             finder.resolve(&[query(UID_A, &[IP])])[UID_A],
             Ok(proc.path(300))
         );
-        assert_eq!(finder.cache[UID_A], Found { pid: 300, inode });
+        assert_eq!(
+            finder.cache[UID_A],
+            Found {
+                at: FoundAt::Process(300),
+                inode
+            }
+        );
 
         // The pid now belongs to someone else: not the pod's any more.
         fs::write(proc.root.join("300/cgroup"), v2(UID_B)).unwrap();
@@ -831,6 +903,96 @@ mod tests {
             .unwrap()
             .unwrap_err();
         assert!(err.contains("holds its IPs 10.0.0.5"), "{err}");
+    }
+
+    /// A file standing for a namespace the runtime mounted for a sandbox.
+    fn runtime_netns(proc: &FakeProc, name: &str) -> RuntimeNetns {
+        let path = proc.root.join(name);
+        fs::write(&path, "").unwrap();
+        let inode = fs::metadata(&path).unwrap().ino();
+        RuntimeNetns { path, inode }
+    }
+
+    fn named(uid: &str, ips: &[&str], runtime: &RuntimeNetns) -> PodQuery {
+        PodQuery {
+            runtime_netns: Some(runtime.clone()),
+            ..query(uid, ips)
+        }
+    }
+
+    /// A pod a CNI ADD enrolled is taken where the runtime put it, with no
+    /// scan: while the path holds the namespace enrolled and one of the
+    /// pod's IPs; else it is looked for as any pod is.
+    #[test]
+    fn the_namespace_the_runtime_named_is_taken_while_it_holds_the_pod() {
+        let proc = FakeProc::new();
+        let cni = runtime_netns(&proc, "cni-1");
+        let checked = Arc::new(Mutex::new(Vec::new()));
+        let verifier: Verifier = Box::new({
+            let checked = checked.clone();
+            move |path: &Path, _: &[IpAddr]| {
+                checked.lock().unwrap().push(path.to_owned());
+                Ok(!path.ends_with("cni-elsewhere"))
+            }
+        });
+        // No process of the pod in the proc tree: an answer can only come
+        // from the runtime's path.
+        let mut finder = unthrottled(&proc.root)
+            .with_host_netns(None)
+            .with_verifier(verifier);
+        let found = finder.resolve(&[named(UID_A, &[IP], &cni)]);
+        assert_eq!(found[UID_A], Ok(NetnsSource::Path(cni.path.clone())));
+        assert_eq!(finder.retry_in(), None);
+        assert_eq!(*checked.lock().unwrap(), std::slice::from_ref(&cni.path));
+        // Cached: one `stat`, not verified again.
+        finder.resolve(&[named(UID_A, &[IP], &cni)]);
+        assert_eq!(checked.lock().unwrap().len(), 1);
+
+        // A path that holds another namespace (re-mounted), or a namespace
+        // without the pod's IPs, is not the pod's.
+        let mut moved = runtime_netns(&proc, "cni-2");
+        moved.inode += 1;
+        let elsewhere = runtime_netns(&proc, "cni-elsewhere");
+        let found = finder.resolve(&[named(UID_B, &[IP], &moved), named(UID_C, &[IP], &elsewhere)]);
+        assert!(found[UID_B].is_err(), "{found:?}");
+        assert!(found[UID_C].is_err(), "{found:?}");
+    }
+
+    #[test]
+    fn a_runtime_path_gone_is_scanned_for_and_a_new_one_replaces_a_cached_answer() {
+        let proc = FakeProc::new();
+        proc.process(200, &v2(UID_A), 10);
+        let mut finder = unthrottled(&proc.root).with_host_netns(None);
+        let first = runtime_netns(&proc, "cni-1");
+        assert_eq!(
+            finder.resolve(&[named(UID_A, &[IP], &first)])[UID_A],
+            Ok(NetnsSource::Path(first.path.clone()))
+        );
+        // The sandbox is gone, its path with it: the pod is scanned for.
+        fs::remove_file(&first.path).unwrap();
+        assert_eq!(
+            finder.resolve(&[named(UID_A, &[IP], &first)])[UID_A],
+            Ok(proc.path(200))
+        );
+        // A re-created sandbox's ADD names a new namespace: it replaces the
+        // cached answer, whose process is still there.
+        let second = runtime_netns(&proc, "cni-2");
+        assert_eq!(
+            finder.resolve(&[named(UID_A, &[IP], &second)])[UID_A],
+            Ok(NetnsSource::Path(second.path.clone()))
+        );
+        // Named by the runtime as the cached process's namespace: the cached
+        // path stays (ztunnel is told of no change).
+        let pause = RuntimeNetns {
+            path: proc.root.join("200/ns/net"),
+            inode: fs::metadata(proc.root.join("200/ns/net")).unwrap().ino(),
+        };
+        fs::remove_file(&second.path).unwrap();
+        finder.resolve(&[query(UID_A, &[IP])]);
+        assert_eq!(
+            finder.resolve(&[named(UID_A, &[IP], &pause)])[UID_A],
+            Ok(proc.path(200))
+        );
     }
 
     #[test]
