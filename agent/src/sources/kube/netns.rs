@@ -367,17 +367,26 @@ impl NetnsResolver for ProcNetnsFinder {
         for pod in pods {
             // The cached answer stands while it is valid and the runtime
             // names no other namespace (a re-created sandbox's ADD).
-            let cached = self.cache.get(&pod.uid).filter(|found| {
-                self.still_valid(&pod.uid, found, owners)
-                    && pod
-                        .runtime_netns
-                        .as_ref()
-                        .is_none_or(|named| named.inode == found.inode)
+            let cached = self
+                .cache
+                .get(&pod.uid)
+                .filter(|found| {
+                    self.still_valid(&pod.uid, found, owners)
+                        && pod
+                            .runtime_netns
+                            .as_ref()
+                            .is_none_or(|named| named.inode == found.inode)
+                })
+                .map(|found| self.path_of(found));
+            let path = cached.or_else(|| {
+                let found = self.named_by_runtime(pod)?;
+                let path = self.path_of(&found);
+                self.cache.insert(pod.uid.clone(), found);
+                Some(path)
             });
-            match cached.cloned().or_else(|| self.named_by_runtime(pod)) {
-                Some(found) => {
-                    results.insert(pod.uid.clone(), Ok(NetnsSource::Path(self.path_of(&found))));
-                    self.cache.insert(pod.uid.clone(), found);
+            match path {
+                Some(path) => {
+                    results.insert(pod.uid.clone(), Ok(NetnsSource::Path(path)));
                 }
                 None => {
                     self.cache.remove(&pod.uid);
