@@ -26,7 +26,6 @@ use super::rule_dump::{
     Difference, PodIdentity, Section, Side, differences, node_is_clean, node_sections,
     pod_sections, sandbox_pid,
 };
-use super::scenarios::redirection;
 
 /// A difference between Istio's agent and ambpf that has a reason (given in
 /// docs/parity.md, "Against Istio's own node agent"): a line, without its
@@ -260,27 +259,25 @@ spec:
     let read = || -> Result<Vec<Section>> {
         // `pending` is Istio's partial enrolment (rules written, ztunnel's
         // answer not yet in), which it retries: only `enabled` is done.
-        eventually(
-            &format!("{namespace}/{name} enrolled by {agent}"),
+        // Istio's agent annotates from inside the CNI ADD, before kubelet
+        // has reported the pod's address, so the wait is for both.
+        let identity = eventually(
+            &format!("{namespace}/{name} enrolled by {agent}, with its address"),
             Duration::from_secs(60),
             || {
-                Ok(redirection(cluster, namespace, &name)?
-                    .is_some_and(|state| state == "enabled")
-                    .then_some(()))
+                let pod = cluster.get_json(&["pod", "-n", namespace, &name])?;
+                let enabled = pod["metadata"]["annotations"][super::scenarios::REDIRECTION]
+                    .as_str()
+                    .is_some_and(|state| state == "enabled");
+                let field =
+                    |value: &serde_json::Value| value.as_str().unwrap_or_default().to_owned();
+                let identity = PodIdentity {
+                    ip: field(&pod["status"]["podIP"]),
+                    uid: field(&pod["metadata"]["uid"]),
+                };
+                Ok((enabled && !identity.ip.is_empty()).then_some(identity))
             },
         )?;
-        let pod = cluster.get_json(&["pod", "-n", namespace, &name])?;
-        let identity = PodIdentity {
-            ip: pod["status"]["podIP"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
-            uid: pod["metadata"]["uid"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
-        };
-        ensure!(!identity.ip.is_empty(), "{name} has no address");
         let pid = sandbox_pid(cluster, &identity.uid)?;
         let mut sections = pod_sections(cluster, pid, &identity)?;
         sections.extend(node_sections(cluster, &identity)?);

@@ -381,7 +381,7 @@ fn clusterip_from_pod(cluster: &Cluster, release: &Release) -> Result<String> {
 }
 
 /// The annotation Istio's node agent keeps on each enrolled pod.
-const REDIRECTION: &str = "ambient.istio.io/redirection";
+pub(super) const REDIRECTION: &str = "ambient.istio.io/redirection";
 
 pub(super) fn redirection(cluster: &Cluster, namespace: &str, pod: &str) -> Result<Option<String>> {
     let pod = cluster.get_json(&["pod", "-n", namespace, pod])?;
