@@ -60,11 +60,7 @@ pub struct ControllerStats {
 
 /// A redirection mode's `mode` label.
 pub fn mode_name(mode: RedirectMode) -> &'static str {
-    match mode {
-        RedirectMode::Ebpf => "ebpf",
-        RedirectMode::Iptables => "iptables",
-        RedirectMode::Nftables => "nftables",
-    }
+    mode.name()
 }
 
 impl ControllerStats {

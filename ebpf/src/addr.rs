@@ -50,6 +50,19 @@ pub fn is_loopback(key: &IpKey) -> bool {
     a[..15].iter().all(|b| *b == 0) && a[15] == 1
 }
 
+/// Where Istio's host rules SNAT the node's own connections to ambient
+/// pods (kubelet's probes), and which its in-pod rules let through:
+/// 169.254.7.127 and fd16:9254:7127:1337:ffff:ffff:ffff:ffff.
+pub const PROBE_SNAT_V4: IpKey = IpKey::v4([169, 254, 7, 127]);
+pub const PROBE_SNAT_V6: IpKey = IpKey::v6([
+    0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+]);
+
+#[inline(always)]
+pub fn is_probe_snat(key: &IpKey) -> bool {
+    key.addr == PROBE_SNAT_V4.addr || key.addr == PROBE_SNAT_V6.addr
+}
+
 pub const LOOPBACK_V4: IpKey = IpKey::v4([127, 0, 0, 1]);
 pub const LOOPBACK_V6: IpKey = IpKey::v6([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
 

@@ -16,6 +16,11 @@
 //!   carries a node address is not one of them, and is captured. (The
 //!   lookup's `ingress_ifindex` cannot tell: for a local destination the
 //!   kernel reports the device holding the address, not loopback.)
+//! - connections from Istio's probe SNAT addresses, as Istio's in-pod rules
+//!   let them through: the node's own connections once a host rule of
+//!   Istio's node agent, or of ambpf's iptables or nftables mode during a
+//!   change of mode, has rewritten their source, so `sock_ops`' record of
+//!   them no longer matches.
 //!
 //! A captured connection is given ztunnel's 15006 listener of the pod
 //! (filed by `sock_ops` at `listen()`): the assignment selects within the
@@ -36,7 +41,7 @@ use aya_ebpf::{
 };
 
 use crate::{
-    addr::{is_loopback, v4, v6},
+    addr::{is_loopback, is_probe_snat, v4, v6},
     maps::{INBOUND_LISTENERS, LOCAL_CONNS, PODS_BY_IP, count, count_refusal},
     trace::{PodEvent, count_pod, count_pod_no_listener, trace},
 };
@@ -124,6 +129,12 @@ pub fn ambpf_inbound(ctx: SkLookupContext) -> u32 {
         }
         Some(_) => return SK_PASS,
         None => {}
+    }
+    if is_probe_snat(&lookup.remote.ip) {
+        count(Counter::ProbeBypassed);
+        count_pod(netns, PodEvent::Probe);
+        report(&lookup, netns, local_port, Verdict::ProbeBypassed);
+        return SK_PASS;
     }
     match INBOUND_LISTENERS.redirect_sk_lookup(&ctx, netns, 0) {
         Ok(()) => {

@@ -9,6 +9,7 @@ pub mod foreign;
 pub mod inbound;
 pub mod inspect;
 pub mod keys;
+pub mod listener_adoption;
 pub mod node;
 pub mod object;
 pub mod pins;

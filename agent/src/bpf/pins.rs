@@ -141,6 +141,16 @@ pub struct PinRootLock {
 }
 
 impl PinRootLock {
+    /// Takes the lock on `pins`' root if no one holds it; `None` when
+    /// another agent does, or the root cannot be opened.
+    pub fn try_acquire(pins: &PinLayout) -> Option<Self> {
+        use nix::fcntl::{Flock, FlockArg};
+        let dir = std::fs::File::open(&pins.root).ok()?;
+        Flock::lock(dir, FlockArg::LockExclusiveNonblock)
+            .ok()
+            .map(|locked| Self { _locked: locked })
+    }
+
     /// Takes the lock on `pins`' root (created by [`PinLayout::prepare`]),
     /// waiting for another holder, which is named in the log meanwhile.
     pub fn acquire(pins: &PinLayout) -> Result<Self, PinError> {

@@ -14,7 +14,7 @@ use crate::{
     observe,
     redirect::{
         PodRedirection, RedirectMode, iptables::IptablesRedirection, nftables::NftablesRedirection,
-        podnet,
+        podnet, retire::Retirement,
     },
     sources, zds,
 };
@@ -54,6 +54,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     let kernel_pins = (args.redirect_mode == RedirectMode::Ebpf).then(|| pins.clone());
     // An uninstall at shutdown removes this mode's state under this root.
     let (uninstall_pins, mode) = (pins.clone(), args.redirect_mode);
+    let retire_pins = pins.clone();
     let capacities = bpf::Capacities::from(&args.capacities);
     capacities.validate()?;
     runtime.block_on(async move {
@@ -123,7 +124,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 // Its pods are recorded under the pin root, so that a
                 // restart removes the pods that left while no agent ran.
                 let redirection = IptablesRedirection::new(host, args.iptables_backend)?
-                    .with_records(pins.iptables_pods_dir());
+                    .with_records(pins.iptables_pods_dir())
+                    .taking_over(crate::redirect::retire::ebpf_pods(&pins));
                 info!(
                     "iptables redirection ready ({:?} backend)",
                     redirection.backend()
@@ -134,8 +136,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 // As iptables mode: the host table in the agent's namespace,
                 // the pods recorded under the pin root.
                 let host = Netns::open("/proc/self/ns/net")?;
-                let redirection =
-                    NftablesRedirection::new(host)?.with_records(pins.nftables_pods_dir());
+                let redirection = NftablesRedirection::new(host)?
+                    .with_records(pins.nftables_pods_dir())
+                    .taking_over(crate::redirect::retire::ebpf_pods(&pins));
                 Box::new(redirection)
             }
         };
@@ -237,6 +240,12 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         ));
         if let Some(listener) = health {
             tokio::spawn(observe::serve_health(listener, zds.clone(), None));
+        }
+        // Another mode's capture left by a `helm upgrade` that changed the
+        // mode stays until this mode holds each pod, then goes.
+        let host = Netns::open("/proc/self/ns/net")?;
+        if let Some(retirement) = Retirement::find(mode, retire_pins, host) {
+            controller.retire_previous(retirement);
         }
         let first = controller.apply(&pods_rx.borrow().ambient);
         controller.check_state(crate::redirect::CheckScope::Records);

@@ -89,6 +89,7 @@ impl Controller {
     /// it does not report yet (forgotten once it does, once it knows them as
     /// not ambient, or once their netns is gone: the sandbox was deleted).
     pub(super) fn desired(&mut self, source: &SourcePods) -> Vec<PodSpec> {
+        self.source_settled = source.waiting.is_empty();
         let reported: HashMap<&str, &crate::zds::NetnsSource> = source
             .ambient
             .iter()

@@ -118,6 +118,13 @@ pub struct Controller {
     /// The failure last logged for each pod that fails to enrol, by uid: a
     /// warning names the pod and its reason once per change, not every pass.
     failures_logged: HashMap<String, String>,
+    /// Another mode's capture an earlier agent left, taken out of each pod
+    /// this one holds ([`retire`]).
+    retiring: Option<crate::redirect::retire::Retirement>,
+    /// Whether the source's latest list had every ambient pod's namespace
+    /// ([`SourcePods::waiting`] empty): only then is a pod it does not list
+    /// known not to be wanted.
+    source_settled: bool,
 }
 
 /// A pod this controller enrolled.
@@ -190,6 +197,8 @@ impl Controller {
             deleted: HashSet::new(),
             check_interval: DEFAULT_CHECK_INTERVAL,
             failures_logged: HashMap::new(),
+            retiring: None,
+            source_settled: false,
         }
     }
 
@@ -231,6 +240,7 @@ impl Controller {
             .retain(|uid, _| pass.report.failed.contains_key(uid));
         self.publish(&pass.ready);
         self.record_pass(&pass.report);
+        self.retire_step(&pass);
         pass.report
     }
 
@@ -639,7 +649,9 @@ impl Controller {
             loop {
                 // CNI-added pods are re-checked (is their netns gone?) until
                 // the source takes them over; one may have come in this loop.
-                let retry = !report.failed.is_empty() || !self.explicit.is_empty();
+                let retry = !report.failed.is_empty()
+                    || !self.explicit.is_empty()
+                    || self.retiring.is_some();
                 tokio::select! {
                     changed = pods.changed() => if changed.is_err() { return },
                     () = std::future::ready(()), if repass => {}
@@ -666,5 +678,6 @@ impl Controller {
     }
 }
 
+mod retire;
 #[cfg(test)]
 mod tests;

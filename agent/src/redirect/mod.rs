@@ -21,6 +21,7 @@ pub mod nftables;
 pub mod podnet;
 #[cfg(any(test, feature = "test-support"))]
 pub mod recorder;
+pub mod retire;
 pub mod routing;
 pub mod rtnl;
 pub mod steering;
@@ -38,6 +39,17 @@ pub enum RedirectMode {
     Ebpf,
     Iptables,
     Nftables,
+}
+
+impl RedirectMode {
+    /// As `--redirect-mode` and the chart's `redirectMode` spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+            Self::Iptables => "iptables",
+            Self::Nftables => "nftables",
+        }
+    }
 }
 
 /// Per-pod options.

@@ -334,9 +334,22 @@ pub async fn fixture_in(
     cgroup: Option<&CgroupGuard>,
     inbound: InboundAssign,
 ) -> Fixture {
-    let (mut redirection, bpffs, iptables_backend) =
-        node_redirection_with(mode, &cluster, cgroup, inbound);
-    assert_eq!(redirection.mode(), mode);
+    let node = node_redirection_with(mode, &cluster, cgroup, inbound);
+    fixture_on(cluster, node).await
+}
+
+/// The fixture on `cluster` with the node's redirection `node` (as
+/// [`node_redirection`] returns it; its bpffs, when given, is where the ZDS
+/// server records ztunnel's processes).
+pub async fn fixture_on(
+    cluster: Cluster,
+    (mut redirection, bpffs, iptables_backend): (
+        Box<dyn PodRedirection>,
+        Option<BpffsMount>,
+        Option<IptablesBackend>,
+    ),
+) -> Fixture {
+    let mode = redirection.mode();
 
     let pod = &cluster.pods[0];
     redirection

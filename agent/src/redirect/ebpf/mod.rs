@@ -31,7 +31,7 @@ mod registry;
 
 use std::{net::IpAddr, path::PathBuf, time::Instant};
 
-use ambpf_common::{IpKey, PodConfig, maps, pod_flags};
+use ambpf_common::{IpKey, PodConfig, maps, pod_flags, ztunnel};
 use aya::maps::{HashMap, MapData};
 use tracing::{info, warn};
 
@@ -41,7 +41,11 @@ pub use super::steering::detach_steering;
 use super::{CheckScope, PodKey, Violation, podnet, routing, rtnl::NetlinkError};
 pub use crate::bpf::keys::{ip_addr, ip_key};
 use crate::{
-    bpf::{Dataplane, MapWriteError, PinLayout, tc::AttachError},
+    bpf::{
+        Dataplane, MapWriteError, PinLayout,
+        listener_adoption::{SocketHolders, listening_inodes},
+        tc::AttachError,
+    },
     netns::{Netns, NetnsError},
 };
 
@@ -97,6 +101,16 @@ pub enum EnrollError {
     },
     #[error("the sk_lookup link of the pod in {netns}: {cause}")]
     InboundLink {
+        netns: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("ztunnel's inbound listener of the pod in {netns}: {cause}")]
+    InboundListener {
+        netns: PathBuf,
+        cause: crate::bpf::listener_adoption::AdoptionError,
+    },
+    #[error("entering the open connections of the pod in {netns} in conntrack: {cause}")]
+    Conntrack {
         netns: PathBuf,
         cause: std::io::Error,
     },
@@ -166,6 +180,9 @@ fn pinned_pods(dataplane: &mut Dataplane) -> Result<Vec<PodConfig>, EnrollError>
 pub struct EbpfRedirection {
     dataplane: Dataplane,
     pods: PodRegistry,
+    /// Where the host's sockets are held, for ztunnel's listeners opened
+    /// before the programs ran ([`crate::bpf::listener_adoption`]).
+    socket_holders: SocketHolders,
 }
 
 impl EbpfRedirection {
@@ -175,6 +192,7 @@ impl EbpfRedirection {
         Self {
             dataplane,
             pods: PodRegistry::default(),
+            socket_holders: SocketHolders::default(),
         }
     }
 
@@ -202,7 +220,7 @@ impl EbpfRedirection {
         // routing.
         let path = netns.path();
         let visit = Instant::now();
-        let (net, mut steps) = netns.run(|| -> Result<_, EnrollError> {
+        let (net, listeners, mut steps) = netns.run(|| -> Result<_, EnrollError> {
             let mut steps = super::EnrolSteps::default();
             // One netlink socket for the whole visit.
             let (mut rtnl, net) = steps.time("inspect", || -> Result<_, EnrollError> {
@@ -215,7 +233,14 @@ impl EbpfRedirection {
             steps.time("routing", || {
                 routing::install_reply_routing_with(&mut rtnl, path)
             })?;
-            Ok((net, steps))
+            // ztunnel's listener, when it already serves the pod.
+            let listeners = listening_inodes(ztunnel::INBOUND_PORT).map_err(|cause| {
+                EnrollError::InboundListener {
+                    netns: path.to_owned(),
+                    cause: cause.into(),
+                }
+            })?;
+            Ok((net, listeners, steps))
         })??;
         // Entering the namespace (a thread and setns) is what the steps leave.
         steps.rest("enter netns", visit.elapsed());
@@ -245,6 +270,31 @@ impl EbpfRedirection {
         let linking = Instant::now();
         if let Err(e) = self.attach_inbound_link(netns, cookie) {
             return Err(self.undo_new_pod(cookie, previous.is_none(), e));
+        }
+        // A listener ztunnel opened before any program ran (the pod was
+        // captured by another mode, or by Istio's node agent) is filed here,
+        // as sock_ops would have filed it: new to the programs, the pod's
+        // inbound connections would otherwise all be refused.
+        let first_link = previous.is_none_or(|p| p.flags & pod_flags::INBOUND_LINK == 0);
+        if first_link && !listeners.is_empty() {
+            let adopted =
+                self.dataplane
+                    .adopt_inbound_listener(cookie, &listeners, &mut self.socket_holders);
+            match adopted {
+                Ok(true) => info!(
+                    "filed ztunnel's inbound listener of the pod in {}, open before the \
+                     programs were",
+                    netns.path().display()
+                ),
+                Ok(false) => {}
+                Err(cause) => {
+                    let e = EnrollError::InboundListener {
+                        netns: netns.path().to_owned(),
+                        cause,
+                    };
+                    return Err(self.undo_new_pod(cookie, previous.is_none(), e));
+                }
+            }
         }
         let linked = linking.elapsed();
         steps.0.push(("link", linked));

@@ -3,6 +3,7 @@
 //! namespace ([`tools`]), the record of the pods they enrolled
 //! ([`records`]), and the handle each keeps on an enrolled pod's namespace.
 
+pub mod conntrack;
 pub(in crate::redirect) mod records;
 pub(in crate::redirect) mod tools;
 
@@ -37,4 +38,24 @@ pub(in crate::redirect) fn keep_netns(netns: &Netns) -> Result<Netns, ToolError>
             cause: source,
         }
     })
+}
+
+/// Enters the open connections of a pod taken over from the eBPF mode in
+/// conntrack ([`conntrack`]), once its rules (without redirects) track new
+/// ones.
+pub(in crate::redirect) fn keep_open_connections(
+    netns: &Netns,
+) -> Result<(), crate::redirect::EnrollError> {
+    let entered = conntrack::track_established(netns).map_err(|cause| {
+        crate::redirect::EnrollError::Conntrack {
+            netns: netns.path().to_owned(),
+            cause,
+        }
+    })?;
+    tracing::info!(
+        "entered {entered} open connection(s) of the pod in {} in conntrack, taken over from \
+         the eBPF mode: they carry on untranslated",
+        netns.path().display()
+    );
+    Ok(())
 }

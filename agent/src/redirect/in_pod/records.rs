@@ -45,13 +45,19 @@ impl PodRecords {
         Ok(Self { dir })
     }
 
+    /// The records under `dir` if an agent ever kept any there (another
+    /// mode's, looked at without creating them).
+    pub(in crate::redirect) fn existing(dir: PathBuf) -> Option<Self> {
+        dir.is_dir().then_some(Self { dir })
+    }
+
     fn path(&self, key: PodKey) -> PathBuf {
         self.dir
             .join(format!("{}-{}", key.netns_cookie, key.netns_inode))
     }
 
     /// The pods recorded; anything else in the directory is removed.
-    fn read(&self) -> io::Result<Vec<PodKey>> {
+    pub(in crate::redirect) fn read(&self) -> io::Result<Vec<PodKey>> {
         let mut keys = Vec::new();
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;

@@ -111,7 +111,12 @@ mod rules;
 mod tests;
 mod tools;
 
-use std::{cell::RefCell, collections::BTreeMap, io, net::IpAddr};
+use std::{
+    cell::RefCell,
+    collections::{BTreeMap, HashSet},
+    io,
+    net::IpAddr,
+};
 
 use tracing::{info, warn};
 
@@ -119,7 +124,8 @@ use self::tools::{Tools, detect_backend};
 pub use self::{
     node::{
         NodeUninstall, PodRulesFound, find_any_pod_capture, find_pod_capture, find_pod_rules,
-        probe_set_members, remove_host_rules, remove_pod_rules, saved_rules, uninstall_node,
+        probe_set_members, remove_host_rules, remove_pod_capture, remove_pod_rules, saved_rules,
+        uninstall_node,
     },
     probes::{ProbeMember, probe_set_entries},
     rules::{RuleSet, SavedRules, host_rules, pod_rules, render_fresh},
@@ -130,7 +136,7 @@ use super::{
     RedirectMode, Violation, ViolationKind, check,
     claims::AddressClaims,
     in_pod::{
-        ToolError, keep_netns,
+        ToolError, keep_netns, keep_open_connections,
         records::{self, PodRecords},
         tools::FALLBACK_DIRS,
     },
@@ -283,6 +289,10 @@ pub struct IptablesRedirection {
     /// Pods an earlier agent enrolled, by netns cookie, until enrolled
     /// again or removed.
     adopted: BTreeMap<u64, records::AdoptedPod>,
+    /// Pods the eBPF mode captured, by netns cookie, whose open connections
+    /// are entered in conntrack before the rules redirect anything there
+    /// ([`super::in_pod::conntrack`]).
+    taken_over: HashSet<u64>,
 }
 
 impl IptablesRedirection {
@@ -305,6 +315,7 @@ impl IptablesRedirection {
             claims: AddressClaims::default(),
             records: None,
             adopted: BTreeMap::new(),
+            taken_over: HashSet::new(),
         };
         for family in this.tools.families.keys().copied() {
             this.ipset
@@ -360,6 +371,17 @@ impl IptablesRedirection {
     ) -> Result<Vec<AddressConflict>, EnrollError> {
         let conflicts = self.claim_probe_addresses(key.netns_cookie, addresses, previous)?;
         routing::install_policy_routing(netns)?;
+        if self.taken_over.contains(&key.netns_cookie) {
+            // The rules without their redirects first: from then on every
+            // connection is tracked from its first packet, untranslated.
+            for family in self.tools.families.keys().copied() {
+                let owned = pod_rules(family, true);
+                let tracking = pod_rules(family, dns_capture).without_redirects();
+                self.tools.apply(netns, &owned, &tracking)?;
+            }
+            keep_open_connections(netns)?;
+            self.taken_over.remove(&key.netns_cookie);
+        }
         for family in self.tools.families.keys().copied() {
             let owned = pod_rules(family, true);
             self.tools
@@ -383,6 +405,16 @@ impl IptablesRedirection {
         }
         routing::remove_policy_routing(&entry.netns)?;
         Ok(())
+    }
+}
+
+impl IptablesRedirection {
+    /// The pods (by netns cookie) the eBPF mode captured: the connections
+    /// they have open when this mode first writes its rules there keep
+    /// working ([`super::in_pod::conntrack`]).
+    pub fn taking_over(mut self, cookies: impl IntoIterator<Item = u64>) -> Self {
+        self.taken_over.extend(cookies);
+        self
     }
 }
 

@@ -46,6 +46,23 @@ pub fn remove_pod_rules(netns: &Netns) -> Result<(), EnrollError> {
     Ok(())
 }
 
+/// Removes the capture of the iptables mode from a pod's namespace (its
+/// nat and raw chains, in each backend present), idempotently, and leaves
+/// what connections opened before carry on with: the mangle chains of the
+/// reply path, the nat table's built-in chains (so NAT stays hooked for the
+/// connections already redirected) and the policy routing, which every
+/// mode shares. For another mode taking the pod over
+/// ([`crate::redirect::retire`]).
+pub fn remove_pod_capture(netns: &Netns) -> Result<(), EnrollError> {
+    for tools in Tools::available() {
+        for family in families_in_use() {
+            let owned = pod_rules(family, true).capture_only();
+            tools.apply(netns, &owned, &RuleSet::empty(family))?;
+        }
+    }
+    Ok(())
+}
+
 /// Removes the host rules (in each backend present), the nft `nat` tables
 /// ambpf created for them once empty ([`nat_table`]), and then the probe
 /// ipsets, idempotently. Returns whether any of them was there.

@@ -75,6 +75,24 @@ impl RuleSet {
             tables: Vec::new(),
         }
     }
+
+    /// The rule set with the nat chains empty: their hooks registered (so
+    /// conntrack tracks every connection from its first packet, with no
+    /// translation), nothing redirected.
+    pub(super) fn without_redirects(mut self) -> Self {
+        for table in self.tables.iter_mut().filter(|t| t.table == "nat") {
+            table.rules.clear();
+        }
+        self
+    }
+
+    /// The tables that capture (nat and raw), without mangle's reply path:
+    /// the connmark rules that carry the replies of connections ztunnel
+    /// already proxies, which capture nothing.
+    pub(super) fn capture_only(mut self) -> Self {
+        self.tables.retain(|t| t.table != "mangle");
+        self
+    }
 }
 
 /// The in-pod rule set of Istio for `family`, with or without DNS capture.

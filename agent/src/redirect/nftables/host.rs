@@ -307,6 +307,31 @@ pub fn remove_pod_tables(nft: &Nft, netns: &Netns) -> Result<Vec<&'static str>, 
     Ok(ours)
 }
 
+/// Removes the capture of ambpf's tables from `netns` in one transaction,
+/// idempotently: the nat table's rules (its base chains stay, so NAT stays
+/// hooked for the connections already redirected) and the raw table. The
+/// mangle table (the reply path of connections ztunnel already proxies)
+/// and the policy routing, which every mode shares, stay. Returns the
+/// tables it changed. For another mode taking the pod over
+/// ([`crate::redirect::retire`]).
+pub fn remove_pod_capture(nft: &Nft, netns: &Netns) -> Result<Vec<&'static str>, EnrollError> {
+    let (ours, _) = find_pod_tables(nft, netns)?;
+    let mut script = String::new();
+    let mut changed = Vec::new();
+    if ours.contains(&NAT_TABLE) && nft.has_rules(netns, NAT_TABLE)? {
+        script.push_str(&format!("flush table inet {NAT_TABLE}\n"));
+        changed.push(NAT_TABLE);
+    }
+    if ours.contains(&super::RAW_TABLE) {
+        script.push_str(&delete_tables(&[super::RAW_TABLE]));
+        changed.push(super::RAW_TABLE);
+    }
+    if !script.is_empty() {
+        nft.apply(netns, &script)?;
+    }
+    Ok(changed)
+}
+
 /// Removes the host table if it is ambpf's; returns whether it did.
 pub fn remove_host_table(nft: &Nft, host: &Netns) -> Result<bool, NftablesError> {
     let present = nft.inet_tables(host)?;

@@ -79,14 +79,18 @@ mod rules;
 mod tests;
 mod tool;
 
-use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
+use std::{
+    collections::{BTreeMap, HashSet},
+    net::IpAddr,
+    path::PathBuf,
+};
 
 use tracing::{info, warn};
 
 pub use self::{
     host::{
         PodCapture, find_any_pod_capture, find_pod_capture, find_pod_tables, probe_set_entries,
-        remove_host_table, remove_pod_tables,
+        remove_host_table, remove_pod_capture, remove_pod_tables,
     },
     rules::{host_script, pod_script},
     tool::Nft,
@@ -96,7 +100,7 @@ use super::{
     Violation, ViolationKind, check,
     claims::AddressClaims,
     in_pod::{
-        ToolError, keep_netns,
+        ToolError, keep_netns, keep_open_connections,
         records::{self, PodRecords},
     },
     podnet, routing,
@@ -191,6 +195,10 @@ pub struct NftablesRedirection {
     claims: AddressClaims<IpAddr>,
     records: Option<PodRecords>,
     adopted: BTreeMap<u64, records::AdoptedPod>,
+    /// Pods the eBPF mode captured, by netns cookie, whose open connections
+    /// are entered in conntrack before the rules redirect anything there
+    /// ([`super::in_pod::conntrack`]).
+    taken_over: HashSet<u64>,
 }
 
 impl NftablesRedirection {
@@ -226,7 +234,16 @@ impl NftablesRedirection {
             claims: AddressClaims::default(),
             records: None,
             adopted: BTreeMap::new(),
+            taken_over: HashSet::new(),
         })
+    }
+
+    /// The pods (by netns cookie) the eBPF mode captured: the connections
+    /// they have open when this mode first writes its tables there keep
+    /// working ([`super::in_pod::conntrack`]).
+    pub fn taking_over(mut self, cookies: impl IntoIterator<Item = u64>) -> Self {
+        self.taken_over.extend(cookies);
+        self
     }
 
     pub fn nft(&self) -> &Nft {
@@ -258,10 +275,25 @@ impl NftablesRedirection {
 
     /// The pod's tables, in one transaction: created on its first write
     /// (refused when another tool's are there), rebuilt after.
-    fn write_pod(&self, netns: &Netns, dns: bool, known: bool) -> Result<(), NftablesError> {
-        let script = pod_script(dns, self.ipv6);
+    fn write_pod(&self, netns: &Netns, dns: bool, known: bool) -> Result<(), EnrollError> {
+        let cookie_taken_over = !known
+            && podnet::netns_cookie(netns).is_ok_and(|cookie| self.taken_over.contains(&cookie));
+        if cookie_taken_over {
+            // The tables without their redirects first: from then on every
+            // connection is tracked from its first packet, untranslated.
+            self.write_script(netns, &rules::pod_script_with(dns, self.ipv6, false), false)?;
+            keep_open_connections(netns)?;
+        }
+        let known = known || cookie_taken_over;
+        Ok(self.write_script(netns, &pod_script(dns, self.ipv6), known)?)
+    }
+
+    /// Writes `script` (a pod's tables); `known`: the tables are this
+    /// agent's already, else they are created, and a table of the same name
+    /// without ambpf's comment refuses the pod.
+    fn write_script(&self, netns: &Netns, script: &str, known: bool) -> Result<(), NftablesError> {
         if known {
-            return self.nft.apply(netns, &script);
+            return self.nft.apply(netns, script);
         }
         let fresh = script.replace("add table ", "create table ");
         match self.nft.apply(netns, &fresh) {
@@ -277,7 +309,7 @@ impl NftablesRedirection {
                 tables: foreign,
             });
         }
-        self.nft.apply(netns, &script)
+        self.nft.apply(netns, script)
     }
 
     fn record(&mut self, key: PodKey) {
@@ -389,8 +421,7 @@ impl PodRedirection for NftablesRedirection {
         // before anything of its policy routing (which may be that tool's,
         // Istio's the same) is touched.
         let written = steps.time("rules", || {
-            self.write_pod(netns, options.dns_capture, known)
-                .map_err(EnrollError::from)?;
+            self.write_pod(netns, options.dns_capture, known)?;
             routing::install_policy_routing(netns).map_err(EnrollError::from)
         });
         if let Err(e) = written {

@@ -55,6 +55,13 @@ fn rule(chain: &'static str, text: impl Into<String>) -> (&'static str, String) 
 /// `ip6` rules are Istio's `AppendV6RuleIfSupported`). Without DNS capture
 /// the raw table is removed rather than left from an earlier write.
 pub fn pod_script(dns_capture: bool, ipv6: bool) -> String {
+    pod_script_with(dns_capture, ipv6, true)
+}
+
+/// [`pod_script`], or with `redirects` false, the same tables with the nat
+/// chains empty: their hooks registered (conntrack tracks every connection
+/// from its first packet, untranslated), nothing redirected.
+pub fn pod_script_with(dns_capture: bool, ipv6: bool, redirects: bool) -> String {
     let (pre, out) = ("istio-prerouting", "istio-output");
     let v6 = |r: (&'static str, String)| ipv6.then_some(r);
     let not_ours = format!("mark and {MASK} != {MARK}");
@@ -123,6 +130,9 @@ pub fn pod_script(dns_capture: bool, ipv6: bool) -> String {
         format!("meta l4proto tcp ip6 daddr != ::1/128 {not_ours} counter redirect to :15001"),
     )));
 
+    if !redirects {
+        nat.truncate(2);
+    }
     let mut script = String::new();
     Table {
         name: NAT_TABLE,

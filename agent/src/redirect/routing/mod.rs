@@ -172,6 +172,19 @@ pub fn remove_reply_routing(netns: &Netns) -> Result<(), RoutingError> {
     })?
 }
 
+/// Sets `net.ipv4.tcp_fwmark_accept` back to 0 in `netns`, leaving the
+/// policy routing: what the eBPF mode adds to the iptables and nftables
+/// modes' reply routing, taken out when one of them takes a pod over. A
+/// socket already accepted keeps the mark it inherited, so connections
+/// ztunnel proxies keep their replies.
+pub fn remove_fwmark_accept(netns: &Netns) -> Result<(), RoutingError> {
+    let path = netns.path();
+    netns.run(|| {
+        let mut rtnl = open_rtnl(path)?;
+        Here::on(&mut rtnl, path)?.write_sysctl(TCP_FWMARK_ACCEPT, "net.ipv4.tcp_fwmark_accept", 0)
+    })?
+}
+
 /// Whether the reply routing is complete in `netns`: rule and route of each
 /// IP version it uses, and the sysctl.
 pub fn reply_routing_installed(netns: &Netns) -> Result<bool, RoutingError> {

@@ -1,0 +1,391 @@
+//! Retiring what another of ambpf's modes left on the node, so that
+//! changing `redirectMode` with `helm upgrade` switches every pod live.
+//!
+//! An upgrade is not an uninstall: the old agent stops with its capture in
+//! place ([`crate::cni::shutdown`]), and the new one enrols every pod in its
+//! own mode beside it. Both captures send a pod's connections to the same
+//! ztunnel, so no connection goes uncaptured meanwhile (which of the two
+//! gets it: [`super::check::mixed`]). Then the old mode's capture comes out
+//! of each pod the new mode holds, and, once no pod has it any more, the
+//! old mode's node-wide state: the host's probe SNAT rules and ipsets
+//! (iptables), the host table (nftables), or the pinned programs and maps,
+//! which detaches them (eBPF), and the old mode's records of its pods.
+//!
+//! What stays in a pod, on purpose, is what connections opened before the
+//! switch need and what captures nothing: the policy routing, which every
+//! mode shares; the reply path of the rule-writing modes (their mangle
+//! connmark rules, which mark the app's replies to ztunnel on connections it
+//! already proxies: without them those replies would be routed out towards
+//! the client); and the nat hooks of the nftables mode (an empty table's
+//! base chains), which keep translating connections already redirected.
+//! They go with the pod, or with `ambpf uninstall`.
+//!
+//! Fail closed: a pod the new mode does not hold yet (its enrolment failed
+//! or waits for its namespace) keeps the old capture, and is looked at again
+//! after the next pass; a pod no source wants any more loses the old
+//! capture whole, as an opt-out does; a pod whose namespace is gone is only
+//! forgotten. The eBPF mode's programs serve every pod at once, so they go
+//! only once no pinned pod waits.
+//!
+//! Only state ambpf recorded is retired: a mode's node-wide state goes only
+//! where its records (or pins) show that ambpf's agent ran in that mode
+//! here. Istio's own node agent writes the same host rules and ipsets; its
+//! state is never touched.
+
+use std::collections::HashMap;
+
+use tracing::{info, warn};
+
+use super::{PodKey, RedirectMode, ebpf, in_pod::records::PodRecords, iptables, nftables, routing};
+use crate::{
+    bpf::{PinLayout, inspect},
+    netns::Netns,
+};
+
+/// What the new mode's agent says of a pod another mode left captured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fate {
+    /// Enrolled in the new mode: the old capture can go.
+    Held,
+    /// Wanted, but not (yet) enrolled in the new mode: the old capture
+    /// stays.
+    Pending,
+    /// No source wants it in the mesh: the old capture goes whole.
+    Unwanted,
+}
+
+/// The modes whose state an earlier agent left on the node, being retired.
+#[derive(Debug)]
+pub struct Retirement {
+    own: RedirectMode,
+    pins: PinLayout,
+    /// The node's namespace (the agent's own), where the host state is.
+    host: Netns,
+    left: Vec<RedirectMode>,
+}
+
+impl Retirement {
+    /// The other modes than `own` that left state under `pins` (their
+    /// records of their pods, or the eBPF mode's pinned maps); `None` when
+    /// there is none.
+    pub fn find(own: RedirectMode, pins: PinLayout, host: Netns) -> Option<Self> {
+        let left: Vec<RedirectMode> = [
+            RedirectMode::Ebpf,
+            RedirectMode::Iptables,
+            RedirectMode::Nftables,
+        ]
+        .into_iter()
+        .filter(|&mode| mode != own && left_behind(mode, &pins))
+        .collect();
+        for mode in &left {
+            info!(
+                "the {} mode's capture is still on this node (redirectMode changed): it is \
+                 retired pod by pod as the {} mode takes the pods over",
+                mode_name(*mode),
+                mode_name(own)
+            );
+        }
+        (!left.is_empty()).then_some(Self {
+            own,
+            pins,
+            host,
+            left,
+        })
+    }
+
+    /// The modes not retired yet.
+    pub fn left(&self) -> &[RedirectMode] {
+        &self.left
+    }
+
+    /// Retires what it can: `held` are the new mode's pods (by netns
+    /// cookie), `fate` says what becomes of any other pod. Returns whether
+    /// everything is retired.
+    pub fn step(&mut self, held: &HashMap<u64, &Netns>, fate: &dyn Fn(PodKey) -> Fate) -> bool {
+        let mut left = std::mem::take(&mut self.left);
+        left.retain(|&mode| {
+            let finished = match mode {
+                RedirectMode::Ebpf => self.retire_ebpf(held, fate),
+                RedirectMode::Iptables | RedirectMode::Nftables => {
+                    self.retire_rules(mode, held, fate)
+                }
+            };
+            if finished {
+                info!(
+                    "the {} mode is retired: no pod holds its capture and its node state is gone",
+                    mode_name(mode)
+                );
+            }
+            !finished
+        });
+        self.left = left;
+        self.left.is_empty()
+    }
+
+    /// The iptables or nftables mode: each recorded pod, then the host.
+    fn retire_rules(
+        &self,
+        mode: RedirectMode,
+        held: &HashMap<u64, &Netns>,
+        fate: &dyn Fn(PodKey) -> Fate,
+    ) -> bool {
+        let dir = match mode {
+            RedirectMode::Iptables => self.pins.iptables_pods_dir(),
+            _ => self.pins.nftables_pods_dir(),
+        };
+        let Some(records) = PodRecords::existing(dir) else {
+            return true;
+        };
+        let keys = match records.read() {
+            Ok(keys) => keys,
+            Err(e) => {
+                warn!("reading the {} mode's records: {e}", mode_name(mode));
+                return false;
+            }
+        };
+        let nft = match mode {
+            RedirectMode::Nftables => match nftables::Nft::find(&self.host) {
+                Ok(nft) => Some(nft),
+                Err(e) => {
+                    warn!("retiring the nftables mode: {}", crate::error_chain(&e));
+                    return false;
+                }
+            },
+            _ => None,
+        };
+        let others = Others::default();
+        let mut kept = 0;
+        for key in keys {
+            let Some((netns, fate)) = placed(key, held, &others, fate) else {
+                info!(
+                    "forgetting the {} mode's pod with {key}: its namespace is gone",
+                    mode_name(mode)
+                );
+                records.remove(key);
+                continue;
+            };
+            let removed = match (fate, &nft) {
+                (Fate::Pending, _) => {
+                    kept += 1;
+                    continue;
+                }
+                (Fate::Held, None) => iptables::remove_pod_capture(netns),
+                (Fate::Held, Some(nft)) => nftables::remove_pod_capture(nft, netns).map(drop),
+                (Fate::Unwanted, None) => iptables::remove_pod_rules(netns),
+                (Fate::Unwanted, Some(nft)) => nftables::remove_pod_tables(nft, netns).map(drop),
+            };
+            match removed {
+                Ok(()) => {
+                    records.remove(key);
+                    info!(
+                        "removed the {} mode's capture from {} ({key}): {}",
+                        mode_name(mode),
+                        netns.path().display(),
+                        match fate {
+                            Fate::Held => format!("the {} mode holds it", mode_name(self.own)),
+                            _ => "it left the mesh".to_owned(),
+                        }
+                    );
+                }
+                Err(e) => {
+                    kept += 1;
+                    warn!(
+                        "removing the {} mode's capture from {} ({key}), retried after the \
+                         next pass: {}",
+                        mode_name(mode),
+                        netns.path().display(),
+                        crate::error_chain(&e)
+                    );
+                }
+            }
+        }
+        if kept > 0 {
+            return false;
+        }
+        let host = match &nft {
+            None => iptables::remove_host_rules(&self.host).map_err(|e| crate::error_chain(&e)),
+            Some(nft) => {
+                nftables::remove_host_table(nft, &self.host).map_err(|e| crate::error_chain(&e))
+            }
+        };
+        if let Err(e) = host {
+            warn!("removing the {} mode's host state: {e}", mode_name(mode));
+            return false;
+        }
+        if let Err(e) = records.remove_all() {
+            warn!("removing the {} mode's records: {e}", mode_name(mode));
+            return false;
+        }
+        true
+    }
+
+    /// The eBPF mode: every pinned pod's steering filter (and, for a pod
+    /// that left the mesh, its reply routing), then the pins, which detaches
+    /// the programs from every pod at once.
+    fn retire_ebpf(&self, held: &HashMap<u64, &Netns>, fate: &dyn Fn(PodKey) -> Fate) -> bool {
+        // No agent may write the pins meanwhile: one still running there (an
+        // overlapping rollout) is waited for by retrying later.
+        let Some(_lock) = crate::bpf::pins::PinRootLock::try_acquire(&self.pins) else {
+            info!("an eBPF-mode agent still holds the pins; retiring it after the next pass");
+            return false;
+        };
+        let pods = match inspect::read_pods(&self.pins) {
+            Ok(pods) => pods,
+            Err(e) => {
+                warn!(
+                    "reading the eBPF mode's pinned pods: {}",
+                    crate::error_chain(&e)
+                );
+                return false;
+            }
+        };
+        let others = Others::default();
+        let mut work = Vec::new();
+        for pod in &pods {
+            let key = PodKey {
+                netns_cookie: pod.netns_cookie,
+                netns_inode: pod.netns_inode,
+            };
+            let Some((netns, fate)) = placed(key, held, &others, fate) else {
+                continue;
+            };
+            match fate {
+                Fate::Pending => {
+                    info!(
+                        "the eBPF mode's pod with {key} is not held by the {} mode yet: the eBPF \
+                         programs stay for now",
+                        mode_name(self.own)
+                    );
+                    return false;
+                }
+                fate => work.push((key, netns, fate, pod.steering_qdisc_created)),
+            }
+        }
+        let mut failed = false;
+        for (key, netns, fate, qdisc_created) in work {
+            let removed = ebpf::detach_steering(netns, qdisc_created).and_then(|()| {
+                let routing = match fate {
+                    Fate::Unwanted => routing::remove_reply_routing(netns),
+                    _ => routing::remove_fwmark_accept(netns),
+                };
+                Ok(routing?)
+            });
+            match removed {
+                Ok(()) => info!(
+                    "removed the eBPF mode's steering from {} ({key})",
+                    netns.path().display()
+                ),
+                Err(e) => {
+                    failed = true;
+                    warn!(
+                        "removing the eBPF mode's steering from {} ({key}), retried after the \
+                         next pass: {}",
+                        netns.path().display(),
+                        crate::error_chain(&e)
+                    );
+                }
+            }
+        }
+        if failed {
+            return false;
+        }
+        match remove_ebpf_pins(&self.pins) {
+            Ok(()) => true,
+            Err(e) => {
+                warn!("removing the eBPF mode's pins: {e}");
+                false
+            }
+        }
+    }
+}
+
+/// The namespace of the pod `key` and what becomes of it: [`Fate::Held`]
+/// when the new mode holds it, else as `fate` says; `None` when its
+/// namespace is gone.
+fn placed<'a>(
+    key: PodKey,
+    held: &HashMap<u64, &'a Netns>,
+    others: &'a Others,
+    fate: &dyn Fn(PodKey) -> Fate,
+) -> Option<(&'a Netns, Fate)> {
+    match held.get(&key.netns_cookie) {
+        Some(netns) => Some((*netns, Fate::Held)),
+        None => Some((others.find(key)?, fate(key))),
+    }
+}
+
+/// The netns cookies of the pods an earlier agent left enrolled in the
+/// eBPF mode under `pins`: a rule-writing mode taking them over keeps their
+/// open connections (`taking_over` of each mode).
+pub fn ebpf_pods(pins: &PinLayout) -> Vec<u64> {
+    if !left_behind(RedirectMode::Ebpf, pins) {
+        return Vec::new();
+    }
+    match inspect::read_pods(pins) {
+        Ok(pods) => pods.iter().map(|p| p.netns_cookie).collect(),
+        Err(e) => {
+            warn!(
+                "reading the eBPF mode's pinned pods: {}",
+                crate::error_chain(&e)
+            );
+            Vec::new()
+        }
+    }
+}
+
+/// Whether `mode` left state under `pins`.
+fn left_behind(mode: RedirectMode, pins: &PinLayout) -> bool {
+    match mode {
+        RedirectMode::Ebpf => pins.maps_dir().is_dir(),
+        RedirectMode::Iptables => pins.iptables_pods_dir().is_dir(),
+        RedirectMode::Nftables => pins.nftables_pods_dir().is_dir(),
+    }
+}
+
+/// Everything under the pin root but the rule-writing modes' records: the
+/// programs, maps and links, whose removal detaches the programs.
+fn remove_ebpf_pins(pins: &PinLayout) -> std::io::Result<()> {
+    let records: Vec<std::path::PathBuf> = [pins.iptables_pods_dir(), pins.nftables_pods_dir()]
+        .iter()
+        .filter_map(|dir| dir.parent().map(ToOwned::to_owned))
+        .collect();
+    for entry in std::fs::read_dir(pins.root())? {
+        let path = entry?.path();
+        if records.contains(&path) {
+            continue;
+        }
+        if path.is_dir() {
+            std::fs::remove_dir_all(&path)?;
+        } else {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    Ok(())
+}
+
+/// The namespaces of pods the new mode does not hold, found once on first
+/// need (a scan of every process).
+#[derive(Default)]
+struct Others {
+    found: std::cell::OnceCell<HashMap<u64, Netns>>,
+}
+
+impl Others {
+    /// The namespace of `key`, when it is still there (found by inode,
+    /// confirmed by cookie: an inode is reused once its namespace is freed).
+    fn find(&self, key: PodKey) -> Option<&Netns> {
+        let found = self.found.get_or_init(|| {
+            crate::netns::all()
+                .into_iter()
+                .map(|ns| (ns.inode(), ns))
+                .collect()
+        });
+        found
+            .get(&key.netns_inode)
+            .filter(|ns| super::podnet::netns_cookie(ns).ok() == Some(key.netns_cookie))
+    }
+}
+
+fn mode_name(mode: RedirectMode) -> &'static str {
+    mode.name()
+}
