@@ -780,14 +780,11 @@ fn check(values: &Values, rendered: &Rendered) {
     // Exactly the documented capabilities (docs/security.md, "Privileges"), those the
     // agent runs with in `restart.rs` and `cni.rs`.
     let (added, dropped) = capabilities(agent);
-    let mut minimum: BTreeSet<String> = CHART_AGENT_CAPABILITIES
+    let minimum: BTreeSet<String> = CHART_AGENT_CAPABILITIES
         .iter()
         .map(|&cap| capability_name(cap).to_owned())
         .collect();
-    if mode == RedirectMode::Iptables {
-        minimum.insert("NET_RAW".into());
-    }
-    assert_eq!(added, minimum);
+    assert_eq!(added, minimum, "{mode:?}");
     assert_eq!(dropped, ["ALL"]);
 
     // The host directories are mounted where the arguments point.

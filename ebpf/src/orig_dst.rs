@@ -293,8 +293,12 @@ fn answer_original_dst(ctx: &SockoptContext) {
         // Only ambpf's to answer on ztunnel's outbound listener in an
         // enrolled pod (inbound, the local address is the original
         // destination: nothing is missing).
+        // A connection netfilter redirected (another mode's rules, or
+        // Istio's, beside this capture during a change) has its answer from
+        // conntrack already: not a miss.
         let outbound = u16::from_be(key.local.port_be) == ztunnel::OUTBOUND_PORT;
-        if outbound && unsafe { PODS_BY_NETNS.get(&netns) }.is_some() {
+        let answered = unsafe { (*so).retval } == 0;
+        if outbound && !answered && unsafe { PODS_BY_NETNS.get(&netns) }.is_some() {
             // Once per connection: ztunnel asks IPv4 first, IPv6 after.
             if level == SOL_IP {
                 count_miss(Miss::OrigDst);

@@ -97,10 +97,15 @@ pub const CAP_SYS_ADMIN: u32 = 21;
 /// `CAP_BPF`: programs and maps.
 pub const CAP_BPF: u32 = 39;
 
-/// The capabilities charts/ambpf grants the agent in eBPF mode
+/// The capabilities charts/ambpf grants the agent, in every mode
 /// (`agent/tests/chart.rs` checks the chart grants exactly these).
-pub const CHART_AGENT_CAPABILITIES: &[u32] =
-    &[CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_PTRACE];
+pub const CHART_AGENT_CAPABILITIES: &[u32] = &[
+    CAP_BPF,
+    CAP_NET_ADMIN,
+    CAP_NET_RAW,
+    CAP_SYS_ADMIN,
+    CAP_SYS_PTRACE,
+];
 
 /// A capability's name as Kubernetes spells it (`CAP_` dropped).
 pub fn capability_name(cap: u32) -> &'static str {

@@ -265,46 +265,26 @@ impl EbpfRedirection {
 
         let previous = pods_by_netns(&mut self.dataplane)?.get(&cookie, 0).ok();
         self.pods.hold(cookie, keep(netns)?);
-        // Before its addresses are written: from then on every inbound
-        // connection to the pod is ztunnel's or refused, never the app's.
+        // ztunnel already serves a pod that has a listener on its inbound
+        // port before this agent ever linked it: the pod is captured by
+        // another mode or by Istio's node agent. Its listener, which
+        // sock_ops never saw, is filed first, and its link comes last, once
+        // its addresses are written: a lookup in between would find neither
+        // and be refused, while the old capture still serves it.
+        let first_link = previous.is_none_or(|p| p.flags & pod_flags::INBOUND_LINK == 0);
+        let served = first_link && !listeners.is_empty();
         let linking = Instant::now();
-        if let Err(e) = self.attach_inbound_link(netns, cookie) {
+        if served {
+            if let Err(e) = self.adopt_listener(netns, cookie, &listeners) {
+                return Err(self.undo_new_pod(cookie, previous.is_none(), e));
+            }
+        } else if let Err(e) = self.link_in_place_of(netns, cookie, previous.as_ref()) {
+            // Before its addresses are written: from then on every inbound
+            // connection to the pod is ztunnel's or refused, never the app's.
             return Err(self.undo_new_pod(cookie, previous.is_none(), e));
         }
-        // A listener ztunnel opened before any program ran (the pod was
-        // captured by another mode, or by Istio's node agent) is filed here,
-        // as sock_ops would have filed it: new to the programs, the pod's
-        // inbound connections would otherwise all be refused.
-        let first_link = previous.is_none_or(|p| p.flags & pod_flags::INBOUND_LINK == 0);
-        if first_link && !listeners.is_empty() {
-            let adopted =
-                self.dataplane
-                    .adopt_inbound_listener(cookie, &listeners, &mut self.socket_holders);
-            match adopted {
-                Ok(true) => info!(
-                    "filed ztunnel's inbound listener of the pod in {}, open before the \
-                     programs were",
-                    netns.path().display()
-                ),
-                Ok(false) => {}
-                Err(cause) => {
-                    let e = EnrollError::InboundListener {
-                        netns: netns.path().to_owned(),
-                        cause,
-                    };
-                    return Err(self.undo_new_pod(cookie, previous.is_none(), e));
-                }
-            }
-        }
-        let linked = linking.elapsed();
-        steps.0.push(("link", linked));
+        let mut linked = linking.elapsed();
         config.flags |= pod_flags::INBOUND_LINK;
-        if let Some(previous) = previous.filter(|p| p.flags & pod_flags::INBOUND_LINK == 0) {
-            // Enrolled by an earlier agent, whose tc filters parsed SYNs:
-            // the link above captures in their place.
-            let qdisc_created = previous.flags & pod_flags::STEERING_QDISC_CREATED != 0;
-            detach_steering(netns, qdisc_created)?;
-        }
         // Its counters first, so its first redirected connection is counted;
         // a new pod that does not fit leaves nothing behind.
         if let Err((map, e)) = self.dataplane.add_pod_counters(cookie) {
@@ -325,6 +305,25 @@ impl EbpfRedirection {
                 return Err(e);
             }
         };
+        if served {
+            let linking = Instant::now();
+            if let Err(e) = self.link_in_place_of(netns, cookie, previous.as_ref()) {
+                // Nothing half-done: the old capture still serves the pod.
+                let key = PodKey {
+                    netns_cookie: cookie,
+                    netns_inode: netns.inode(),
+                };
+                if let Err(undo) = self.unenroll_pod(key) {
+                    warn!(
+                        "undoing the enrolment of {}: {undo}",
+                        netns.path().display()
+                    );
+                }
+                return Err(e);
+            }
+            linked += linking.elapsed();
+        }
+        steps.0.push(("link", linked));
         steps
             .0
             .push(("maps", maps_started.elapsed().saturating_sub(linked)));
@@ -342,6 +341,51 @@ impl EbpfRedirection {
             conflicts,
             steps,
         })
+    }
+
+    /// Files ztunnel's listener of the pod, opened before any program ran
+    /// ([`crate::bpf::listener_adoption`]).
+    fn adopt_listener(
+        &mut self,
+        netns: &Netns,
+        cookie: u64,
+        listeners: &[u64],
+    ) -> Result<(), EnrollError> {
+        let adopted =
+            self.dataplane
+                .adopt_inbound_listener(cookie, listeners, &mut self.socket_holders);
+        match adopted {
+            Ok(true) => info!(
+                "filed ztunnel's inbound listener of the pod in {}, open before the programs \
+                 were",
+                netns.path().display()
+            ),
+            Ok(false) => {}
+            Err(cause) => {
+                return Err(EnrollError::InboundListener {
+                    netns: netns.path().to_owned(),
+                    cause,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The pod's sk_lookup link; a pod an earlier agent enrolled with tc
+    /// filters that parsed SYNs loses them, the link capturing in their
+    /// place.
+    fn link_in_place_of(
+        &mut self,
+        netns: &Netns,
+        cookie: u64,
+        previous: Option<&PodConfig>,
+    ) -> Result<(), EnrollError> {
+        self.attach_inbound_link(netns, cookie)?;
+        if let Some(previous) = previous.filter(|p| p.flags & pod_flags::INBOUND_LINK == 0) {
+            let qdisc_created = previous.flags & pod_flags::STEERING_QDISC_CREATED != 0;
+            detach_steering(netns, qdisc_created)?;
+        }
+        Ok(())
     }
 
     /// `e` as [`EnrollError::MapFull`] when the kernel refused a new entry

@@ -126,6 +126,41 @@ impl Cluster {
         })
     }
 
+    /// `helm upgrade` of ambpf's release to redirection mode `mode`, the
+    /// rest of its values as they are, waited for.
+    pub fn helm_set_mode(&self, chart: &Path, mode: &str) -> Result<()> {
+        let out = self
+            .helm()
+            .args(["upgrade", RELEASE])
+            .arg(chart)
+            .args(["-n", SYSTEM_NAMESPACE, "--reuse-values"])
+            .args(["--set", &format!("redirectMode={mode}")])
+            .args(["--wait", "--timeout", "180s"])
+            .output()?;
+        if !out.status.success() {
+            bail!(
+                "helm upgrade to {mode}: {}\n{}",
+                String::from_utf8_lossy(&out.stderr).trim(),
+                self.agent_diagnostics()
+            );
+        }
+        Ok(())
+    }
+
+    /// The running agent's log, whole.
+    pub fn agent_log(&self) -> Result<String> {
+        self.kubectl(&[
+            "logs",
+            "-n",
+            SYSTEM_NAMESPACE,
+            "-l",
+            AMBPF_SELECTOR,
+            "-c",
+            "agent",
+            "--tail=-1",
+        ])
+    }
+
     pub fn helm_uninstall(&self) -> Result<()> {
         self.uninstall_release(RELEASE, AMBPF_SELECTOR)
     }

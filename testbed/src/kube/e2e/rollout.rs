@@ -55,28 +55,39 @@ fn restarts_under_traffic(cluster: &Cluster, namespace: &str) -> Result<String> 
         took.push(began.elapsed().as_secs_f64());
     }
     let restarts_took = started.elapsed().as_secs_f64();
-    // Connections opened after the last restart, not ones still in the log:
-    // both pods' proxies still in ztunnel and both captures still in place.
-    // Polled, since a read just after the kubelet rotated the double's log
-    // holds less than the window.
-    std::thread::sleep(Duration::from_secs(RECENT_SECS));
-    let captured_after = eventually(
-        "the generator's connections proxied at both ends after the restarts",
-        Duration::from_secs(30),
-        || recently_captured(cluster, &generator, &echo.uid),
-    )
-    .with_context(|| cluster.agent_diagnostics())?;
+    let captured_after = captured_after(cluster, &generator, &echo, "the restarts")?;
     let summary = stop_generator(cluster, namespace, &generator.name)?;
-    judge(&summary, captured, captured_after, restarts_took, &took)
+    let slowest = took.iter().copied().fold(0.0, f64::max);
+    let during = format!("{RESTARTS} restarts in {restarts_took:.0} s (slowest {slowest:.1} s)");
+    judge(&summary, captured, captured_after, &during)
 }
 
-struct EchoServer {
-    uid: String,
-    cluster_ip: String,
+/// The generator's connections opened after `what`, not ones still in the
+/// log, proxied at both ends: both pods' proxies still in ztunnel and both
+/// captures in place. Polled, since a read just after the kubelet rotated
+/// the double's log holds less than the window.
+pub(super) fn captured_after(
+    cluster: &Cluster,
+    generator: &Generator,
+    echo: &EchoServer,
+    what: &str,
+) -> Result<(usize, usize)> {
+    std::thread::sleep(Duration::from_secs(RECENT_SECS));
+    eventually(
+        &format!("the generator's connections proxied at both ends after {what}"),
+        Duration::from_secs(30),
+        || recently_captured(cluster, generator, &echo.uid),
+    )
+    .with_context(|| cluster.agent_diagnostics())
+}
+
+pub(super) struct EchoServer {
+    pub(super) uid: String,
+    pub(super) cluster_ip: String,
 }
 
 /// An ambient namespace with one echo server behind a ClusterIP Service.
-fn echo_server(cluster: &Cluster, namespace: &str) -> Result<EchoServer> {
+pub(super) fn echo_server(cluster: &Cluster, namespace: &str) -> Result<EchoServer> {
     cluster.apply(&format!(
         r#"apiVersion: v1
 kind: Namespace
@@ -123,13 +134,17 @@ spec:
     Ok(EchoServer { uid, cluster_ip })
 }
 
-struct Generator {
-    name: String,
-    uid: String,
+pub(super) struct Generator {
+    pub(super) name: String,
+    pub(super) uid: String,
 }
 
 /// The generator's pod, once its long connections are open.
-fn start_generator(cluster: &Cluster, namespace: &str, echo_ip: &str) -> Result<Generator> {
+pub(super) fn start_generator(
+    cluster: &Cluster,
+    namespace: &str,
+    echo_ip: &str,
+) -> Result<Generator> {
     let name = "conn-generator";
     cluster.apply(&format!(
         r#"apiVersion: v1
@@ -179,7 +194,7 @@ fn generator_log(cluster: &Cluster, namespace: &str, name: &str) -> String {
 /// How many of the generator's connections ztunnel proxied lately, out of
 /// its pod (outbound listener) and into the echo server's (inbound): `None`
 /// unless both saw some.
-fn recently_captured(
+pub(super) fn recently_captured(
     cluster: &Cluster,
     generator: &Generator,
     echo_uid: &str,
@@ -217,7 +232,7 @@ fn restart_agent(cluster: &Cluster) -> Result<()> {
 }
 
 /// Stops the generator and returns its summary.
-fn stop_generator(cluster: &Cluster, namespace: &str, name: &str) -> Result<Value> {
+pub(super) fn stop_generator(cluster: &Cluster, namespace: &str, name: &str) -> Result<Value> {
     cluster.kubectl(&[
         "exec",
         "-n",
@@ -250,19 +265,20 @@ fn stop_generator(cluster: &Cluster, namespace: &str, name: &str) -> Result<Valu
     })
 }
 
-fn judge(
+/// Fails unless every connection of the generator's `summary` succeeded,
+/// every long one is alive and the rate was reached; `during` says what
+/// the traffic ran through, for the report.
+pub(super) fn judge(
     summary: &Value,
     captured: (usize, usize),
     captured_after: (usize, usize),
-    restarts_took: f64,
-    took: &[f64],
+    during: &str,
 ) -> Result<String> {
     let number = |key: &str| summary[key].as_u64().unwrap_or(u64::MAX);
     let rate = summary["rate_per_s"].as_f64().unwrap_or_default();
     let wanted = summary["wanted_per_s"].as_f64().unwrap_or_default();
-    let slowest = took.iter().copied().fold(0.0, f64::max);
     let seen = format!(
-        "{RESTARTS} restarts in {restarts_took:.0} s (slowest {slowest:.1} s); {} connections in \
+        "{during}; {} connections in \
          {:.0} s ({rate:.0}/s, {wanted:.0}/s asked), {} succeeded, {} connect failures, {} \
          timeouts, {} resets, {} garbled; {} of {} long connections alive after {} exchanges; \
          ztunnel proxied {}/{} (out/in) of the last {RECENT_SECS} s before and {}/{} after",

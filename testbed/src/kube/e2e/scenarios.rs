@@ -84,6 +84,11 @@ pub const ALL: &[Scenario] = &[
         run: super::rollout::rollout_restart,
     },
     Scenario {
+        name: "mode-switch",
+        applies: every_mode,
+        run: super::mode_switch::mode_switch,
+    },
+    Scenario {
         name: "rbac-lacking-a-verb",
         applies: ebpf_only,
         run: super::bad_input::rbac_lacking_a_verb,

@@ -1,0 +1,92 @@
+//! `helm upgrade --set redirectMode=<another>` and back, under traffic: a
+//! pod opening a connection every 5 ms and holding long ones open to an
+//! ambient echo server, for the whole of both switches. The agent of the
+//! new mode enrols every pod beside the old capture, then retires the old
+//! one (the agent's `redirect::retire`); every connection must succeed, none
+//! may be reset, new ones stay captured, and each switch ends with the new
+//! agent saying the old mode is retired. Run from each mode, the suite
+//! covers every ordered pair of modes: ebpf -> iptables -> ebpf, iptables
+//! -> nftables -> iptables, nftables -> ebpf -> nftables.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, ensure};
+
+use super::client::{Cluster, Release};
+use super::eventually;
+use super::rollout::{
+    captured_after, echo_server, judge, recently_captured, start_generator, stop_generator,
+};
+
+/// Where the switch from each mode goes (and then comes back from).
+fn other_mode(mode: &str) -> &'static str {
+    match mode {
+        "ebpf" => "iptables",
+        "iptables" => "nftables",
+        _ => "ebpf",
+    }
+}
+
+pub fn mode_switch(cluster: &Cluster, release: &Release) -> Result<String> {
+    let namespace = format!("e2e-{}-switch", release.mode);
+    let result = switches_under_traffic(cluster, release, &namespace);
+    if result.is_err() {
+        // The scenarios after run in the release's own mode.
+        let _ = cluster.helm_set_mode(&release.chart, &release.mode);
+    }
+    cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    result
+}
+
+fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str) -> Result<String> {
+    let echo = echo_server(cluster, namespace)?;
+    let generator = start_generator(cluster, namespace, &echo.cluster_ip)?;
+    let captured = eventually(
+        "the generator's connections proxied by ztunnel at both ends",
+        Duration::from_secs(30),
+        || recently_captured(cluster, &generator, &echo.uid),
+    )?;
+    let (home, away) = (release.mode.as_str(), other_mode(&release.mode));
+    let mut switches = Vec::new();
+    for (from, to) in [(home, away), (away, home)] {
+        let began = Instant::now();
+        cluster
+            .helm_set_mode(&release.chart, to)
+            .with_context(|| format!("switching from {from} to {to}"))?;
+        let upgraded = began.elapsed().as_secs_f64();
+        retired(cluster, from, to)?;
+        switches.push(format!(
+            "{from} -> {to} in {upgraded:.1} s, retired after {:.1} s",
+            began.elapsed().as_secs_f64()
+        ));
+    }
+    let captured_after = captured_after(cluster, &generator, &echo, "the switches")?;
+    let summary = stop_generator(cluster, namespace, &generator.name)?;
+    judge(&summary, captured, captured_after, &switches.join(", "))
+}
+
+/// Waits until the agent running in `to` mode has retired the `from` mode
+/// (its log says so), and checks that it says nothing of a pod left
+/// behind.
+fn retired(cluster: &Cluster, from: &str, to: &str) -> Result<()> {
+    let done = format!("the {from} mode is retired");
+    let log = eventually(
+        &format!("the {to} agent retiring the {from} mode"),
+        Duration::from_secs(90),
+        || {
+            let log = cluster.agent_log()?;
+            Ok(log.contains(&done).then_some(log))
+        },
+    )
+    .with_context(|| cluster.agent_diagnostics())?;
+    let trouble: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("retried after the next pass"))
+        .collect();
+    ensure!(
+        trouble.is_empty(),
+        "the {to} agent retired the {from} mode after trouble:\n{}",
+        trouble.join("\n")
+    );
+    Ok(())
+}
