@@ -219,20 +219,23 @@ async fn switch(from: RedirectMode, to: RedirectMode) {
     // enrols the pod beside it and ztunnel reconnects to it.
     let (new, _) = redirection_at(to, &f.cluster, &cgroup, &pins);
     drop(std::mem::replace(&mut f.redirection, new));
+    // The agent enrols every pod before ztunnel can connect to it: until
+    // then, ztunnel is the old agent's peer only.
     let enrolled = f.redirection.enroll(&pod, ENROLL).unwrap();
+    assert!(
+        !capture_left(from, &pod, &node, &pins).is_empty(),
+        "the old capture is in place until the new mode holds the pod"
+    );
+    new_connections_are_captured(&f, "with both captures, before ztunnel reconnects").await;
+    outbound.exchange("with both captures");
+    inbound.exchange("with both captures");
     f.zds.record_ztunnel_processes(pins.clone());
     f.ztunnel.disconnect();
     f.ztunnel
         .wait_until(|s| s.ready && s.current_connection().is_some(), PATIENCE)
         .await
         .unwrap();
-    assert!(
-        !capture_left(from, &pod, &node, &pins).is_empty(),
-        "the old capture is in place until the new mode holds the pod"
-    );
-    new_connections_are_captured(&f, "with both captures").await;
-    outbound.exchange("with both captures");
-    inbound.exchange("with both captures");
+    new_connections_are_captured(&f, "with both captures, ztunnel reconnected").await;
 
     let mut retirement = Retirement::find(
         to,

@@ -64,6 +64,8 @@ pub enum AdoptionError {
     NoHolder { inode: u64, port: u16 },
     #[error("taking descriptor {fd} of process {pid} (pidfd_getfd): {cause}")]
     Take { pid: i32, fd: i32, cause: io::Error },
+    #[error("recording process {pid}, which holds ztunnel's listener, as ztunnel's: {cause}")]
+    Record { pid: i32, cause: io::Error },
     #[error("filing ztunnel's listener in {}: {cause}", maps::INBOUND_LISTENERS)]
     File { cause: aya::maps::MapError },
 }
@@ -121,9 +123,9 @@ impl SocketHolders {
         }
     }
 
-    /// A descriptor of the socket `inode`, from its holder; `Ok(None)` when
-    /// no process holds it any more.
-    fn take(&mut self, inode: u64) -> Result<Option<OwnedFd>, AdoptionError> {
+    /// A descriptor of the socket `inode`, and the process it was taken
+    /// from; `Ok(None)` when no process holds it any more.
+    fn take(&mut self, inode: u64) -> Result<Option<(i32, OwnedFd)>, AdoptionError> {
         for fresh in [false, true] {
             let Some((pid, fd)) = self.find(inode, fresh) else {
                 return Ok(None);
@@ -131,7 +133,7 @@ impl SocketHolders {
             match take_fd(pid, fd) {
                 // The descriptor may have been closed and its number reused
                 // since the scan: only the socket itself will do.
-                Ok(taken) if inode_of(&taken) == Some(inode) => return Ok(Some(taken)),
+                Ok(taken) if inode_of(&taken) == Some(inode) => return Ok(Some((pid, taken))),
                 Ok(_) => {}
                 Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EBADF) => {}
@@ -162,31 +164,50 @@ fn inode_of(fd: &OwnedFd) -> Option<u64> {
     nix::sys::stat::fstat(fd.as_fd()).ok().map(|s| s.st_ino)
 }
 
+/// The inode of the network namespace process `pid` lives in.
+fn netns_of(pid: i32) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(format!("/proc/{pid}/ns/net"))
+        .ok()
+        .map(|m| m.ino())
+}
+
 fn mark_of(fd: &OwnedFd) -> Option<u32> {
     nix::sys::socket::getsockopt(fd, nix::sys::socket::sockopt::Mark).ok()
 }
 
 impl super::Dataplane {
-    /// Files ztunnel's listener of the pod whose netns cookie is `cookie`,
-    /// among the sockets listening on its inbound port there (`inodes`, from
-    /// [`listening_inodes`] run in the pod): the first that carries
-    /// ztunnel's mark. Returns whether one was filed; sockets without the
-    /// mark (an app's) are passed over.
+    /// Files ztunnel's listener of the pod whose netns cookie is `cookie`
+    /// and namespace inode `netns_inode`, among the sockets listening on its
+    /// inbound port there (`inodes`, from [`listening_inodes`] run in the
+    /// pod): the first that carries ztunnel's mark and is held by a process
+    /// living outside the pod's namespace (a process of the pod that set the
+    /// mark, which CAP_NET_RAW allows, is not ztunnel; only a process the
+    /// node trusts can open a socket in another pod's namespace). Its
+    /// holder is recorded as ztunnel's process ([`super::ztunnel_procs`]), as
+    /// ztunnel's ZDS connection would record it: until ztunnel reconnects to
+    /// this agent, its own marked sockets in the pods must not be taken for
+    /// an app's. Returns whether one was filed.
     pub fn adopt_inbound_listener(
         &mut self,
         cookie: u64,
+        netns_inode: u64,
         inodes: &[u64],
         holders: &mut SocketHolders,
     ) -> Result<bool, AdoptionError> {
         for &inode in inodes {
-            let Some(socket) = holders.take(inode)? else {
+            let Some((pid, socket)) = holders.take(inode)? else {
                 return Err(AdoptionError::NoHolder {
                     inode,
                     port: ztunnel::INBOUND_PORT,
                 });
             };
-            if mark_of(&socket) != Some(ztunnel::MARK) {
+            let outside = netns_of(pid).is_some_and(|own| own != netns_inode);
+            if mark_of(&socket) != Some(ztunnel::MARK) || !outside {
                 continue;
+            }
+            if let Err(cause) = super::ztunnel_procs::update(self.pins(), &[pid as u32]) {
+                return Err(AdoptionError::Record { pid, cause });
             }
             let mut listeners: SockHash<_, u64> =
                 SockHash::try_from(self.map_mut(maps::INBOUND_LISTENERS))

@@ -3,8 +3,10 @@
 //! an app that sets the mark (CAP_NET_RAW may, on Linux 5.17 and later) is
 //! captured all the same.
 //!
-//! The processes are the ZDS peers' ([`crate::zds::ZdsHandle::record_peers_with`])
-//! and their descendants (ztunnel is one process; a ztunnel that hands its
+//! The processes are the ZDS peers' ([`crate::zds::ZdsHandle::record_peers_with`]),
+//! the holder of a ztunnel listener the agent filed itself because it was
+//! open before the programs ([`super::listener_adoption`]; ztunnel has not
+//! reconnected to this agent yet then), and their descendants (ztunnel is one process; a ztunnel that hands its
 //! proxies to a child keeps them its own), each with its start time, so that a PID the kernel hands to another
 //! process later is never taken for ztunnel. A process stays in the map
 //! while it lives, connected or not (a ztunnel between two connections to a

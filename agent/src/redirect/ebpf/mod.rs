@@ -351,9 +351,12 @@ impl EbpfRedirection {
         cookie: u64,
         listeners: &[u64],
     ) -> Result<(), EnrollError> {
-        let adopted =
-            self.dataplane
-                .adopt_inbound_listener(cookie, listeners, &mut self.socket_holders);
+        let adopted = self.dataplane.adopt_inbound_listener(
+            cookie,
+            netns.inode(),
+            listeners,
+            &mut self.socket_holders,
+        );
         match adopted {
             Ok(true) => info!(
                 "filed ztunnel's inbound listener of the pod in {}, open before the programs \
