@@ -18,6 +18,11 @@ use super::rollout::{
     captured_after, echo_server, judge, recently_captured, start_generator, stop_generator,
 };
 
+/// How long the traffic runs before the first switch.
+const LEAD: Duration = Duration::from_secs(5);
+/// How long the traffic runs around the switches, at least.
+const AT_LEAST: Duration = Duration::from_secs(30);
+
 /// Where the switch from each mode goes (and then comes back from).
 fn other_mode(mode: &str) -> &'static str {
     match mode {
@@ -46,6 +51,9 @@ fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str)
         Duration::from_secs(30),
         || recently_captured(cluster, &generator, &echo.uid),
     )?;
+    let traffic = Instant::now();
+    // Traffic before the first switch as well as after the last.
+    std::thread::sleep(LEAD);
     let (home, away) = (release.mode.as_str(), other_mode(&release.mode));
     let mut switches = Vec::new();
     for (from, to) in [(home, away), (away, home)] {
@@ -61,6 +69,7 @@ fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str)
         ));
     }
     let captured_after = captured_after(cluster, &generator, &echo, "the switches")?;
+    std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
     let summary = stop_generator(cluster, namespace, &generator.name)?;
     judge(&summary, captured, captured_after, &switches.join(", "))
 }
