@@ -308,6 +308,15 @@ pub mod pod_flags {
     /// it is an earlier agent's, whose filters go when the pod is enrolled
     /// again.
     pub const INBOUND_LINK: u32 = 1 << 2;
+    /// Outbound connections go to ztunnel's listener on the pod's own
+    /// address rather than on loopback: the pod was captured by Istio's
+    /// REDIRECT rules before (another mode, or Istio's node agent), whose
+    /// conntrack entries hold `127.0.0.1:15001 -> podIP:port` as reply
+    /// tuples for a while after their connections close; while the rules'
+    /// nat hooks stay (for the connections they still translate), a new
+    /// connection of the same tuple would have its source port changed by
+    /// NAT, and ztunnel would find no original destination for it.
+    pub const OUTBOUND_VIA_POD_ADDRESS: u32 = 1 << 3;
 }
 
 /// Node-wide settings.

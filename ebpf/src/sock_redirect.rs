@@ -18,7 +18,7 @@
 //! into ztunnel's SO_ORIGINAL_DST answer.
 
 use ambpf_common::{
-    Counter, IpKey, Miss, PodConfig, SockAddr, TraceDirection, TraceRecord, Verdict,
+    Counter, IpKey, Miss, PodConfig, SockAddr, TraceDirection, TraceRecord, Verdict, pod_flags,
     trace::{IPPROTO_TCP, IPPROTO_UDP},
     ztunnel,
 };
@@ -56,6 +56,9 @@ struct Capture {
     /// The pod's address of the destination's family (none: the pod has
     /// none of that family).
     source: Option<IpKey>,
+    /// Connect to ztunnel's outbound listener on the pod's own address,
+    /// not on loopback ([`pod_flags::OUTBOUND_VIA_POD_ADDRESS`]).
+    via_pod_address: bool,
 }
 
 const AF_INET: u16 = 2;
@@ -155,12 +158,15 @@ fn target(sa: *mut bpf_sock_addr, capture: &Capture, v6: bool, loopback: IpKey) 
     let Some(source) = capture.source else {
         return loopback;
     };
+    let outbound = capture.port == ztunnel::OUTBOUND_PORT;
+    let to_pod = outbound && capture.via_pod_address;
     match bound(sa, v6) {
         Bound::Nothing => {
             bind_to(sa, &source, v6);
-            loopback
+            if to_pod { source } else { loopback }
         }
-        Bound::PortOnly if capture.port == ztunnel::OUTBOUND_PORT => source,
+        Bound::PortOnly if outbound => source,
+        Bound::Address if to_pod => source,
         Bound::PortOnly | Bound::Address => loopback,
     }
 }
@@ -232,6 +238,7 @@ fn decide(
             pod_event: PodEvent::Dns,
             verdict: Verdict::DnsCaptured,
             source,
+            via_pod_address: false,
         });
     }
     if tcp {
@@ -241,6 +248,7 @@ fn decide(
             pod_event: PodEvent::Outbound,
             verdict: Verdict::Captured,
             source,
+            via_pod_address: pod.flags & pod_flags::OUTBOUND_VIA_POD_ADDRESS != 0,
         });
     }
     Err(if dns {

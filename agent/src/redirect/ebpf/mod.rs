@@ -285,6 +285,12 @@ impl EbpfRedirection {
         }
         let mut linked = linking.elapsed();
         config.flags |= pod_flags::INBOUND_LINK;
+        // Taken over from Istio's REDIRECT rules: see the flag; it stays for
+        // the pod's life.
+        let kept = previous.map_or(0, |p| p.flags & pod_flags::OUTBOUND_VIA_POD_ADDRESS);
+        if served || kept != 0 {
+            config.flags |= pod_flags::OUTBOUND_VIA_POD_ADDRESS;
+        }
         // Its counters first, so its first redirected connection is counted;
         // a new pod that does not fit leaves nothing behind.
         if let Err((map, e)) = self.dataplane.add_pod_counters(cookie) {

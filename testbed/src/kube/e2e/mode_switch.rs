@@ -21,25 +21,33 @@ const LEAD: Duration = Duration::from_secs(5);
 /// How long the traffic runs around the switches, at least.
 const AT_LEAST: Duration = Duration::from_secs(30);
 
-/// The switches from each mode, in order, ending in it; whether each runs
-/// under the generator's traffic. A switch into the eBPF mode from a rule
-/// mode runs after the traffic: some of the connections the apps open in
-/// the seconds after it are refused by ztunnel (docs/operations.md,
-/// "Between ambpf's modes, live"), a known defect this scenario would
-/// otherwise report every run; its retirement is still checked.
+/// The switches from each mode, in order, ending in it, and whether each
+/// runs under the generator's traffic (the rest follow it). A switch into
+/// the eBPF mode has shown a rare lost connection under traffic
+/// (docs/operations.md, "Between ambpf's modes, live"), which would make
+/// the suite fail at random: by default the eBPF release's switch back runs
+/// after the traffic, its retirement checked all the same, and the nftables
+/// release switches through iptables. With [`INTO_EBPF_UNDER_TRAFFIC`] set,
+/// the three modes' runs cover every ordered pair under traffic.
 fn plan(mode: &str) -> &'static [(&'static str, &'static str, bool)] {
-    match mode {
-        "ebpf" => &[("ebpf", "iptables", true), ("iptables", "ebpf", false)],
-        "iptables" => &[
+    let into_ebpf = std::env::var_os(INTO_EBPF_UNDER_TRAFFIC).is_some_and(|v| v == "1");
+    match (mode, into_ebpf) {
+        ("ebpf", false) => &[("ebpf", "iptables", true), ("iptables", "ebpf", false)],
+        ("ebpf", true) => &[("ebpf", "iptables", true), ("iptables", "ebpf", true)],
+        ("iptables", _) => &[
             ("iptables", "nftables", true),
             ("nftables", "iptables", true),
         ],
-        _ => &[
+        (_, false) => &[
             ("nftables", "iptables", true),
             ("iptables", "nftables", true),
         ],
+        (_, true) => &[("nftables", "ebpf", true), ("ebpf", "nftables", true)],
     }
 }
+
+/// Set to `1`, every switch runs under traffic.
+const INTO_EBPF_UNDER_TRAFFIC: &str = "AMBPF_E2E_INTO_EBPF_UNDER_TRAFFIC";
 
 pub fn mode_switch(cluster: &Cluster, release: &Release) -> Result<String> {
     let namespace = format!("e2e-{}-switch", release.mode);
@@ -63,8 +71,8 @@ fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str)
     let traffic = Instant::now();
     // Traffic before the first switch as well as after the last.
     std::thread::sleep(LEAD);
-    let mut switches = Vec::new();
     let plan = plan(&release.mode);
+    let mut switches = Vec::new();
     for (from, to, _) in plan.iter().filter(|(_, _, traffic)| *traffic) {
         switches.push(switch(cluster, release, from, to)?);
     }
@@ -76,9 +84,10 @@ fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str)
     for (from, to, _) in plan.iter().filter(|(_, _, traffic)| !*traffic) {
         after.push(switch(cluster, release, from, to)?);
     }
-    Ok(match after.is_empty() {
-        true => seen,
-        false => format!("{seen}; then, without traffic, {}", after.join(", ")),
+    Ok(if after.is_empty() {
+        seen
+    } else {
+        format!("{seen}; then, without traffic, {}", after.join(", "))
     })
 }
 
