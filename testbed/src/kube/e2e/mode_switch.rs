@@ -12,9 +12,7 @@ use anyhow::{Context as _, Result, ensure};
 
 use super::client::{Cluster, Release};
 use super::eventually;
-use super::rollout::{
-    captured_after, echo_server, judge, recently_captured, start_generator, stop_generator,
-};
+use super::rollout::{captured_after, judge, start_traffic, stop_generator};
 
 /// How long the traffic runs before the first switch.
 const LEAD: Duration = Duration::from_secs(5);
@@ -61,13 +59,7 @@ pub fn mode_switch(cluster: &Cluster, release: &Release) -> Result<String> {
 }
 
 fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str) -> Result<String> {
-    let echo = echo_server(cluster, namespace)?;
-    let generator = start_generator(cluster, namespace, &echo.cluster_ip)?;
-    let captured = eventually(
-        "the generator's connections proxied by ztunnel at both ends",
-        Duration::from_secs(30),
-        || recently_captured(cluster, &generator, &echo.uid),
-    )?;
+    let (echo, generator, captured) = start_traffic(cluster, namespace)?;
     let traffic = Instant::now();
     // Traffic before the first switch as well as after the last.
     std::thread::sleep(LEAD);

@@ -35,13 +35,7 @@ pub fn rollout_restart(cluster: &Cluster, release: &Release) -> Result<String> {
 }
 
 fn restarts_under_traffic(cluster: &Cluster, namespace: &str) -> Result<String> {
-    let echo = echo_server(cluster, namespace)?;
-    let generator = start_generator(cluster, namespace, &echo.cluster_ip)?;
-    let captured = eventually(
-        "the generator's connections proxied by ztunnel at both ends",
-        Duration::from_secs(30),
-        || recently_captured(cluster, &generator, &echo.uid),
-    )?;
+    let (echo, generator, captured) = start_traffic(cluster, namespace)?;
     let started = Instant::now();
     let mut took = Vec::new();
     for restart in 1..=RESTARTS {
@@ -60,6 +54,22 @@ fn restarts_under_traffic(cluster: &Cluster, namespace: &str) -> Result<String> 
     let slowest = took.iter().copied().fold(0.0, f64::max);
     let during = format!("{RESTARTS} restarts in {restarts_took:.0} s (slowest {slowest:.1} s)");
     judge(&summary, captured, captured_after, &during)
+}
+
+/// The echo server and the generator in `namespace`, once ztunnel proxies
+/// the generator's connections at both ends (how many, lately).
+pub(super) fn start_traffic(
+    cluster: &Cluster,
+    namespace: &str,
+) -> Result<(EchoServer, Generator, (usize, usize))> {
+    let echo = echo_server(cluster, namespace)?;
+    let generator = start_generator(cluster, namespace, &echo.cluster_ip)?;
+    let captured = eventually(
+        "the generator's connections proxied by ztunnel at both ends",
+        Duration::from_secs(30),
+        || recently_captured(cluster, &generator, &echo.uid),
+    )?;
+    Ok((echo, generator, captured))
 }
 
 /// The generator's connections opened after `what`, not ones still in the
