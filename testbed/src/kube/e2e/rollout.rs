@@ -97,7 +97,7 @@ pub(super) struct EchoServer {
 }
 
 /// An ambient namespace with one echo server behind a ClusterIP Service.
-pub(super) fn echo_server(cluster: &Cluster, namespace: &str) -> Result<EchoServer> {
+fn echo_server(cluster: &Cluster, namespace: &str) -> Result<EchoServer> {
     cluster.apply(&format!(
         r#"apiVersion: v1
 kind: Namespace
@@ -150,7 +150,7 @@ pub(super) struct Generator {
 }
 
 /// The generator's pod, once its long connections are open.
-pub(super) fn start_generator(
+fn start_generator(
     cluster: &Cluster,
     namespace: &str,
     echo_ip: &str,
@@ -204,7 +204,7 @@ fn generator_log(cluster: &Cluster, namespace: &str, name: &str) -> String {
 /// How many of the generator's connections ztunnel proxied lately, out of
 /// its pod (outbound listener) and into the echo server's (inbound): `None`
 /// unless both saw some.
-pub(super) fn recently_captured(
+fn recently_captured(
     cluster: &Cluster,
     generator: &Generator,
     echo_uid: &str,
