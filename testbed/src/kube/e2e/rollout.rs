@@ -150,11 +150,7 @@ pub(super) struct Generator {
 }
 
 /// The generator's pod, once its long connections are open.
-fn start_generator(
-    cluster: &Cluster,
-    namespace: &str,
-    echo_ip: &str,
-) -> Result<Generator> {
+fn start_generator(cluster: &Cluster, namespace: &str, echo_ip: &str) -> Result<Generator> {
     let name = "conn-generator";
     cluster.apply(&format!(
         r#"apiVersion: v1
