@@ -21,11 +21,6 @@ impl Controller {
         self.retiring = Some(retirement);
     }
 
-    /// Whether another mode's capture is still being retired.
-    pub fn retiring(&self) -> bool {
-        self.retiring.is_some()
-    }
-
     /// One step of the retirement, after `pass`: the pods this agent holds
     /// lose the old capture; of the others, one the pass wanted but did not
     /// enrol (failed, or its namespace not found) is [`Fate::Pending`], as is

@@ -81,8 +81,8 @@ impl Retirement {
             info!(
                 "the {} mode's capture is still on this node (redirectMode changed): it is \
                  retired pod by pod as the {} mode takes the pods over",
-                mode_name(*mode),
-                mode_name(own)
+                mode.name(),
+                own.name()
             );
         }
         (!left.is_empty()).then_some(Self {
@@ -113,7 +113,7 @@ impl Retirement {
             if finished {
                 info!(
                     "the {} mode is retired: no pod holds its capture and its node state is gone",
-                    mode_name(mode)
+                    mode.name()
                 );
             }
             !finished
@@ -139,7 +139,7 @@ impl Retirement {
         let keys = match records.read() {
             Ok(keys) => keys,
             Err(e) => {
-                warn!("reading the {} mode's records: {e}", mode_name(mode));
+                warn!("reading the {} mode's records: {e}", mode.name());
                 return false;
             }
         };
@@ -159,7 +159,7 @@ impl Retirement {
             let Some((netns, fate)) = placed(key, held, &others, fate) else {
                 info!(
                     "forgetting the {} mode's pod with {key}: its namespace is gone",
-                    mode_name(mode)
+                    mode.name()
                 );
                 records.remove(key);
                 continue;
@@ -179,10 +179,10 @@ impl Retirement {
                     records.remove(key);
                     info!(
                         "removed the {} mode's capture from {} ({key}): {}",
-                        mode_name(mode),
+                        mode.name(),
                         netns.path().display(),
                         match fate {
-                            Fate::Held => format!("the {} mode holds it", mode_name(self.own)),
+                            Fate::Held => format!("the {} mode holds it", self.own.name()),
                             _ => "it left the mesh".to_owned(),
                         }
                     );
@@ -192,7 +192,7 @@ impl Retirement {
                     warn!(
                         "removing the {} mode's capture from {} ({key}), retried after the \
                          next pass: {}",
-                        mode_name(mode),
+                        mode.name(),
                         netns.path().display(),
                         crate::error_chain(&e)
                     );
@@ -209,11 +209,11 @@ impl Retirement {
             }
         };
         if let Err(e) = host {
-            warn!("removing the {} mode's host state: {e}", mode_name(mode));
+            warn!("removing the {} mode's host state: {e}", mode.name());
             return false;
         }
         if let Err(e) = records.remove_all() {
-            warn!("removing the {} mode's records: {e}", mode_name(mode));
+            warn!("removing the {} mode's records: {e}", mode.name());
             return false;
         }
         true
@@ -254,7 +254,7 @@ impl Retirement {
                     info!(
                         "the eBPF mode's pod with {key} is not held by the {} mode yet: the eBPF \
                          programs stay for now",
-                        mode_name(self.own)
+                        self.own.name()
                     );
                     return false;
                 }
@@ -384,8 +384,4 @@ impl Others {
             .get(&key.netns_inode)
             .filter(|ns| super::podnet::netns_cookie(ns).ok() == Some(key.netns_cookie))
     }
-}
-
-fn mode_name(mode: RedirectMode) -> &'static str {
-    mode.name()
 }

@@ -275,16 +275,21 @@ impl NftablesRedirection {
 
     /// The pod's tables, in one transaction: created on its first write
     /// (refused when another tool's are there), rebuilt after.
-    fn write_pod(&self, netns: &Netns, dns: bool, known: bool) -> Result<(), EnrollError> {
-        let cookie_taken_over = !known
-            && podnet::netns_cookie(netns).is_ok_and(|cookie| self.taken_over.contains(&cookie));
-        if cookie_taken_over {
+    fn write_pod(
+        &self,
+        netns: &Netns,
+        cookie: u64,
+        dns: bool,
+        known: bool,
+    ) -> Result<(), EnrollError> {
+        let taken_over = !known && self.taken_over.contains(&cookie);
+        if taken_over {
             // The tables without their redirects first: from then on every
             // connection is tracked from its first packet, untranslated.
             self.write_script(netns, &rules::pod_script_with(dns, self.ipv6, false), false)?;
             keep_open_connections(netns)?;
         }
-        let known = known || cookie_taken_over;
+        let known = known || taken_over;
         Ok(self.write_script(netns, &pod_script(dns, self.ipv6), known)?)
     }
 
@@ -421,7 +426,7 @@ impl PodRedirection for NftablesRedirection {
         // before anything of its policy routing (which may be that tool's,
         // Istio's the same) is touched.
         let written = steps.time("rules", || {
-            self.write_pod(netns, options.dns_capture, known)?;
+            self.write_pod(netns, cookie, options.dns_capture, known)?;
             routing::install_policy_routing(netns).map_err(EnrollError::from)
         });
         if let Err(e) = written {
