@@ -22,6 +22,7 @@ pub mod observe;
 pub mod redirect;
 pub mod sources;
 pub mod status;
+pub mod tcp_listeners;
 pub mod trace;
 pub mod uninstall;
 pub mod unix_socket;

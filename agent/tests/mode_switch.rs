@@ -12,6 +12,7 @@ use std::{
     collections::HashMap,
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
+    time::{Duration, Instant},
 };
 
 use ambpf::{
@@ -24,7 +25,7 @@ use ambpf::{
         retire::{self, Fate, Retirement},
     },
 };
-use ambpf_testbed::{BpffsMount, CgroupGuard, cluster::Cluster};
+use ambpf_testbed::{BpffsMount, CgroupGuard, cluster::Cluster, ztunnel::ZtunnelConfig};
 
 mod common;
 #[macro_use]
@@ -32,6 +33,10 @@ mod modes;
 #[macro_use]
 mod pod_fixture;
 use pod_fixture::*;
+
+/// How long after accepting a connection ztunnel asks for its original
+/// destination.
+const ORIGINAL_DST_DELAY: Duration = Duration::from_millis(300);
 
 /// The node's redirection in `mode`, its state under `pins` as the agent
 /// keeps it (the eBPF mode's pins; the other modes' records of their pods).
@@ -85,6 +90,13 @@ struct Held {
 
 impl Held {
     fn open(what: &'static str, ns: &ambpf_testbed::NetnsGuard, to: SocketAddr) -> Self {
+        let mut held = Self::begin(what, ns, to);
+        held.expect_echo("opened");
+        held
+    }
+
+    /// Connects and sends, without waiting for the echo.
+    fn begin(what: &'static str, ns: &ambpf_testbed::NetnsGuard, to: SocketAddr) -> Self {
         let stream = tokio::task::block_in_place(|| {
             ns.run(|| TcpStream::connect_timeout(&to, PATIENCE))
                 .unwrap()
@@ -92,16 +104,25 @@ impl Held {
         });
         stream.set_read_timeout(Some(PATIENCE)).unwrap();
         let mut held = Self { what, stream };
-        held.exchange("opened");
+        held.send("opened");
         held
     }
 
     fn exchange(&mut self, when: &str) {
+        self.send(when);
+        self.expect_echo(when);
+    }
+
+    fn send(&mut self, when: &str) {
+        let what = self.what;
+        self.stream
+            .write_all(b"ambpf")
+            .unwrap_or_else(|e| panic!("{what}, {when}: {e}"));
+    }
+
+    fn expect_echo(&mut self, when: &str) {
         let what = self.what;
         tokio::task::block_in_place(|| {
-            self.stream
-                .write_all(b"ambpf")
-                .unwrap_or_else(|e| panic!("{what}, {when}: {e}"));
             let mut reply = [0u8; 5];
             self.stream
                 .read_exact(&mut reply)
@@ -200,7 +221,10 @@ async fn switch(from: RedirectMode, to: RedirectMode) {
     let pins = PinLayout::new(bpffs.path().join("ambpf"));
     let cluster = Cluster::create(2).unwrap();
     let (old, backend) = redirection_at(from, &cluster, &cgroup, &pins);
-    let mut f = fixture_on(cluster, (old, Some(bpffs), backend)).await;
+    // A busy ztunnel, which asks for a connection's original destination
+    // a while after accepting it.
+    let ztunnel = ZtunnelConfig::default().original_dst_delay(ORIGINAL_DST_DELAY);
+    let mut f = fixture_on(cluster, (old, Some(bpffs), backend), ztunnel).await;
     let pod = f.pod_netns();
     let node = Netns::open(f.cluster.node.name()).unwrap();
     new_connections_are_captured(&f, "before the switch").await;
@@ -247,8 +271,27 @@ async fn switch(from: RedirectMode, to: RedirectMode) {
     // A pod the new mode does not hold keeps the old capture.
     assert!(!retirement.step(&HashMap::new(), &|_| Fate::Pending));
     assert!(!capture_left(from, &pod, &node, &pins).is_empty());
+    // A connection the old mode redirected just before it goes, whose
+    // original destination ztunnel asks for only after.
+    let mut late = Held::begin(
+        "a connection out redirected as the old capture goes",
+        f.pod(),
+        SocketAddr::new(f.remote_ip(false), PEER_PORT),
+    );
     let held = HashMap::from([(enrolled.key().netns_cookie, &pod)]);
-    assert!(retirement.step(&held, &|_| Fate::Pending));
+    let retiring = Instant::now();
+    while !retirement.step(&held, &|_| Fate::Pending) {
+        assert!(
+            retiring.elapsed() < PATIENCE,
+            "{from:?} not retired after {PATIENCE:?}"
+        );
+        if from == RedirectMode::Ebpf {
+            // Only the eBPF programs know where that connection was going.
+            assert!(pins.maps_dir().is_dir(), "the eBPF programs drain first");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    late.expect_echo("once the old capture is gone");
     assert_eq!(
         capture_left(from, &pod, &node, &pins),
         Vec::<String>::new(),

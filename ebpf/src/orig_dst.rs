@@ -141,16 +141,18 @@ fn on_connect(ctx: &SockOpsContext) {
     let ops = ctx.ops;
     let netns = unsafe { bpf_get_netns_cookie(ops.cast()) };
     let (key, remote) = accepted_tuple(ops, netns);
-    let Some(pod) = (unsafe { PODS_BY_NETNS.get(&netns) }) else {
-        inbound_filing::on_node_connect(&key, netns);
-        return;
-    };
+    let pod = unsafe { PODS_BY_NETNS.get(&netns) };
     // To its own address: the pod's inbound capture must let it through
     // (ztunnel's connection to the app; an app redirected to
     // `podIP:15001`; the app calling itself).
-    if is_pod_ip(pod, &remote) {
+    if let Some(pod) = pod
+        && is_pod_ip(pod, &remote)
+    {
         inbound_filing::file_local(&key, LocalConn::SamePod);
     }
+    // Redirected at connect(): filed for ztunnel even when the pod left the
+    // pod map since (another mode took it over in between), as only this
+    // record knows where the connection was going.
     let cookie = unsafe { bpf_get_socket_cookie(ops.cast()) };
     if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {
         let _ = ORIG_BY_TUPLE.insert(&key, orig, 0);
@@ -158,6 +160,10 @@ fn on_connect(ctx: &SockOpsContext) {
         let _ = ctx.set_cb_flags(BPF_SOCK_OPS_STATE_CB_FLAG as i32);
         return;
     }
+    let Some(pod) = pod else {
+        inbound_filing::on_node_connect(&key, netns);
+        return;
+    };
 
     let sk = unsafe { (*ops).__bindgen_anon_2.sk };
     if sk.is_null() {

@@ -343,6 +343,23 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
     Ok(pods)
 }
 
+/// Takes the pod with `netns_cookie` out of the pinned pod map, so the
+/// socket programs no longer capture in its namespace (the eBPF mode's
+/// retirement, once another mode holds the pod); absent already is fine.
+pub fn forget_pod(pins: &PinLayout, netns_cookie: u64) -> Result<(), InspectError> {
+    let path = pins.map(maps::PODS_BY_NETNS);
+    let map_err = |source| InspectError::Map {
+        path: path.clone(),
+        cause: source,
+    };
+    let mut map: HashMap<_, u64, PodConfig> =
+        HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
+    match map.remove(&netns_cookie) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(e) => Err(map_err(e)),
+    }
+}
+
 /// Adds each pod's counters.
 fn with_counters(
     mut pods: Vec<EnrolledPodEntry>,

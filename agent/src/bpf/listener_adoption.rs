@@ -29,30 +29,10 @@ use aya::maps::SockHash;
 /// The inodes of the TCP sockets listening on `port` in the calling
 /// thread's network namespace, both families.
 pub fn listening_inodes(port: u16) -> io::Result<Vec<u64>> {
-    let mut inodes = Vec::new();
-    for table in ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"] {
-        match std::fs::read_to_string(table) {
-            Ok(text) => inodes.extend(parse_listeners(&text, port)),
-            // No IPv6 in the kernel: no tcp6 table.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(inodes)
-}
-
-/// `/proc/net/tcp` lines (`sl local_address rem_address st ... inode`) of
-/// sockets in state LISTEN (`0A`) on `port`.
-fn parse_listeners(text: &str, port: u16) -> impl Iterator<Item = u64> + '_ {
-    text.lines().skip(1).filter_map(move |line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (_, local_port) = fields.get(1)?.rsplit_once(':')?;
-        let listening = *fields.get(3)? == "0A";
-        let on_port = u16::from_str_radix(local_port, 16).ok()? == port;
-        (listening && on_port)
-            .then(|| fields.get(9)?.parse().ok())
-            .flatten()
-    })
+    Ok(crate::tcp_listeners::on_port(port)?
+        .into_iter()
+        .map(|l| l.inode)
+        .collect())
 }
 
 /// Why a pod's listener could not be filed.
@@ -218,24 +198,5 @@ impl super::Dataplane {
             return Ok(true);
         }
         Ok(false)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn listeners_on_the_port_are_read_from_the_proc_table() {
-        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 00000000:3A9E 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 41001 1 0000000000000000 100 0 0 10 0
-   1: 0201F40A:3A9E 0301F40A:A1B2 01 00000000:00000000 00:00000000 00000000     0        0 41002 1 0000000000000000 20 4 30 10 -1
-   2: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 41003 1 0000000000000000 100 0 0 10 0
-";
-        assert_eq!(
-            parse_listeners(table, 15006).collect::<Vec<_>>(),
-            [41001],
-            "only the listener on 15006, not a connection to it nor another port's"
-        );
     }
 }

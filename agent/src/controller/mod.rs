@@ -652,11 +652,16 @@ impl Controller {
                 let retry = !report.failed.is_empty()
                     || !self.explicit.is_empty()
                     || self.retiring.is_some();
+                let retry_in = self
+                    .retiring
+                    .as_ref()
+                    .and_then(|r| r.next_step_within())
+                    .unwrap_or(RETRY_INTERVAL);
                 tokio::select! {
                     changed = pods.changed() => if changed.is_err() { return },
                     () = std::future::ready(()), if repass => {}
                     _ = full_check.tick() => scope = CheckScope::Full,
-                    () = tokio::time::sleep(RETRY_INTERVAL), if retry => {}
+                    () = tokio::time::sleep(retry_in), if retry => {}
                     request = async { requests.as_mut()?.recv().await }, if requests.is_some() => {
                         let Some(first) = request else {
                             requests = None;

@@ -32,7 +32,10 @@
 //! here. Istio's own node agent writes the same host rules and ipsets; its
 //! state is never touched.
 
-use std::collections::HashMap;
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
 
 use tracing::{info, warn};
 
@@ -62,6 +65,8 @@ pub struct Retirement {
     /// The node's namespace (the agent's own), where the host state is.
     host: Netns,
     left: Vec<RedirectMode>,
+    /// The eBPF mode's programs, once no pod is captured by them.
+    ebpf_drain: Option<EbpfDrain>,
 }
 
 impl Retirement {
@@ -90,6 +95,7 @@ impl Retirement {
             pins,
             host,
             left,
+            ebpf_drain: None,
         })
     }
 
@@ -222,7 +228,7 @@ impl Retirement {
     /// The eBPF mode: every pinned pod's steering filter (and, for a pod
     /// that left the mesh, its reply routing), then the pins, which detaches
     /// the programs from every pod at once.
-    fn retire_ebpf(&self, held: &HashMap<u64, &Netns>, fate: &dyn Fn(PodKey) -> Fate) -> bool {
+    fn retire_ebpf(&mut self, held: &HashMap<u64, &Netns>, fate: &dyn Fn(PodKey) -> Fate) -> bool {
         // No agent may write the pins meanwhile: one still running there (an
         // overlapping rollout) is waited for by retrying later.
         let Some(_lock) = crate::bpf::pins::PinRootLock::try_acquire(&self.pins) else {
@@ -247,6 +253,8 @@ impl Retirement {
                 netns_inode: pod.netns_inode,
             };
             let Some((netns, fate)) = placed(key, held, &others, fate) else {
+                // Its namespace is gone: nothing captures there any more.
+                let _ = inspect::forget_pod(&self.pins, key.netns_cookie);
                 continue;
             };
             match fate {
@@ -261,42 +269,153 @@ impl Retirement {
                 fate => work.push((key, netns, fate, pod.steering_qdisc_created)),
             }
         }
+        let drain = self.ebpf_drain.get_or_insert_with(EbpfDrain::default);
         let mut failed = false;
         for (key, netns, fate, qdisc_created) in work {
-            let removed = ebpf::detach_steering(netns, qdisc_created).and_then(|()| {
-                let routing = match fate {
-                    Fate::Unwanted => routing::remove_reply_routing(netns),
-                    _ => routing::remove_fwmark_accept(netns),
-                };
-                Ok(routing?)
-            });
-            match removed {
-                Ok(()) => info!(
-                    "removed the eBPF mode's steering from {} ({key})",
-                    netns.path().display()
-                ),
+            match stop_ebpf_capture(&self.pins, key, netns, fate, qdisc_created) {
+                Ok(()) => {
+                    info!(
+                        "removed the eBPF mode's capture from {} ({key})",
+                        netns.path().display()
+                    );
+                    if fate == Fate::Held {
+                        drain.pods.push(key.netns_cookie);
+                    }
+                }
                 Err(e) => {
                     failed = true;
                     warn!(
-                        "removing the eBPF mode's steering from {} ({key}), retried after the \
+                        "removing the eBPF mode's capture from {} ({key}), retried after the \
                          next pass: {}",
                         netns.path().display(),
-                        crate::error_chain(&e)
+                        crate::error_chain(e.as_ref())
                     );
                 }
             }
         }
-        if failed {
+        if failed || !drain.drained(held) {
             return false;
         }
         match remove_ebpf_pins(&self.pins) {
-            Ok(()) => true,
+            Ok(()) => {
+                self.ebpf_drain = None;
+                true
+            }
             Err(e) => {
                 warn!("removing the eBPF mode's pins: {e}");
                 false
             }
         }
     }
+
+    /// How soon the retirement wants its next step, when sooner than the
+    /// controller's retries: while the eBPF programs drain.
+    pub fn next_step_within(&self) -> Option<Duration> {
+        self.ebpf_drain
+            .as_ref()
+            .filter(|d| d.since.is_some())
+            .map(|_| EBPF_DRAIN_POLL)
+    }
+}
+
+/// How long the eBPF mode's programs outlive its capture, at least. A
+/// connection they redirected to ztunnel's outbound listener is known to
+/// conntrack (the new mode's rules track it) only as one to that listener:
+/// ztunnel, which asks for its original destination just after accepting
+/// it, must be answered by the programs.
+const EBPF_DRAIN: Duration = Duration::from_secs(1);
+/// ... and at most, while ztunnel leaves such connections unaccepted.
+const EBPF_DRAIN_AT_MOST: Duration = Duration::from_secs(30);
+/// How often a draining retirement looks again.
+const EBPF_DRAIN_POLL: Duration = Duration::from_millis(200);
+
+/// The eBPF programs' last duty once no pod is captured by them any more:
+/// answering ztunnel for the connections they redirected.
+#[derive(Debug, Default)]
+struct EbpfDrain {
+    /// When the last pod's capture stopped.
+    since: Option<Instant>,
+    /// The pods taken out of the programs' capture, which the new mode
+    /// holds (by netns cookie).
+    pods: Vec<u64>,
+    /// Whether waiting on ztunnel was said.
+    told: bool,
+}
+
+impl EbpfDrain {
+    /// Whether the programs may go: [`EBPF_DRAIN`] since the capture
+    /// stopped, and no connection waits in ztunnel's outbound listener of a
+    /// pod (bounded by [`EBPF_DRAIN_AT_MOST`]).
+    fn drained(&mut self, held: &HashMap<u64, &Netns>) -> bool {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        if since.elapsed() < EBPF_DRAIN {
+            return false;
+        }
+        let Some(netns) = self
+            .pods
+            .iter()
+            .filter_map(|cookie| held.get(cookie))
+            .find(|netns| awaits_ztunnel(netns))
+        else {
+            return true;
+        };
+        if since.elapsed() >= EBPF_DRAIN_AT_MOST {
+            warn!(
+                "ztunnel has not accepted connections redirected by the eBPF mode in {} for {} \
+                 s: its programs go all the same, and ztunnel will not learn those \
+                 connections' original destination",
+                netns.path().display(),
+                EBPF_DRAIN_AT_MOST.as_secs()
+            );
+            return true;
+        }
+        if !std::mem::replace(&mut self.told, true) {
+            info!(
+                "the eBPF mode's programs stay until ztunnel accepts the connections they \
+                 redirected in {}",
+                netns.path().display()
+            );
+        }
+        false
+    }
+}
+
+/// Whether ztunnel's outbound listener in `netns` has connections it has
+/// not accepted yet (unknown counts as yes: the programs stay).
+fn awaits_ztunnel(netns: &Netns) -> bool {
+    let listeners =
+        netns.run(|| crate::tcp_listeners::on_port(ambpf_common::ztunnel::OUTBOUND_PORT));
+    match listeners {
+        Ok(Ok(listeners)) => listeners.iter().any(|l| l.accept_queue > 0),
+        Ok(Err(e)) => {
+            warn!(
+                "reading the sockets listening in {}: {e}",
+                netns.path().display()
+            );
+            true
+        }
+        // The namespace is gone: nothing waits there.
+        Err(_) => false,
+    }
+}
+
+/// Takes the eBPF mode's capture out of one pod: its steering and routing,
+/// then its entry in the programs' pod map (which stops their capture in
+/// the pod).
+fn stop_ebpf_capture(
+    pins: &PinLayout,
+    key: PodKey,
+    netns: &Netns,
+    fate: Fate,
+    qdisc_created: bool,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    ebpf::detach_steering(netns, qdisc_created)?;
+    match fate {
+        Fate::Unwanted => routing::remove_reply_routing(netns)?,
+        _ => routing::remove_fwmark_accept(netns)?,
+    }
+    inspect::forget_pod(pins, key.netns_cookie)?;
+    Ok(())
 }
 
 /// The namespace of the pod `key` and what becomes of it: [`Fate::Held`]

@@ -335,7 +335,7 @@ pub async fn fixture_in(
     inbound: InboundAssign,
 ) -> Fixture {
     let node = node_redirection_with(mode, &cluster, cgroup, inbound);
-    fixture_on(cluster, node).await
+    fixture_on(cluster, node, ZtunnelConfig::default()).await
 }
 
 /// The fixture on `cluster` with the node's redirection `node` (as
@@ -348,6 +348,7 @@ pub async fn fixture_on(
         Option<BpffsMount>,
         Option<IptablesBackend>,
     ),
+    ztunnel: ZtunnelConfig,
 ) -> Fixture {
     let mode = redirection.mode();
 
@@ -369,7 +370,7 @@ pub async fn fixture_on(
         netns: NetnsSource::Path(pod.ns.path()),
         netns_inode: None,
     });
-    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ZtunnelConfig::default());
+    let ztunnel = ZtunnelDouble::connect_with_retry(&socket, ztunnel);
     ztunnel
         .wait_until(
             |s| s.ready && s.workloads.get(POD_UID).is_some_and(|w| w.proxies_running),
