@@ -44,15 +44,6 @@ const NODE: &str = "node-1";
 
 type Pods = watch::Receiver<Arc<SourcePods>>;
 
-fn init_logging() {
-    let filter = ambpf::logging::filter(None).unwrap();
-    ambpf::logging::init_with_writer(
-        ambpf::logging::LogFormat::Text,
-        filter,
-        tracing_subscriber::fmt::TestWriter::new,
-    );
-}
-
 fn client(server: &ApiServer) -> kube::Client {
     let config = kube::Config::new(server.url().parse().unwrap());
     kube::Client::try_from(config).unwrap()
@@ -75,7 +66,7 @@ fn fake_netns(pod: &PodQuery) -> Result<NetnsSource, String> {
 }
 
 async fn start(server: &ApiServer, config: KubeSourceConfig) -> (KubeSourceHandle, Pods) {
-    init_logging();
+    common::init_logging();
     let (tx, rx) = watch::channel(Arc::default());
     let source = KubeSource::new(client(server), config).with_resolver(fake_netns);
     let handle = tokio::time::timeout(PATIENCE, source.start(tx))
@@ -376,7 +367,7 @@ async fn pods_known_not_to_be_ambient_are_published_with_why_but_not_ambient_pod
             json!("node-2"),
         ),
     );
-    init_logging();
+    common::init_logging();
     let (tx, mut pods) = watch::channel(Arc::default());
     let _source = KubeSource::new(client(&server), config())
         .with_resolver(|pod: &PodQuery| match pod.name.as_str() {
@@ -663,7 +654,7 @@ async fn starts_once_mended(
 
 #[tokio::test]
 async fn start_waits_not_ready_while_the_api_server_says_no_and_starts_once_it_answers() {
-    init_logging();
+    common::init_logging();
     let mut server = ApiServer::start().await.unwrap();
     server.apply("namespaces", namespace("shop", true));
     server.apply("pods", pod("shop", "a"));
@@ -792,7 +783,7 @@ async fn eventually_annotated(server: &ApiServer, name: &str, value: Option<&str
 
 #[tokio::test]
 async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
-    init_logging();
+    common::init_logging();
     let server = ApiServer::start().await.unwrap();
     server.apply("namespaces", namespace("shop", true));
     server.apply("pods", pod("shop", "a"));
@@ -922,7 +913,7 @@ async fn enrolment_is_recorded_from_the_controllers_and_ztunnels_reports() {
 
 #[tokio::test]
 async fn with_the_controller_and_ztunnel_pods_are_pending_until_ztunnel_takes_them() {
-    init_logging();
+    common::init_logging();
     let server = ApiServer::start().await.unwrap();
     server.apply("namespaces", namespace("shop", true));
     let names = ["a", "b", "d", "e"];
@@ -1082,7 +1073,7 @@ async fn cni_add(
 
 #[tokio::test]
 async fn a_pod_enrolled_by_cni_leaves_once_the_source_sees_it_opt_out() {
-    init_logging();
+    common::init_logging();
     let server = ApiServer::start().await.unwrap();
     server.apply("namespaces", namespace("shop", true));
     let (fresh, unseen) = (
@@ -1194,7 +1185,7 @@ impl Drop for PodProcess {
 
 #[tokio::test]
 async fn real_network_namespaces_are_found_through_proc_and_followed_across_restarts() {
-    init_logging();
+    common::init_logging();
     let server = ApiServer::start().await.unwrap();
     let cgroups = CgroupGuard::create().unwrap();
     let netns = NetnsGuard::create("kpod").unwrap();

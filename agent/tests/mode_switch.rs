@@ -203,17 +203,8 @@ fn cookie_of(pod: &Netns) -> u64 {
     ambpf::redirect::podnet::netns_cookie(pod).unwrap()
 }
 
-fn init_logging() {
-    let filter = ambpf::logging::filter(None).unwrap();
-    ambpf::logging::init_with_writer(
-        ambpf::logging::LogFormat::Text,
-        filter,
-        tracing_subscriber::fmt::TestWriter::new,
-    );
-}
-
 async fn switch(from: RedirectMode, to: RedirectMode) {
-    init_logging();
+    common::init_logging();
     let _serial = crate::modes::SERIAL.lock().await;
     let cgroup = CgroupGuard::create().unwrap();
     let _inside = cgroup.enter_process().unwrap();

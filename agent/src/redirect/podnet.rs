@@ -97,6 +97,41 @@ pub fn netns_cookie_of_current_thread() -> Result<u64, PodNetError> {
 
 pub use crate::netns::{SO_NETNS_COOKIE, socket_netns_cookie};
 
+/// The host's network namespaces, listed once on first need (a scan of
+/// every process): where a pod known only by a record or a map entry is
+/// found. By inode, confirmed by cookie, as an inode is reused once its
+/// namespace is freed.
+#[derive(Default)]
+pub struct HostNamespaces {
+    by_inode: std::cell::OnceCell<std::collections::HashMap<u64, Netns>>,
+}
+
+impl HostNamespaces {
+    /// The namespace of the pod `key`, when it is still there.
+    pub fn find(&self, key: super::PodKey) -> Option<&Netns> {
+        self.listed()
+            .get(&key.netns_inode)
+            .filter(|ns| netns_cookie(ns).ok() == Some(key.netns_cookie))
+    }
+
+    /// [`Self::find`], handed over.
+    pub fn take(&mut self, key: super::PodKey) -> Option<Netns> {
+        self.listed();
+        let by_inode = self.by_inode.get_mut()?;
+        let netns = by_inode.remove(&key.netns_inode)?;
+        (netns_cookie(&netns).ok() == Some(key.netns_cookie)).then_some(netns)
+    }
+
+    fn listed(&self) -> &std::collections::HashMap<u64, Netns> {
+        self.by_inode.get_or_init(|| {
+            crate::netns::all()
+                .into_iter()
+                .map(|ns| (ns.inode(), ns))
+                .collect()
+        })
+    }
+}
+
 /// Every address of the network namespace the calling thread is in, on any
 /// interface (loopback included: nodes often hold service or BGP addresses on
 /// `lo`) and of any scope, except host-scope and loopback addresses, IPv6

@@ -39,7 +39,10 @@ use std::{
 
 use tracing::{info, warn};
 
-use super::{PodKey, RedirectMode, ebpf, in_pod::records::PodRecords, iptables, nftables, routing};
+use super::{
+    PodKey, RedirectMode, ebpf, in_pod::records::PodRecords, iptables, nftables,
+    podnet::HostNamespaces, routing,
+};
 use crate::{
     bpf::{PinLayout, inspect},
     netns::Netns,
@@ -159,7 +162,7 @@ impl Retirement {
             },
             _ => None,
         };
-        let others = Others::default();
+        let others = HostNamespaces::default();
         let mut kept = 0;
         for key in keys {
             let Some((netns, fate)) = placed(key, held, &others, fate) else {
@@ -245,7 +248,7 @@ impl Retirement {
                 return false;
             }
         };
-        let others = Others::default();
+        let others = HostNamespaces::default();
         let mut work = Vec::new();
         for pod in &pods {
             let key = PodKey {
@@ -424,7 +427,7 @@ fn stop_ebpf_capture(
 fn placed<'a>(
     key: PodKey,
     held: &HashMap<u64, &'a Netns>,
-    others: &'a Others,
+    others: &'a HostNamespaces,
     fate: &dyn Fn(PodKey) -> Fate,
 ) -> Option<(&'a Netns, Fate)> {
     match held.get(&key.netns_cookie) {
@@ -480,27 +483,4 @@ fn remove_ebpf_pins(pins: &PinLayout) -> std::io::Result<()> {
         }
     }
     Ok(())
-}
-
-/// The namespaces of pods the new mode does not hold, found once on first
-/// need (a scan of every process).
-#[derive(Default)]
-struct Others {
-    found: std::cell::OnceCell<HashMap<u64, Netns>>,
-}
-
-impl Others {
-    /// The namespace of `key`, when it is still there (found by inode,
-    /// confirmed by cookie: an inode is reused once its namespace is freed).
-    fn find(&self, key: PodKey) -> Option<&Netns> {
-        let found = self.found.get_or_init(|| {
-            crate::netns::all()
-                .into_iter()
-                .map(|ns| (ns.inode(), ns))
-                .collect()
-        });
-        found
-            .get(&key.netns_inode)
-            .filter(|ns| super::podnet::netns_cookie(ns).ok() == Some(key.netns_cookie))
-    }
 }

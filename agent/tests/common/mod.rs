@@ -233,3 +233,13 @@ pub fn pod(uid: &str, netns: &NetnsGuard) -> Workload {
 pub fn inode(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().ino()
 }
+
+/// The agent's own log lines, in the test's output (shown when it fails).
+pub fn init_logging() {
+    let filter = ambpf::logging::filter(None).unwrap();
+    ambpf::logging::init_with_writer(
+        ambpf::logging::LogFormat::Text,
+        filter,
+        tracing_subscriber::fmt::TestWriter::new,
+    );
+}

@@ -178,24 +178,18 @@ pub fn check_records(state: &PinnedPods) -> Vec<Violation> {
 /// may have been reused by a new namespace). `None`: the namespace is gone.
 pub fn locate_pods(pods: &[PodConfig], known: &[(PodKey, &Netns)]) -> HashMap<u64, Option<Netns>> {
     let known: HashMap<u64, &Netns> = known.iter().map(|(k, n)| (k.netns_cookie, *n)).collect();
-    let mut host: Option<HashMap<u64, Netns>> = None;
+    let host = podnet::HostNamespaces::default();
     let mut out = HashMap::new();
     for pod in pods {
         let cookie = pod.netns_cookie;
         let found = match known.get(&cookie) {
             Some(netns) => reopen(netns),
-            None => {
-                let by_inode = host.get_or_insert_with(|| {
-                    crate::netns::all()
-                        .into_iter()
-                        .map(|ns| (ns.inode(), ns))
-                        .collect()
-                });
-                by_inode
-                    .get(&pod.netns_inode)
-                    .filter(|ns| podnet::netns_cookie(ns).ok() == Some(cookie))
-                    .and_then(reopen)
-            }
+            None => host
+                .find(PodKey {
+                    netns_cookie: cookie,
+                    netns_inode: pod.netns_inode,
+                })
+                .and_then(reopen),
         };
         out.insert(cookie, found);
     }

@@ -12,17 +12,13 @@
 //! Written once the pod's rules are in place, removed once they are gone. A
 //! name that is not a record is logged and removed.
 
-use std::{
-    collections::{BTreeMap, HashMap},
-    io,
-    path::PathBuf,
-};
+use std::{collections::BTreeMap, io, path::PathBuf};
 
 use tracing::{info, warn};
 
 use crate::{
     netns::Netns,
-    redirect::{PodKey, podnet},
+    redirect::{PodKey, podnet::HostNamespaces},
 };
 
 /// The directory of records.
@@ -138,13 +134,9 @@ impl PodRecords {
                 Vec::new()
             }
         };
-        let mut found = if keys.is_empty() {
-            HashMap::new()
-        } else {
-            locate(&keys)
-        };
+        let mut host = HostNamespaces::default();
         for key in keys {
-            let netns = found.remove(&key.netns_cookie);
+            let netns = host.take(key);
             let place = netns.as_ref().map_or_else(
                 || "its namespace is gone".to_owned(),
                 |ns| ns.path().display().to_string(),
@@ -167,22 +159,6 @@ fn parse(name: &str) -> Option<PodKey> {
         netns_cookie: cookie.parse().ok()?,
         netns_inode: inode.parse().ok()?,
     })
-}
-
-/// Each key's namespace, found among the host's by inode and confirmed by
-/// cookie (an inode is reused once its namespace is freed).
-fn locate(keys: &[PodKey]) -> HashMap<u64, Netns> {
-    let mut by_inode: HashMap<u64, Netns> = crate::netns::all()
-        .into_iter()
-        .map(|ns| (ns.inode(), ns))
-        .collect();
-    keys.iter()
-        .filter_map(|key| {
-            let netns = by_inode.remove(&key.netns_inode)?;
-            (podnet::netns_cookie(&netns).ok() == Some(key.netns_cookie))
-                .then_some((key.netns_cookie, netns))
-        })
-        .collect()
 }
 
 #[cfg(test)]
