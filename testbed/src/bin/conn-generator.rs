@@ -371,7 +371,9 @@ fn generate(run: &Run, stop_file: &Path, max: Duration) -> io::Result<()> {
 fn open(dialer: Dialer, kind: u8) -> Result<TcpStream, (Failure, io::Error)> {
     let mut stream = TcpStream::connect_timeout(&dialer.target, dialer.timeout)
         .map_err(|e| (classify_connect(&e), e))?;
-    let established = |e: io::Error| (classify_established(&e), e);
+    // The local port names the connection in ztunnel's log.
+    let local = stream.local_addr().ok();
+    let established = move |e: io::Error| (classify_established(&e), from(local, e));
     stream
         .set_read_timeout(Some(dialer.timeout))
         .map_err(established)?;
@@ -387,14 +389,26 @@ fn open(dialer: Dialer, kind: u8) -> Result<TcpStream, (Failure, io::Error)> {
 /// One short connection: the kind byte each way, then the server's close.
 fn short_connection(dialer: Dialer) -> Result<(), (Failure, io::Error)> {
     let mut stream = open(dialer, SHORT)?;
+    let local = stream.local_addr().ok();
     let mut rest = [0u8; 1];
     match stream.read(&mut rest) {
         Ok(0) => Ok(()),
         Ok(_) => Err((
             Failure::Garbled,
-            io::Error::new(ErrorKind::InvalidData, "bytes after the echo"),
+            from(
+                local,
+                io::Error::new(ErrorKind::InvalidData, "bytes after the echo"),
+            ),
         )),
-        Err(e) => Err((classify_established(&e), e)),
+        Err(e) => Err((classify_established(&e), from(local, e))),
+    }
+}
+
+/// `e`, saying which local address the connection had.
+fn from(local: Option<SocketAddr>, e: io::Error) -> io::Error {
+    match local {
+        Some(local) => io::Error::new(e.kind(), format!("from {local}: {e}")),
+        None => e,
     }
 }
 
