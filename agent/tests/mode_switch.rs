@@ -271,6 +271,7 @@ async fn switch(from: RedirectMode, to: RedirectMode) {
     );
     let held = HashMap::from([(enrolled.key().netns_cookie, &pod)]);
     let retiring = Instant::now();
+    let mut interrupted = false;
     while !retirement.step(&held, &|_| Fate::Pending) {
         assert!(
             retiring.elapsed() < PATIENCE,
@@ -279,6 +280,16 @@ async fn switch(from: RedirectMode, to: RedirectMode) {
         if from == RedirectMode::Ebpf {
             // Only the eBPF programs know where that connection was going.
             assert!(pins.maps_dir().is_dir(), "the eBPF programs drain first");
+        }
+        if !std::mem::replace(&mut interrupted, true) {
+            // The agent killed halfway: the next one finds what is left.
+            retirement = Retirement::find(
+                to,
+                pins.clone(),
+                Netns::open(node.path().to_str().unwrap()).unwrap(),
+            )
+            .expect("a retirement interrupted halfway is found again");
+            assert_eq!(retirement.left(), [from]);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
