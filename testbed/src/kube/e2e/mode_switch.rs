@@ -19,33 +19,15 @@ const LEAD: Duration = Duration::from_secs(5);
 /// How long the traffic runs around the switches, at least.
 const AT_LEAST: Duration = Duration::from_secs(30);
 
-/// The switches from each mode, in order, ending in it, and whether each
-/// runs under the generator's traffic (the rest follow it). A switch into
-/// the eBPF mode has shown a rare lost connection under traffic
-/// (docs/operations.md, "Between ambpf's modes, live"), which would make
-/// the suite fail at random: by default the eBPF release's switch back runs
-/// after the traffic, its retirement checked all the same, and the nftables
-/// release switches through iptables. With [`INTO_EBPF_UNDER_TRAFFIC`] set,
-/// the three modes' runs cover every ordered pair under traffic.
-fn plan(mode: &str) -> &'static [(&'static str, &'static str, bool)] {
-    let into_ebpf = std::env::var_os(INTO_EBPF_UNDER_TRAFFIC).is_some_and(|v| v == "1");
-    match (mode, into_ebpf) {
-        ("ebpf", false) => &[("ebpf", "iptables", true), ("iptables", "ebpf", false)],
-        ("ebpf", true) => &[("ebpf", "iptables", true), ("iptables", "ebpf", true)],
-        ("iptables", _) => &[
-            ("iptables", "nftables", true),
-            ("nftables", "iptables", true),
-        ],
-        (_, false) => &[
-            ("nftables", "iptables", true),
-            ("iptables", "nftables", true),
-        ],
-        (_, true) => &[("nftables", "ebpf", true), ("ebpf", "nftables", true)],
+/// The switches from each mode, in order, ending in it: the three modes'
+/// runs cover every ordered pair, each under the generator's traffic.
+fn plan(mode: &str) -> &'static [(&'static str, &'static str)] {
+    match mode {
+        "ebpf" => &[("ebpf", "iptables"), ("iptables", "ebpf")],
+        "iptables" => &[("iptables", "nftables"), ("nftables", "iptables")],
+        _ => &[("nftables", "ebpf"), ("ebpf", "nftables")],
     }
 }
-
-/// Set to `1`, every switch runs under traffic.
-const INTO_EBPF_UNDER_TRAFFIC: &str = "AMBPF_E2E_INTO_EBPF_UNDER_TRAFFIC";
 
 pub fn mode_switch(cluster: &Cluster, release: &Release) -> Result<String> {
     let namespace = format!("e2e-{}-switch", release.mode);
@@ -63,24 +45,14 @@ fn switches_under_traffic(cluster: &Cluster, release: &Release, namespace: &str)
     let traffic = Instant::now();
     // Traffic before the first switch as well as after the last.
     std::thread::sleep(LEAD);
-    let plan = plan(&release.mode);
     let mut switches = Vec::new();
-    for (from, to, _) in plan.iter().filter(|(_, _, traffic)| *traffic) {
+    for (from, to) in plan(&release.mode) {
         switches.push(switch(cluster, release, from, to)?);
     }
     let captured_after = captured_after(cluster, &generator, &echo, "the switches")?;
     std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
     let summary = stop_generator(cluster, namespace, &generator.name)?;
-    let seen = judge(&summary, captured, captured_after, &switches.join(", "))?;
-    let mut after = Vec::new();
-    for (from, to, _) in plan.iter().filter(|(_, _, traffic)| !*traffic) {
-        after.push(switch(cluster, release, from, to)?);
-    }
-    Ok(if after.is_empty() {
-        seen
-    } else {
-        format!("{seen}; then, without traffic, {}", after.join(", "))
-    })
+    judge(&summary, captured, captured_after, &switches.join(", "))
 }
 
 /// One `helm upgrade` from `from` to `to`, until the old mode is retired.
