@@ -9,7 +9,7 @@
 //! runs, with the same namespace, changes nothing). Without it filed, every
 //! inbound connection to the pod would be refused. So at a pod's first
 //! enrolment, the listening sockets on 15006 in its namespace are found
-//! (`/proc/thread-self/net/tcp{,6}`, read from inside), their holder among
+//! (over sock_diag, from inside: [`crate::tcp_listeners`]), their holder among
 //! the host's processes (`/proc/<pid>/fd`), and a descriptor of each taken
 //! with `pidfd_getfd` (Linux 5.6; CAP_SYS_PTRACE, which the agent has to
 //! open pods' namespaces). One that carries ztunnel's mark is filed, as
