@@ -307,12 +307,11 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
     if !path.exists() {
         return Ok(Vec::new());
     }
+    let map = pod_map(&path)?;
     let map_err = |source| InspectError::Map {
         path: path.clone(),
         cause: source,
     };
-    let map: HashMap<_, u64, PodConfig> =
-        HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
     let mut pods = Vec::new();
     for entry in map.iter() {
         let (cookie, pod) = entry.map_err(map_err)?;
@@ -348,16 +347,18 @@ pub fn read_pods(pins: &PinLayout) -> Result<Vec<EnrolledPodEntry>, InspectError
 /// retirement, once another mode holds the pod); absent already is fine.
 pub fn forget_pod(pins: &PinLayout, netns_cookie: u64) -> Result<(), InspectError> {
     let path = pins.map(maps::PODS_BY_NETNS);
-    let map_err = |source| InspectError::Map {
-        path: path.clone(),
-        cause: source,
-    };
-    let mut map: HashMap<_, u64, PodConfig> =
-        HashMap::try_from(Map::HashMap(open_map(&path)?)).map_err(map_err)?;
-    match map.remove(&netns_cookie) {
+    match pod_map(&path)?.remove(&netns_cookie) {
         Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(e) => Err(map_err(e)),
+        Err(cause) => Err(InspectError::Map { path, cause }),
     }
+}
+
+/// The pinned pod map at `path`.
+fn pod_map(path: &std::path::Path) -> Result<HashMap<MapData, u64, PodConfig>, InspectError> {
+    HashMap::try_from(Map::HashMap(open_map(path)?)).map_err(|cause| InspectError::Map {
+        path: path.to_owned(),
+        cause,
+    })
 }
 
 /// Adds each pod's counters.

@@ -228,9 +228,10 @@ impl Retirement {
         true
     }
 
-    /// The eBPF mode: every pinned pod's steering filter (and, for a pod
-    /// that left the mesh, its reply routing), then the pins, which detaches
-    /// the programs from every pod at once.
+    /// The eBPF mode: out of each pinned pod, its steering filter, its
+    /// routing (all of it for a pod that left the mesh) and its entry in the
+    /// programs' pod map; then, once the programs have drained
+    /// ([`EbpfDrain`]), the pins, which detaches them from every pod at once.
     fn retire_ebpf(&mut self, held: &HashMap<u64, &Netns>, fate: &dyn Fn(PodKey) -> Fate) -> bool {
         // No agent may write the pins meanwhile: one still running there (an
         // overlapping rollout) is waited for by retrying later.
