@@ -490,8 +490,14 @@ pub async fn serve_health(
     listener: TcpListener,
     zds: ZdsHandle,
     source: Option<crate::sources::kube::SourceHealth>,
+    standby: crate::zds::peer::Standby,
 ) {
-    let not_serving = move || source.as_ref().and_then(|s| s.not_ready());
+    let not_serving = move || {
+        source
+            .as_ref()
+            .and_then(|s| s.not_ready())
+            .or_else(|| standby.why())
+    };
     serve(listener, move |path| match (path, not_serving()) {
         ("/healthz", _) => (200, "text/plain", "ok\n".to_owned()),
         ("/readyz", Some(why)) => (503, "text/plain", format!("{why}\n")),
@@ -587,7 +593,7 @@ mod tests {
             pins: None,
             cni: Some(cni),
         }));
-        tokio::spawn(serve_health(health, zds.clone(), None));
+        tokio::spawn(serve_health(health, zds.clone(), None, Default::default()));
         tokio::spawn(serve_metrics(metrics, registry));
 
         assert!(
@@ -645,7 +651,12 @@ mod tests {
         let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let health_addr = health.local_addr().unwrap();
         let source = crate::sources::kube::SourceHealth::new();
-        tokio::spawn(serve_health(health, server.clone(), Some(source.clone())));
+        tokio::spawn(serve_health(
+            health,
+            server.clone(),
+            Some(source.clone()),
+            Default::default(),
+        ));
         tokio::spawn(
             server
                 .clone()

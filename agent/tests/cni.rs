@@ -120,6 +120,7 @@ async fn add_returns_only_once_the_pod_is_enrolled_and_handed_to_ztunnel() {
         selection: cni::selection::PodSelection::Every,
         stats: stats.clone(),
         shutdown,
+        standby: Default::default(),
     };
     let server = tokio::spawn(cni::server::serve(
         cni::server::bind(&socket).unwrap(),

@@ -93,6 +93,7 @@ impl CniNode {
             selection: cni::selection::PodSelection::Every,
             stats: Arc::default(),
             shutdown: shutdown_rx,
+            standby: Default::default(),
         };
         let cni_server = tokio::spawn(cni::server::serve(
             cni::server::bind(&cni_socket).unwrap(),

@@ -9,7 +9,7 @@
 //! runs, with the same namespace, changes nothing). Without it filed, every
 //! inbound connection to the pod would be refused. So at a pod's first
 //! enrolment, the listening sockets on 15006 in its namespace are found
-//! (over sock_diag, from inside: [`crate::tcp_listeners`]), their holder among
+//! (over sock_diag, from inside: [`crate::sock_diag`]), their holder among
 //! the host's processes (`/proc/<pid>/fd`), and a descriptor of each taken
 //! with `pidfd_getfd` (Linux 5.6; CAP_SYS_PTRACE, which the agent has to
 //! open pods' namespaces). One that carries ztunnel's mark is filed, as
@@ -29,7 +29,7 @@ use aya::maps::SockHash;
 /// The inodes of the TCP sockets listening on `port` in the calling
 /// thread's network namespace, both families.
 pub fn listening_inodes(port: u16) -> io::Result<Vec<u64>> {
-    Ok(crate::tcp_listeners::on_port(port)?
+    Ok(crate::sock_diag::tcp_listeners(port)?
         .into_iter()
         .map(|l| l.inode)
         .collect())

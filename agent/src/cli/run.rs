@@ -13,8 +13,8 @@ use crate::{
     netns::Netns,
     observe,
     redirect::{
-        PodRedirection, RedirectMode, iptables::IptablesRedirection, nftables::NftablesRedirection,
-        podnet, retire::Retirement,
+        PodRedirection, RedirectMode, iptables::IptablesRedirection, istio_agent::IstioRetirement,
+        nftables::NftablesRedirection, podnet, retire::Retirement,
     },
     sources, zds,
 };
@@ -22,6 +22,9 @@ use crate::{
 pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
     // Validate every argument before touching the kernel.
     let pod_source = args.pod_source()?;
+    // Before anything of this agent's is made there: ambpf's first start on
+    // the node, whose pods another agent may have captured.
+    let first_on_node = std::fs::read_dir(pins.root()).map_or(true, |mut d| d.next().is_none());
     raise_fd_limit();
     crate::memory::limit_arenas();
     let targets = args
@@ -142,7 +145,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 Box::new(redirection)
             }
         };
+        let zds_socket = zds_config.socket.clone();
         let zds = zds::ZdsHandle::new(zds_config);
+        let standby = zds::peer::Standby::default();
         if args.redirect_mode == RedirectMode::Ebpf {
             // ztunnel's marked sockets are exempt only in its own process.
             let (recorder, prune) = bpf::ztunnel_procs::recorder(pins.clone());
@@ -203,6 +208,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                         listener,
                         zds.clone(),
                         Some(source.health()),
+                        standby.clone(),
                     ));
                 }
                 let started = source.start(pods_tx.clone()).await?;
@@ -239,35 +245,68 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             std::sync::Arc::new(registry),
         ));
         if let Some(listener) = health {
-            tokio::spawn(observe::serve_health(listener, zds.clone(), None));
+            tokio::spawn(observe::serve_health(
+                listener,
+                zds.clone(),
+                None,
+                standby.clone(),
+            ));
+        }
+        let (cni_shutdown, cni_shutdown_rx) = tokio::sync::watch::channel(false);
+        let cni_endpoint = args.cni_socket.clone().map(|path| {
+            Box::new((
+                path,
+                crate::cni::server::Endpoint {
+                    // Replaced as the endpoint starts.
+                    controller: tokio::sync::mpsc::channel(1).0,
+                    zds: zds.clone(),
+                    selection: cni_selection,
+                    stats: cni_stats.clone(),
+                    shutdown: cni_shutdown_rx,
+                    standby: standby.clone(),
+                },
+            ))
+        });
+        let mut cni = CniEndpoint::Unstarted(cni_endpoint);
+        // Another node agent serving ztunnel (Istio's, on a node moving to
+        // ambpf) is waited for, the CNI endpoint admitting only the pods it
+        // captured meanwhile; then its pods are taken over.
+        let other = zds::peer::other_server(&zds_socket).unwrap_or_else(|e| {
+            tracing::warn!("looking for another ZDS server: {e}; assuming one");
+            Some(zds::peer::OtherServer {
+                socket: zds_socket.clone(),
+                inode: 0,
+            })
+        });
+        let took_over = match other {
+            Some(_) => {
+                cni.start()?;
+                tokio::select! {
+                    other = standby.wait_for_socket(&zds_socket) => other.is_some(),
+                    signal = wait_for_shutdown() => {
+                        signal?;
+                        info!("shutting down while standing by; nothing of ambpf's is in any pod");
+                        return Ok(());
+                    }
+                }
+            }
+            None => false,
+        };
+        let host = Netns::open("/proc/self/ns/net")?;
+        // Istio's node agent leaves its capture in the pods when it stops:
+        // looked for after a takeover, or at ambpf's first start on the node.
+        if took_over || first_on_node {
+            controller.retire_istio_agent(IstioRetirement::new(mode, &host));
         }
         // Another mode's capture left by a `helm upgrade` that changed the
         // mode stays until this mode holds each pod, then goes.
-        let host = Netns::open("/proc/self/ns/net")?;
         if let Some(retirement) = Retirement::find(mode, retire_pins, host) {
             controller.retire_previous(retirement);
         }
         let first = controller.apply(&pods_rx.borrow().ambient);
         controller.check_state(crate::redirect::CheckScope::Records);
-        let (cni_shutdown, cni_shutdown_rx) = tokio::sync::watch::channel(false);
-        let mut cni_server = None;
-        let cni_requests = match &args.cni_socket {
-            Some(path) => {
-                let listener = crate::cni::server::bind(path)?;
-                let (tx, rx) = tokio::sync::mpsc::channel(64);
-                let endpoint = crate::cni::server::Endpoint {
-                    controller: tx,
-                    zds: zds.clone(),
-                    selection: cni_selection,
-                    stats: cni_stats.clone(),
-                    shutdown: cni_shutdown_rx,
-                };
-                cni_server = Some(tokio::spawn(crate::cni::server::serve(listener, endpoint)));
-                info!("CNI endpoint on {}", path.display());
-                Some(rx)
-            }
-            None => None,
-        };
+        cni.start()?;
+        let (cni_server, cni_requests) = cni.into_parts();
         info!(
             "initial pods: {} enrolled, {} stale removed, {} failed",
             first.enrolled,
@@ -336,6 +375,49 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         };
         tokio::task::spawn_blocking(move || crate::uninstall::uninstall(&config)).await?
     })
+}
+
+/// The CNI endpoint: started during a standby, or after the first pass.
+enum CniEndpoint {
+    Unstarted(Option<Box<(PathBuf, crate::cni::server::Endpoint)>>),
+    Started(
+        tokio::task::JoinHandle<()>,
+        tokio::sync::mpsc::Receiver<crate::controller::CniRequest>,
+    ),
+}
+
+impl CniEndpoint {
+    /// Binds and serves it, once; nothing without a socket.
+    fn start(&mut self) -> Result<()> {
+        let CniEndpoint::Unstarted(Some(unstarted)) = self else {
+            return Ok(());
+        };
+        let (path, endpoint) = &**unstarted;
+        let listener = crate::cni::server::bind(path)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let endpoint = crate::cni::server::Endpoint {
+            controller: tx,
+            ..endpoint.clone()
+        };
+        info!("CNI endpoint on {}", path.display());
+        *self = CniEndpoint::Started(
+            tokio::spawn(crate::cni::server::serve(listener, endpoint)),
+            rx,
+        );
+        Ok(())
+    }
+
+    fn into_parts(
+        self,
+    ) -> (
+        Option<tokio::task::JoinHandle<()>>,
+        Option<tokio::sync::mpsc::Receiver<crate::controller::CniRequest>>,
+    ) {
+        match self {
+            CniEndpoint::Started(server, requests) => (Some(server), Some(requests)),
+            CniEndpoint::Unstarted(_) => (None, None),
+        }
+    }
 }
 
 /// How long the controller has to finish its pass before an uninstall.

@@ -155,6 +155,9 @@ pub enum AddError {
     Timeout(std::time::Duration),
     #[error("the agent is shutting down")]
     ShuttingDown,
+    /// Another node agent serves ztunnel and has not captured the pod.
+    #[error("{0}")]
+    StandingBy(String),
 }
 
 impl AddError {

@@ -59,6 +59,8 @@ pub struct Endpoint {
     /// (503, the agent is shutting down) after their pod is abandoned, and
     /// [`serve`] returns once they are.
     pub shutdown: watch::Receiver<bool>,
+    /// Set while another node agent serves ztunnel ([`crate::zds::peer`]).
+    pub standby: crate::zds::peer::Standby,
 }
 
 pub use crate::unix_socket::SocketFileError as BindError;
@@ -194,6 +196,9 @@ async fn add_pod(
         }
         Err(e) => return Err(AddError::Undecided(e.to_string())),
     };
+    if let Some(why) = endpoint.standby.why() {
+        return admit_while_standing_by(add, pod, why).await;
+    }
     let uid = spec.workload.uid.clone();
 
     let enrolling = Instant::now();
@@ -243,6 +248,40 @@ async fn add_pod(
         waited.as_secs_f64() * 1e3
     );
     Ok(CmdAddReply::Enrolled)
+}
+
+/// An ambient pod's ADD while another node agent serves ztunnel: the pod
+/// starts once that agent has captured it (its plugin, earlier in the
+/// chain, has written its rules: Istio's plugin fails the ADD until they
+/// are in place and ztunnel holds the pod), and ambpf takes it over with
+/// the rest; a pod without that capture is refused, retryably, and never
+/// runs uncaptured.
+async fn admit_while_standing_by(
+    add: &CmdAdd,
+    pod: &str,
+    why: String,
+) -> Result<CmdAddReply, AddError> {
+    let netns_path = add.netns.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        let netns = crate::netns::Netns::open(&netns_path).map_err(|e| e.to_string())?;
+        let host = crate::netns::Netns::open("/proc/self/ns/net").map_err(|e| e.to_string())?;
+        let nft = crate::redirect::check::mixed::node_nft(&host);
+        crate::redirect::istio_agent::find(&netns, nft.as_ref(), None)
+    })
+    .await
+    .map_err(|e| AddError::StandingBy(format!("{why}; reading the pod's rules: {e}")))?
+    .map_err(|e| AddError::StandingBy(format!("{why}; reading the pod's rules: {e}")))?;
+    if found.is_empty() {
+        return Err(AddError::StandingBy(format!(
+            "{why}; that agent has not captured it"
+        )));
+    }
+    let reason = format!(
+        "pod {pod} not enrolled by ambpf yet: another node agent serves ztunnel and has \
+         captured it ({found}); ambpf takes it over when that agent stops"
+    );
+    info!("CNI add: {reason}");
+    Ok(CmdAddReply::Skipped { reason })
 }
 
 /// Has the controller remove the redirection of a pod whose ADD fails after
@@ -314,6 +353,7 @@ mod tests {
             selection: PodSelection::Every,
             stats: stats.clone(),
             shutdown,
+            standby: Default::default(),
         };
         let server = tokio::spawn(serve(listener, endpoint));
         // A controller double: enrols uid "ok", refuses the rest; records

@@ -121,6 +121,9 @@ pub struct Controller {
     /// Another mode's capture an earlier agent left, taken out of each pod
     /// this one holds ([`retire`]).
     retiring: Option<crate::redirect::retire::Retirement>,
+    /// Istio's node agent's capture, taken out of each pod this agent holds
+    /// after it took the node over ([`retire`]).
+    retiring_istio: Option<crate::redirect::istio_agent::IstioRetirement>,
     /// Whether the source's latest list had every ambient pod's namespace
     /// ([`SourcePods::waiting`] empty): only then is a pod it does not list
     /// known not to be wanted.
@@ -198,6 +201,7 @@ impl Controller {
             check_interval: DEFAULT_CHECK_INTERVAL,
             failures_logged: HashMap::new(),
             retiring: None,
+            retiring_istio: None,
             source_settled: false,
         }
     }
@@ -651,7 +655,8 @@ impl Controller {
                 // the source takes them over; one may have come in this loop.
                 let retry = !report.failed.is_empty()
                     || !self.explicit.is_empty()
-                    || self.retiring.is_some();
+                    || self.retiring.is_some()
+                    || self.retiring_istio.is_some();
                 let retry_in = self
                     .retiring
                     .as_ref()

@@ -1,6 +1,7 @@
 //! The controller's side of retiring another mode's capture after a mode
-//! change ([`crate::redirect::retire`]): after each pass, the pods this
-//! agent holds lose the old capture; the rest are judged by the pass.
+//! change ([`crate::redirect::retire`]), or Istio's node agent's after a
+//! takeover ([`crate::redirect::istio_agent`]): after each pass, the pods
+//! this agent holds lose the old capture; the rest are judged by the pass.
 
 use std::collections::HashMap;
 
@@ -8,6 +9,7 @@ use crate::{
     netns::Netns,
     redirect::{
         PodKey,
+        istio_agent::IstioRetirement,
         retire::{Fate, Retirement},
     },
 };
@@ -21,15 +23,21 @@ impl Controller {
         self.retiring = Some(retirement);
     }
 
+    /// Takes Istio's node agent's capture out of each pod from the next
+    /// pass on, as this agent holds it.
+    pub fn retire_istio_agent(&mut self, retirement: IstioRetirement) {
+        self.retiring_istio = Some(retirement);
+    }
+
     /// One step of the retirement, after `pass`: the pods this agent holds
     /// lose the old capture; of the others, one the pass wanted but did not
     /// enrol (failed, or its namespace not found) is [`Fate::Pending`], as is
     /// every pod while the source still waits for some pod's namespace; any
     /// other is [`Fate::Unwanted`].
     pub(super) fn retire_step(&mut self, pass: &Pass) {
-        let Some(retiring) = &mut self.retiring else {
+        if self.retiring.is_none() && self.retiring_istio.is_none() {
             return;
-        };
+        }
         let held: HashMap<u64, &Netns> = self
             .enrolled
             .values()
@@ -46,8 +54,16 @@ impl Controller {
                 Fate::Unwanted
             }
         };
-        if retiring.step(&held, &fate) {
+        if let Some(retiring) = &mut self.retiring
+            && retiring.step(&held, &fate)
+        {
             self.retiring = None;
+        }
+        let waiting = !settled || !pass.failed_inodes.is_empty();
+        if let Some(istio) = &mut self.retiring_istio
+            && istio.step(&held, waiting)
+        {
+            self.retiring_istio = None;
         }
     }
 }

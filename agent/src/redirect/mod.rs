@@ -14,6 +14,7 @@ pub mod check;
 pub mod claims;
 pub mod ebpf;
 pub mod in_pod;
+pub mod istio_agent;
 pub use crate::bpf::NodeSetupError;
 pub mod iptables;
 pub mod link_kind;

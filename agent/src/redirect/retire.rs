@@ -388,7 +388,7 @@ impl EbpfDrain {
 /// not accepted yet (unknown counts as yes: the programs stay).
 fn awaits_ztunnel(netns: &Netns) -> bool {
     let listeners =
-        netns.run(|| crate::tcp_listeners::on_port(ambpf_common::ztunnel::OUTBOUND_PORT));
+        netns.run(|| crate::sock_diag::tcp_listeners(ambpf_common::ztunnel::OUTBOUND_PORT));
     match listeners {
         Ok(Ok(listeners)) => listeners.iter().any(|l| l.accept_queue > 0),
         Ok(Err(e)) => {

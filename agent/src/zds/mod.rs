@@ -17,6 +17,7 @@
 mod connection;
 mod hold;
 pub mod listener;
+pub mod peer;
 mod workload;
 
 use std::{

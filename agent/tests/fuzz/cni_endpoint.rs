@@ -67,6 +67,7 @@ impl Endpoint {
                 selection: PodSelection::Every,
                 stats: Arc::new(CniStats::default()),
                 shutdown,
+                standby: Default::default(),
             };
             tokio::spawn(async move {
                 server::serve(listener, endpoint).await;

@@ -316,13 +316,32 @@ pub fn remove_pod_tables(nft: &Nft, netns: &Netns) -> Result<Vec<&'static str>, 
 /// ([`crate::redirect::retire`]).
 pub fn remove_pod_capture(nft: &Nft, netns: &Netns) -> Result<Vec<&'static str>, EnrollError> {
     let (ours, _) = find_pod_tables(nft, netns)?;
+    remove_capture_of(nft, netns, &ours)
+}
+
+/// As [`remove_pod_capture`], for the tables of Istio's names without
+/// ambpf's comment: Istio's node agent's, once ambpf has taken its pod over
+/// ([`crate::redirect::istio_agent`]).
+pub fn remove_foreign_pod_capture(
+    nft: &Nft,
+    netns: &Netns,
+) -> Result<Vec<&'static str>, EnrollError> {
+    let (_, foreign) = find_pod_tables(nft, netns)?;
+    remove_capture_of(nft, netns, &foreign)
+}
+
+fn remove_capture_of(
+    nft: &Nft,
+    netns: &Netns,
+    tables: &[&'static str],
+) -> Result<Vec<&'static str>, EnrollError> {
     let mut script = String::new();
     let mut changed = Vec::new();
-    if ours.contains(&NAT_TABLE) && nft.has_rules(netns, NAT_TABLE)? {
+    if tables.contains(&NAT_TABLE) && nft.has_rules(netns, NAT_TABLE)? {
         script.push_str(&format!("flush table inet {NAT_TABLE}\n"));
         changed.push(NAT_TABLE);
     }
-    if ours.contains(&super::RAW_TABLE) {
+    if tables.contains(&super::RAW_TABLE) {
         script.push_str(&delete_tables(&[super::RAW_TABLE]));
         changed.push(super::RAW_TABLE);
     }

@@ -90,7 +90,7 @@ use tracing::{info, warn};
 pub use self::{
     host::{
         PodCapture, find_any_pod_capture, find_pod_capture, find_pod_tables, probe_set_entries,
-        remove_host_table, remove_pod_capture, remove_pod_tables,
+        remove_foreign_pod_capture, remove_host_table, remove_pod_capture, remove_pod_tables,
     },
     rules::{host_script, pod_script},
     tool::Nft,

@@ -1,0 +1,172 @@
+//! Istio's node agent's capture in a pod ambpf takes over: found, and
+//! removed once ambpf's own capture is in place.
+//!
+//! Istio's agent leaves its in-pod rules in every pod when it stops, even
+//! when it is uninstalled (its shutdown removes only its host rules, probe
+//! ipset and CNI plugin). So a node moving from it to ambpf keeps every pod
+//! captured by those rules until ambpf holds the pod; then they go, as
+//! another mode of ambpf's goes after a `helm upgrade`
+//! ([`super::retire`]): the nat and raw capture, while the mangle reply
+//! path and the policy routing, which every mode shares and connections
+//! opened before still need, stay.
+//!
+//! Istio's iptables rules and ambpf's iptables mode's are the same rules,
+//! so in the iptables mode they are ambpf's from its first enrolment and
+//! only Istio's nftables tables are another's. Istio's nftables tables have
+//! the names of ambpf's nftables mode's without its comment.
+
+use super::{EnrollError, RedirectMode, iptables, nftables};
+use crate::netns::Netns;
+
+/// Istio's node agent's capture found in a pod's namespace, each part
+/// described for the logs.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct IstioCapture {
+    /// Its in-pod iptables chains that capture (`<backend> <family>:
+    /// <table> <chain>`).
+    pub iptables: Vec<String>,
+    /// Its nftables tables that capture (`inet <table>`).
+    pub nftables: Vec<String>,
+}
+
+impl IstioCapture {
+    pub fn is_empty(&self) -> bool {
+        self.iptables.is_empty() && self.nftables.is_empty()
+    }
+}
+
+impl std::fmt::Display for IstioCapture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<&str> = self
+            .iptables
+            .iter()
+            .chain(&self.nftables)
+            .map(String::as_str)
+            .collect();
+        f.write_str(&parts.join(", "))
+    }
+}
+
+/// Istio's capture in `netns` that is not `own` mode's (`None`: ambpf holds
+/// nothing there, so every Istio rule is another agent's). `nft` reads
+/// nftables tables (`None`: the node has no usable `nft`, so none were
+/// written with it).
+pub fn find(
+    netns: &Netns,
+    nft: Option<&nftables::Nft>,
+    own: Option<RedirectMode>,
+) -> Result<IstioCapture, String> {
+    let mut found = IstioCapture::default();
+    if own != Some(RedirectMode::Iptables) {
+        found.iptables = iptables::find_any_pod_capture(netns).map_err(|e| e.to_string())?;
+    }
+    if let Some(nft) = nft {
+        let tables = nftables::find_any_pod_capture(nft, netns).map_err(|e| e.to_string())?;
+        found.nftables = tables.foreign;
+        if own.is_none() {
+            found.nftables.extend(tables.ours);
+        }
+    }
+    Ok(found)
+}
+
+/// Removes `found` ([`find`]) from `netns`: the capture only, idempotently.
+pub fn remove_capture(
+    netns: &Netns,
+    nft: Option<&nftables::Nft>,
+    found: &IstioCapture,
+) -> Result<(), EnrollError> {
+    if !found.iptables.is_empty() {
+        iptables::remove_pod_capture(netns)?;
+    }
+    if let (false, Some(nft)) = (found.nftables.is_empty(), nft) {
+        nftables::remove_foreign_pod_capture(nft, netns)?;
+    }
+    Ok(())
+}
+
+/// Taking Istio's node agent's pods over: after each pass, Istio's capture
+/// comes out of each pod ambpf holds, looked at once each; the pods ambpf
+/// does not hold yet keep it.
+///
+/// Started when ambpf took the socket over from another ZDS server, or
+/// started on a node where it had no state (installed after Istio's agent
+/// was removed): the pods' rules are read only then, a process per backend
+/// and family per pod.
+#[derive(Debug)]
+pub struct IstioRetirement {
+    own: RedirectMode,
+    nft: Option<nftables::Nft>,
+    /// The held pods looked at (by netns cookie).
+    looked: std::collections::HashSet<u64>,
+    removed: usize,
+}
+
+impl IstioRetirement {
+    /// `host`: the node's namespace, where `nft` is found.
+    pub fn new(own: RedirectMode, host: &Netns) -> Self {
+        tracing::info!(
+            "looking for Istio's node agent's capture in the pods: it is removed from each pod \
+             once the {} mode holds it",
+            own.name()
+        );
+        Self {
+            own,
+            nft: super::check::mixed::node_nft(host),
+            looked: Default::default(),
+            removed: 0,
+        }
+    }
+
+    /// One step: `held` are ambpf's pods (by netns cookie); `waiting`, that
+    /// a pod ambpf wants is not held yet. Returns whether every pod is free
+    /// of Istio's capture.
+    pub fn step(&mut self, held: &std::collections::HashMap<u64, &Netns>, waiting: bool) -> bool {
+        let mut unfinished = waiting;
+        for (&cookie, netns) in held {
+            if self.looked.contains(&cookie) {
+                continue;
+            }
+            let removed = find(netns, self.nft.as_ref(), Some(self.own)).and_then(|found| {
+                if found.is_empty() {
+                    return Ok(None);
+                }
+                remove_capture(netns, self.nft.as_ref(), &found)
+                    .map(|()| Some(found))
+                    .map_err(|e| crate::error_chain(&e))
+            });
+            match removed {
+                Ok(None) => {}
+                Ok(Some(found)) => {
+                    self.removed += 1;
+                    tracing::info!(
+                        "removed Istio's node agent's capture from {} ({found}): the {} mode \
+                         holds it",
+                        netns.path().display(),
+                        self.own.name()
+                    );
+                }
+                Err(e) => {
+                    unfinished = true;
+                    tracing::warn!(
+                        "removing Istio's node agent's capture from {}, retried after the next \
+                         pass: {e}",
+                        netns.path().display()
+                    );
+                    continue;
+                }
+            }
+            self.looked.insert(cookie);
+        }
+        if unfinished {
+            return false;
+        }
+        tracing::info!(
+            "Istio's node agent's capture is retired: every pod the {} mode holds is free of it \
+             ({} had it)",
+            self.own.name(),
+            self.removed
+        );
+        true
+    }
+}

@@ -1,0 +1,197 @@
+//! Another ZDS server on ztunnel's socket: Istio's node agent, on a node
+//! that moves from it to ambpf.
+//!
+//! Two servers never share the socket. ztunnel holds one connection, to the
+//! server it reached; a second server that replaced the socket file would
+//! get ztunnel only once that connection drops, and Istio's agent, a Go
+//! listener, unlinks the path when it closes, whoever's file it is by then.
+//! So while another server listens on the socket, ambpf stands by: it binds
+//! nothing there, enrols nothing, and its CNI endpoint admits an ambient
+//! pod only once the other agent has captured it (`crate::cni::server`).
+//! When that server stops listening (Istio's agent uninstalled: it closes
+//! its socket, and leaves its capture in every pod), ambpf takes over: it
+//! enrols every pod beside the capture left there, serves the socket,
+//! ztunnel reconnects and keeps each pod's proxy (same UIDs, same
+//! namespaces), and the other agent's capture is retired pod by pod
+//! ([`crate::redirect::retire`]).
+//!
+//! The other server is found without connecting to it (a connection would
+//! be a ztunnel to Istio's agent, the newest, which gets its Adds): the
+//! socket file's inode against the unix listeners of the node's namespace,
+//! over sock_diag ([`crate::sock_diag::unix_listener_on`]). The agent runs
+//! in that namespace (hostNetwork), as Istio's does.
+
+use std::{
+    io,
+    os::unix::fs::{FileTypeExt as _, MetadataExt as _},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tracing::{info, warn};
+
+/// How often the other server is looked for while ambpf stands by.
+pub const STANDBY_POLL: Duration = Duration::from_millis(200);
+
+/// A server listening on the ZDS socket that is not this agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OtherServer {
+    pub socket: PathBuf,
+    /// The socket file's inode.
+    pub inode: u64,
+}
+
+impl std::fmt::Display for OtherServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "another node agent serves ztunnel on {} (socket file inode {}; Istio's node agent, \
+             if it runs on this node)",
+            self.socket.display(),
+            self.inode
+        )
+    }
+}
+
+/// The server listening on the socket file at `path`, if there is one
+/// (called before this agent binds it: any listener there is another's).
+/// A file that is not a socket, or a socket file nobody listens on, is
+/// none.
+pub fn other_server(path: &Path) -> io::Result<Option<OtherServer>> {
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if !meta.file_type().is_socket() {
+        return Ok(None);
+    }
+    Ok(
+        crate::sock_diag::unix_listener_on(meta.ino())?.then(|| OtherServer {
+            socket: path.to_owned(),
+            inode: meta.ino(),
+        }),
+    )
+}
+
+/// Whether the agent stands by, and why: read by the readiness endpoint
+/// and the CNI endpoint.
+#[derive(Clone, Debug, Default)]
+pub struct Standby(Arc<Mutex<Option<String>>>);
+
+impl Standby {
+    /// Why the agent stands by, while it does.
+    pub fn why(&self) -> Option<String> {
+        self.0.lock().expect("standby lock").clone()
+    }
+
+    fn set(&self, why: Option<String>) {
+        *self.0.lock().expect("standby lock") = why;
+    }
+
+    /// Waits while another server listens on `path`, standing by; returns
+    /// the server stood by for (`None`: there was none). Errors reading
+    /// the socket's listeners are retried, each logged: a server that
+    /// cannot be ruled out is waited for.
+    pub async fn wait_for_socket(&self, path: &Path) -> Option<OtherServer> {
+        let mut stood_by = None;
+        let mut last_error = None;
+        loop {
+            match other_server(path) {
+                Ok(None) => break,
+                Ok(Some(other)) => {
+                    if stood_by.as_ref() != Some(&other) {
+                        warn!(
+                            "{other}: ambpf stands by, enrolling nothing and serving no ZDS, \
+                             until it stops; then ambpf takes its pods over live"
+                        );
+                        self.set(Some(format!(
+                            "standing by: {other}; ambpf takes its pods over once it stops"
+                        )));
+                        stood_by = Some(other);
+                    }
+                    last_error = None;
+                }
+                Err(e) => {
+                    if last_error.as_ref() != Some(&e.to_string()) {
+                        warn!(
+                            "looking for another ZDS server on {}: {e}; retried every {} ms",
+                            path.display(),
+                            STANDBY_POLL.as_millis()
+                        );
+                        self.set(Some(format!(
+                            "standing by: cannot tell whether another node agent serves {}: {e}",
+                            path.display()
+                        )));
+                    }
+                    last_error = Some(e.to_string());
+                }
+            }
+            tokio::time::sleep(STANDBY_POLL).await;
+        }
+        if let Some(other) = &stood_by {
+            info!(
+                "the other node agent stopped serving ztunnel on {} (inode {}): taking its pods \
+                 over",
+                other.socket.display(),
+                other.inode
+            );
+        }
+        self.set(None);
+        stood_by
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("ambpf-peer-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_listening_server_is_found_and_a_stale_file_or_none_is_not() {
+        let dir = temp_dir("find");
+        let path = dir.join("ztunnel.sock");
+        assert_eq!(other_server(&path).unwrap(), None);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let found = other_server(&path).unwrap().expect("a live server");
+        assert_eq!(found.inode, std::fs::metadata(&path).unwrap().ino());
+        drop(listener);
+        assert_eq!(other_server(&path).unwrap(), None, "a stale socket file");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, "not a socket").unwrap();
+        assert_eq!(other_server(&path).unwrap(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn standby_lasts_while_the_other_server_listens() {
+        let dir = temp_dir("wait");
+        let path = dir.join("ztunnel.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let standby = Standby::default();
+        let waiting = tokio::spawn({
+            let (standby, path) = (standby.clone(), path.clone());
+            async move { standby.wait_for_socket(&path).await }
+        });
+        tokio::time::sleep(STANDBY_POLL * 3).await;
+        assert!(!waiting.is_finished());
+        assert!(standby.why().unwrap().contains("standing by"));
+        // Go's listener unlinks its path as it closes.
+        drop(listener);
+        std::fs::remove_file(&path).unwrap();
+        let other = tokio::time::timeout(STANDBY_POLL * 10, waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(other.is_some());
+        assert_eq!(standby.why(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
