@@ -38,9 +38,10 @@ use crate::{
     zds::{ZdsHandle, ZdsStats},
 };
 
-/// Istio's node agent serves health on :8000 and metrics on :15014.
-pub const DEFAULT_HEALTH_LISTEN: &str = "0.0.0.0:8000";
-pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:15014";
+/// Not Istio's node agent's :8000 and :15014: both agents run on a node
+/// that moves from Istio's to ambpf's, each on the node's network.
+pub const DEFAULT_HEALTH_LISTEN: &str = "0.0.0.0:15016";
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:15015";
 
 /// What the controller counts, registered as it is.
 #[derive(Debug, Default)]

@@ -16,7 +16,7 @@ use super::scenarios::{WEB_PORT, direct_is_captured, ensure_web, pod_phase, redi
 use crate::kube::daemons;
 
 /// The chart's default health port, on the node (the agent is hostNetwork).
-const HEALTH_PORT: u16 = 8000;
+const HEALTH_PORT: u16 = 15016;
 const AGENT_SELECTOR: &str = "app.kubernetes.io/name=ambpf";
 
 /// A web pod: `(name, uid, ip)`.

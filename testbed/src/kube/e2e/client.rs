@@ -46,6 +46,18 @@ impl Cluster {
         crate::kube::kubectl(&self.layout, &self.components, args)
     }
 
+    /// `kubectl <args>` to run as the caller likes (its status read).
+    pub fn kubectl_command(&self, args: &[&str]) -> Command {
+        let kubectl = self.components.kube("kubectl");
+        let mut cmd = in_node(&self.layout, &kubectl.display().to_string());
+        cmd.arg(format!(
+            "--kubeconfig={}",
+            self.layout.admin_kubeconfig().display()
+        ))
+        .args(args);
+        cmd
+    }
+
     /// `kubectl apply -f -` with `yaml`.
     pub fn apply(&self, yaml: &str) -> Result<()> {
         crate::kube::kubectl_apply(&self.layout, &self.components, yaml)
@@ -96,6 +108,12 @@ impl Cluster {
     /// `helm install ambpf <chart>` with only the image values (and the
     /// mode) set, as users install it; waits until the DaemonSet is Ready.
     pub fn helm_install(&self, chart: &Path, mode: &str) -> Result<Release> {
+        self.helm_install_as(chart, mode, true)
+    }
+
+    /// [`Cluster::helm_install`], waiting for the DaemonSet to be Ready or
+    /// not (`wait`: an agent standing by beside Istio's is not Ready).
+    pub fn helm_install_as(&self, chart: &Path, mode: &str, wait: bool) -> Result<Release> {
         let before = super::node_state::NodeState::read(self)?;
         let (repository, tag) = self
             .ambpf_image
@@ -110,7 +128,11 @@ impl Cluster {
             .args(["--set", &format!("image.tag={tag}")])
             .args(["--set", "image.pullPolicy=Never"])
             .args(["--set", &format!("redirectMode={mode}")])
-            .args(["--wait", "--timeout", "120s"])
+            .args(if wait {
+                &["--wait", "--timeout", "120s"][..]
+            } else {
+                &[]
+            })
             .output()?;
         if !out.status.success() {
             bail!(
@@ -417,6 +439,35 @@ impl Cluster {
                 )
             })
             .collect())
+    }
+
+    /// `ambpf status --check` in the agent's pod: whether it passed, and
+    /// what it said.
+    pub fn ambpf_status_check(&self) -> Result<(bool, String)> {
+        let out = self
+            .kubectl_command(&[
+                "exec",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "daemonset/ambpf",
+                "-c",
+                "agent",
+                "--",
+                "ambpf",
+                "--pin-root",
+                "/sys/fs/bpf/ambpf",
+                "status",
+                "--check",
+            ])
+            .output()?;
+        Ok((
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ))
     }
 
     fn ambpf_status(&self) -> Result<Value> {

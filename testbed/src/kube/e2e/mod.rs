@@ -18,6 +18,7 @@ mod enrolment;
 mod fidelity;
 mod istio_agent;
 mod lifecycle;
+mod migration;
 mod mode_switch;
 mod node_state;
 mod rollout;

@@ -119,11 +119,23 @@ pub const ALL: &[Scenario] = &[
 /// install of its own, after every mode's other scenarios, so that Istio's
 /// agent finds no other ambient pod to enrol and nothing it did can touch
 /// another scenario.
-pub const ISOLATED: &[Scenario] = &[Scenario {
-    name: "rule-fidelity",
-    applies: super::fidelity::compared_mode,
-    run: super::fidelity::rule_fidelity,
-}];
+pub const ISOLATED: &[Scenario] = &[
+    Scenario {
+        name: "rule-fidelity",
+        applies: super::fidelity::compared_mode,
+        run: super::fidelity::rule_fidelity,
+    },
+    Scenario {
+        name: "from-istio-iptables",
+        applies: ebpf_only,
+        run: super::migration::from_istio_iptables,
+    },
+    Scenario {
+        name: "from-istio-nftables",
+        applies: ebpf_only,
+        run: super::migration::from_istio_nftables,
+    },
+];
 
 pub(super) const WEB_PORT: u16 = 8080;
 

@@ -1,0 +1,183 @@
+//! Migrating a node from Istio's own node agent (either backend) to ambpf,
+//! live, under traffic: a pod opening a connection every 5 ms and holding
+//! long ones open to an ambient echo server, both enrolled by Istio's
+//! agent, for the whole switch.
+//!
+//! The switch as a user makes it: `helm install ambpf` while Istio's agent
+//! runs (ambpf stands by: it serves no ZDS and enrols nothing), a pod
+//! created meanwhile (Istio's agent captures it, ambpf's plugin admits it),
+//! then `helm uninstall istio-cni` (its agent closes its ZDS socket and
+//! leaves its capture in every pod). ambpf then enrols every pod beside
+//! Istio's rules, serves ztunnel, and removes Istio's capture pod by pod.
+//! Every connection must succeed, none may be reset, ztunnel must proxy new
+//! ones afterwards at both ends, the pod made during the standby must be
+//! captured, and `ambpf status --check` must find no pod with Istio's
+//! capture left.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, ensure};
+
+use super::client::{Cluster, Release, SYSTEM_NAMESPACE};
+use super::eventually;
+use super::rollout::{captured_after, judge, start_traffic, stop_generator};
+use super::scenarios::{WEB_PORT, direct_is_captured};
+use crate::kube::manifest::httpd;
+
+/// How long the traffic runs under Istio's agent before ambpf comes.
+const LEAD: Duration = Duration::from_secs(5);
+/// How long the traffic runs around the switch, at least.
+const AT_LEAST: Duration = Duration::from_secs(30);
+
+pub fn from_istio_iptables(cluster: &Cluster, release: &Release) -> Result<String> {
+    from_istio(cluster, release, false)
+}
+
+pub fn from_istio_nftables(cluster: &Cluster, release: &Release) -> Result<String> {
+    from_istio(cluster, release, true)
+}
+
+fn from_istio(cluster: &Cluster, release: &Release, nftables: bool) -> Result<String> {
+    let backend = if nftables { "nftables" } else { "iptables" };
+    let namespace = format!("e2e-{}-from-istio-{backend}", release.mode);
+    // The node starts under Istio's agent alone.
+    cluster.helm_uninstall()?;
+    let result = switch_under_traffic(cluster, release, &namespace, nftables);
+    let diagnostics = || {
+        format!(
+            "{}\n{}",
+            cluster.agent_diagnostics(),
+            cluster.istio_cni_diagnostics()
+        )
+    };
+    let result = result.with_context(diagnostics);
+    // Left as the suite expects it: ambpf installed in its mode, Istio's
+    // agent gone.
+    if cluster.istio_cni_installed()? {
+        cluster.uninstall_istio_cni()?;
+    }
+    if !cluster.release_installed()? {
+        cluster.helm_install(&release.chart, &release.mode)?;
+    }
+    cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    result
+}
+
+fn switch_under_traffic(
+    cluster: &Cluster,
+    release: &Release,
+    namespace: &str,
+    nftables: bool,
+) -> Result<String> {
+    cluster.install_istio_cni(nftables)?;
+    let (echo, generator, captured) = start_traffic(cluster, namespace)?;
+    let traffic = Instant::now();
+    std::thread::sleep(LEAD);
+
+    let began = Instant::now();
+    cluster.helm_install_as(&release.chart, &release.mode, false)?;
+    eventually("ambpf standing by beside Istio's agent", TIMEOUT, || {
+        Ok(cluster
+            .agent_log()
+            .unwrap_or_default()
+            .contains("ambpf stands by")
+            .then_some(()))
+    })?;
+    let late = late_pod(cluster, namespace)?;
+
+    let uninstalling = Instant::now();
+    cluster.uninstall_istio_cni()?;
+    let istio_gone = uninstalling.elapsed().as_secs_f64();
+    let log = eventually("ambpf retiring Istio's capture", TIMEOUT, || {
+        let log = cluster.agent_log().unwrap_or_default();
+        Ok(log
+            .contains("Istio's node agent's capture is retired")
+            .then_some(log))
+    })?;
+    let retried: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("retried after the next pass"))
+        .collect();
+    ensure!(
+        retried.is_empty(),
+        "ambpf retired Istio's capture after trouble:\n{}",
+        retried.join("\n")
+    );
+    cluster.kubectl(&[
+        "rollout",
+        "status",
+        "-n",
+        SYSTEM_NAMESPACE,
+        "daemonset/ambpf",
+        "--timeout=120s",
+    ])?;
+    let switched = began.elapsed().as_secs_f64();
+
+    let captured_after = captured_after(cluster, &generator, &echo, "the takeover")?;
+    let (uid, ip) = late;
+    ensure!(
+        direct_is_captured(cluster, &ip, &uid)?,
+        "the pod created while ambpf stood by is not captured after the takeover"
+    );
+    let (ok, check) = cluster.ambpf_status_check()?;
+    ensure!(
+        ok && !check.contains("mixed_capture"),
+        "ambpf status --check after the takeover:\n{check}"
+    );
+    std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
+    let summary = stop_generator(cluster, namespace, &generator.name)?;
+    let removed = log
+        .lines()
+        .filter(|l| l.contains("removed Istio's node agent's capture"))
+        .count();
+    judge(
+        &summary,
+        captured,
+        captured_after,
+        &format!(
+            "ambpf installed beside Istio's agent, which was uninstalled in {istio_gone:.1} s; \
+             ambpf Ready {switched:.1} s after its install, Istio's capture removed from \
+             {removed} pods, the standby's new pod captured"
+        ),
+    )
+}
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// An ambient web pod created while ambpf stands by: Istio's agent
+/// captures it, and it must start. Returns its uid and address.
+fn late_pod(cluster: &Cluster, namespace: &str) -> Result<(String, String)> {
+    cluster.apply(&format!(
+        r#"apiVersion: v1
+kind: Pod
+metadata: {{name: late, namespace: {namespace}}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: web
+    image: {app}
+    imagePullPolicy: Never
+    command: ["/bin/sh", "-c", "{shell}"]
+    readinessProbe: {{tcpSocket: {{port: {WEB_PORT}}}, periodSeconds: 1}}
+"#,
+        app = crate::kube::images::APP,
+        shell = httpd(WEB_PORT),
+    ))?;
+    cluster.kubectl(&[
+        "wait",
+        "--for=condition=Ready",
+        "-n",
+        namespace,
+        "pod/late",
+        "--timeout=90s",
+    ])?;
+    let pod = cluster.get_json(&["pod", "-n", namespace, "late"])?;
+    let field = |path: &[&str]| {
+        path.iter()
+            .fold(&pod, |v, k| &v[*k])
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    Ok((field(&["metadata", "uid"]), field(&["status", "podIP"])))
+}
