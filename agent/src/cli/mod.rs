@@ -318,6 +318,12 @@ pub struct RunArgs {
     )]
     pub cni_socket: Option<PathBuf>,
 
+    /// The node's CNI configuration, read only: while Istio's plugin is
+    /// chained there, its node agent is installed, and the agent stands by
+    /// even while that agent restarts (see "Migrating a node").
+    #[arg(long, env = "AMBPF_CNI_CONF_DIR", value_name = "DIR")]
+    pub cni_conf_dir: Option<PathBuf>,
+
     /// This pod's name and namespace (the downward API's metadata.name and
     /// metadata.namespace): at shutdown, its DaemonSet gone or being deleted
     /// means ambpf is being uninstalled, and the agent removes its state

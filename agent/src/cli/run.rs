@@ -271,18 +271,15 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // Another node agent serving ztunnel (Istio's, on a node moving to
         // ambpf) is waited for, the CNI endpoint admitting only the pods it
         // captured meanwhile; then its pods are taken over.
-        let other = zds::peer::other_server(&zds_socket).unwrap_or_else(|e| {
-            tracing::warn!("looking for another ZDS server: {e}; assuming one");
-            Some(zds::peer::OtherServer {
-                socket: zds_socket.clone(),
-                inode: 0,
-            })
-        });
+        let conf_dir = args.cni_conf_dir.as_deref();
+        let other = zds::peer::other_agent(&zds_socket, conf_dir)
+            .inspect_err(|e| tracing::warn!("looking for another ZDS server: {e}"));
         let took_over = match other {
-            Some(_) => {
+            Ok(None) => false,
+            _ => {
                 cni.start()?;
                 tokio::select! {
-                    other = standby.wait_for_socket(&zds_socket) => other.is_some(),
+                    stood_by = standby.wait_for_others(&zds_socket, conf_dir) => stood_by,
                     signal = wait_for_shutdown() => {
                         signal?;
                         info!("shutting down while standing by; nothing of ambpf's is in any pod");
@@ -290,7 +287,6 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     }
                 }
             }
-            None => false,
         };
         let host = Netns::open("/proc/self/ns/net")?;
         // Istio's node agent leaves its capture in the pods when it stops:

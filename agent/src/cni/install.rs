@@ -298,6 +298,12 @@ pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Uninstalled {
 /// The conflists of `conf_dir` that chain the plugin (unreadable ones are
 /// left out: this only informs what `uninstall --keep-cni` says).
 pub fn chained_in(conf_dir: &Path) -> Vec<PathBuf> {
+    chaining(conf_dir, PLUGIN_TYPE)
+}
+
+/// The conflists of `conf_dir` that chain a plugin of type `plugin_type`
+/// (unreadable or malformed ones are left out).
+pub fn chaining(conf_dir: &Path, plugin_type: &str) -> Vec<PathBuf> {
     conflists(conf_dir)
         .unwrap_or_default()
         .into_iter()
@@ -306,9 +312,11 @@ pub fn chained_in(conf_dir: &Path) -> Vec<PathBuf> {
                 .ok()
                 .and_then(|text| serde_json::from_slice::<Value>(&text).ok())
                 .and_then(|list| {
-                    list.get("plugins")?
-                        .as_array()
-                        .map(|p| p.iter().any(is_ours))
+                    list.get("plugins")?.as_array().map(|p| {
+                        p.iter().any(|plugin| {
+                            plugin.get("type").and_then(Value::as_str) == Some(plugin_type)
+                        })
+                    })
                 })
                 .unwrap_or(false)
         })

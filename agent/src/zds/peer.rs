@@ -8,8 +8,11 @@
 //! So while another server listens on the socket, ambpf stands by: it binds
 //! nothing there, enrols nothing, and its CNI endpoint admits an ambient
 //! pod only once the other agent has captured it (`crate::cni::server`).
-//! When that server stops listening (Istio's agent uninstalled: it closes
-//! its socket, and leaves its capture in every pod), ambpf takes over: it
+//! When that server stops listening and its plugin has left the CNI chain
+//! (Istio's agent uninstalled: it takes its plugin out of the conflist,
+//! then closes its socket, and leaves its capture in every pod; an agent
+//! that restarts or upgrades leaves its plugin chained, and is waited for
+//! while it comes back), ambpf takes over: it
 //! enrols every pod beside the capture left there, serves the socket,
 //! ztunnel reconnects and keeps each pod's proxy (same UIDs, same
 //! namespaces), and the other agent's capture is retired pod by pod
@@ -31,6 +34,9 @@ use std::{
 
 use tracing::{info, warn};
 
+/// The `type` of Istio's CNI plugin in a conflist.
+pub const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
+
 /// How often the other server is looked for while ambpf stands by.
 pub const STANDBY_POLL: Duration = Duration::from_millis(200);
 
@@ -42,16 +48,51 @@ pub struct OtherServer {
     pub inode: u64,
 }
 
-impl std::fmt::Display for OtherServer {
+/// Another node agent on the node, which ambpf stands by for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OtherAgent {
+    /// It serves ztunnel.
+    Serving(OtherServer),
+    /// It serves no ztunnel, but its plugin is chained in these conflists:
+    /// it restarts, or upgrades, and will serve again.
+    Chained(Vec<PathBuf>),
+}
+
+impl std::fmt::Display for OtherAgent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "another node agent serves ztunnel on {} (socket file inode {}; Istio's node agent, \
-             if it runs on this node)",
-            self.socket.display(),
-            self.inode
-        )
+        match self {
+            OtherAgent::Serving(server) => write!(
+                f,
+                "another node agent serves ztunnel on {} (socket file inode {}; Istio's node \
+                 agent, if it runs on this node)",
+                server.socket.display(),
+                server.inode
+            ),
+            OtherAgent::Chained(conflists) => write!(
+                f,
+                "Istio's CNI plugin ({ISTIO_PLUGIN_TYPE}) is chained in {}: its node agent is \
+                 installed, and serves ztunnel again once it has restarted",
+                conflists
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
     }
+}
+
+/// The other node agent ambpf must stand by for: one serving the socket at
+/// `socket`, or Istio's, whose plugin is chained in a conflist of
+/// `conf_dir` (`None`: the agent has no view of the CNI configuration).
+pub fn other_agent(socket: &Path, conf_dir: Option<&Path>) -> io::Result<Option<OtherAgent>> {
+    if let Some(server) = other_server(socket)? {
+        return Ok(Some(OtherAgent::Serving(server)));
+    }
+    let chained = conf_dir.map_or_else(Vec::new, |dir| {
+        crate::cni::install::chaining(dir, ISTIO_PLUGIN_TYPE)
+    });
+    Ok((!chained.is_empty()).then_some(OtherAgent::Chained(chained)))
 }
 
 /// The server listening on the socket file at `path`, if there is one
@@ -90,15 +131,15 @@ impl Standby {
         *self.0.lock().expect("standby lock") = why;
     }
 
-    /// Waits while another server listens on `path`, standing by; returns
-    /// the server stood by for (`None`: there was none). Errors reading
-    /// the socket's listeners are retried, each logged: a server that
-    /// cannot be ruled out is waited for.
-    pub async fn wait_for_socket(&self, path: &Path) -> Option<OtherServer> {
-        let mut stood_by = None;
+    /// Waits while another node agent is on the node ([`other_agent`]),
+    /// standing by; returns whether it stood by. Errors reading the
+    /// socket's listeners are retried, each logged: an agent that cannot
+    /// be ruled out is waited for.
+    pub async fn wait_for_others(&self, path: &Path, conf_dir: Option<&Path>) -> bool {
+        let mut stood_by: Option<OtherAgent> = None;
         let mut last_error = None;
         loop {
-            match other_server(path) {
+            match other_agent(path, conf_dir) {
                 Ok(None) => break,
                 Ok(Some(other)) => {
                     if stood_by.as_ref() != Some(&other) {
@@ -130,16 +171,15 @@ impl Standby {
             }
             tokio::time::sleep(STANDBY_POLL).await;
         }
-        if let Some(other) = &stood_by {
+        if stood_by.is_some() {
             info!(
-                "the other node agent stopped serving ztunnel on {} (inode {}): taking its pods \
-                 over",
-                other.socket.display(),
-                other.inode
+                "the other node agent is gone (it serves no ztunnel on {}, and no plugin of \
+                 Istio's is chained): taking its pods over",
+                path.display()
             );
         }
         self.set(None);
-        stood_by
+        stood_by.is_some()
     }
 }
 
@@ -178,7 +218,7 @@ mod tests {
         let standby = Standby::default();
         let waiting = tokio::spawn({
             let (standby, path) = (standby.clone(), path.clone());
-            async move { standby.wait_for_socket(&path).await }
+            async move { standby.wait_for_others(&path, None).await }
         });
         tokio::time::sleep(STANDBY_POLL * 3).await;
         assert!(!waiting.is_finished());
@@ -190,8 +230,48 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert!(other.is_some());
+        assert!(other);
         assert_eq!(standby.why(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Istio's plugin still chained is an agent that restarts: stood by for
+    /// until the plugin leaves the chain, as Istio's uninstall takes it out.
+    #[tokio::test]
+    async fn a_chained_istio_plugin_is_waited_for() {
+        let dir = temp_dir("chained");
+        let conflist = dir.join("10-bridge.conflist");
+        let with = |types: &[&str]| {
+            let plugins: Vec<String> = types
+                .iter()
+                .map(|t| format!("{{\"type\": \"{t}\"}}"))
+                .collect();
+            format!(
+                "{{\"cniVersion\": \"1.0.0\", \"name\": \"k8s\", \"plugins\": [{}]}}",
+                plugins.join(", ")
+            )
+        };
+        std::fs::write(&conflist, with(&["bridge", "istio-cni", "ambpf-cni"])).unwrap();
+        let socket = dir.join("ztunnel.sock");
+        assert!(matches!(
+            other_agent(&socket, Some(&dir)).unwrap(),
+            Some(OtherAgent::Chained(lists)) if lists == [conflist.clone()]
+        ));
+        assert_eq!(other_agent(&socket, None).unwrap(), None);
+        let standby = Standby::default();
+        let waiting = tokio::spawn({
+            let (standby, socket, dir) = (standby.clone(), socket.clone(), dir.clone());
+            async move { standby.wait_for_others(&socket, Some(&dir)).await }
+        });
+        tokio::time::sleep(STANDBY_POLL * 3).await;
+        assert!(!waiting.is_finished());
+        assert!(standby.why().unwrap().contains("istio-cni"));
+        std::fs::write(&conflist, with(&["bridge", "ambpf-cni"])).unwrap();
+        let stood_by = tokio::time::timeout(STANDBY_POLL * 10, waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(stood_by);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
