@@ -290,9 +290,10 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         };
         let host = Netns::open("/proc/self/ns/net")?;
         // Istio's node agent leaves its capture in the pods when it stops:
-        // looked for after a takeover, or at ambpf's first start on the node.
-        if took_over || first_on_node {
-            controller.retire_istio_agent(IstioRetirement::new(mode, &host));
+        // looked for after a takeover, at ambpf's first start on the node,
+        // or where an agent killed halfway left it.
+        if took_over || first_on_node || IstioRetirement::under_way(retire_pins.root()) {
+            controller.retire_istio_agent(IstioRetirement::new(mode, &host, retire_pins.root()));
         }
         // Another mode's capture left by a `helm upgrade` that changed the
         // mode stays until this mode holds each pod, then goes.

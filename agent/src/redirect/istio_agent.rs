@@ -92,10 +92,13 @@ pub fn remove_capture(
 /// Started when ambpf took the socket over from another ZDS server, or
 /// started on a node where it had no state (installed after Istio's agent
 /// was removed): the pods' rules are read only then, a process per backend
-/// and family per pod.
+/// and family per pod. A marker directory under the pin root says it is
+/// under way until it ends, so that an agent killed halfway carries on
+/// after its restart ([`IstioRetirement::under_way`]).
 #[derive(Debug)]
 pub struct IstioRetirement {
     own: RedirectMode,
+    marker: std::path::PathBuf,
     nft: Option<nftables::Nft>,
     /// The held pods looked at (by netns cookie).
     looked: std::collections::HashSet<u64>,
@@ -103,15 +106,34 @@ pub struct IstioRetirement {
 }
 
 impl IstioRetirement {
+    /// The marker of a retirement under way under `pin_root`.
+    pub fn marker(pin_root: &std::path::Path) -> std::path::PathBuf {
+        pin_root.join("retiring-istio-agent")
+    }
+
+    /// Whether an earlier agent left a retirement unfinished.
+    pub fn under_way(pin_root: &std::path::Path) -> bool {
+        Self::marker(pin_root).is_dir()
+    }
+
     /// `host`: the node's namespace, where `nft` is found.
-    pub fn new(own: RedirectMode, host: &Netns) -> Self {
+    pub fn new(own: RedirectMode, host: &Netns, pin_root: &std::path::Path) -> Self {
         tracing::info!(
             "looking for Istio's node agent's capture in the pods: it is removed from each pod \
              once the {} mode holds it",
             own.name()
         );
+        let marker = Self::marker(pin_root);
+        if let Err(e) = std::fs::create_dir_all(&marker) {
+            tracing::warn!(
+                "marking the retirement of Istio's capture as under way ({}): {e}; an agent \
+                 restarted before it ends will not carry it on",
+                marker.display()
+            );
+        }
         Self {
             own,
+            marker,
             nft: super::check::mixed::node_nft(host),
             looked: Default::default(),
             removed: 0,
@@ -160,6 +182,11 @@ impl IstioRetirement {
         }
         if unfinished {
             return false;
+        }
+        if let Err(e) = std::fs::remove_dir(&self.marker)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!("removing {}: {e}", self.marker.display());
         }
         tracing::info!(
             "Istio's node agent's capture is retired: every pod the {} mode holds is free of it \

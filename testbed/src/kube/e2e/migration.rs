@@ -6,7 +6,7 @@
 //! The switch as a user makes it: `helm install ambpf` while Istio's agent
 //! runs (ambpf stands by: it serves no ZDS and enrols nothing), a pod
 //! created meanwhile (Istio's agent captures it, ambpf's plugin admits it),
-//! then `helm uninstall istio-cni` (its agent closes its ZDS socket and
+//! Istio's agent restarted (ambpf waits on), then `helm uninstall istio-cni` (its agent closes its ZDS socket and
 //! leaves its capture in every pod). ambpf then enrols every pod beside
 //! Istio's rules, serves ztunnel, and removes Istio's capture pod by pod.
 //! Every connection must succeed, none may be reset, ztunnel must proxy new
@@ -20,6 +20,7 @@ use anyhow::{Context as _, Result, ensure};
 
 use super::client::{Cluster, Release, SYSTEM_NAMESPACE};
 use super::eventually;
+use super::istio_agent::ISTIO_CNI_DAEMONSET;
 use super::rollout::{captured_after, judge, start_traffic, stop_generator};
 use super::scenarios::{WEB_PORT, direct_is_captured};
 use crate::kube::manifest::httpd;
@@ -84,6 +85,26 @@ fn switch_under_traffic(
             .then_some(()))
     })?;
     let late = late_pod(cluster, namespace)?;
+    // Istio's agent restarted meanwhile is not gone: ambpf waits on.
+    cluster.kubectl(&[
+        "rollout",
+        "restart",
+        "-n",
+        SYSTEM_NAMESPACE,
+        &format!("daemonset/{ISTIO_CNI_DAEMONSET}"),
+    ])?;
+    cluster.kubectl(&[
+        "rollout",
+        "status",
+        "-n",
+        SYSTEM_NAMESPACE,
+        &format!("daemonset/{ISTIO_CNI_DAEMONSET}"),
+        "--timeout=120s",
+    ])?;
+    ensure!(
+        !cluster.agent_log()?.contains(TAKING_OVER),
+        "ambpf took over while Istio's agent restarted"
+    );
 
     let uninstalling = Instant::now();
     cluster.uninstall_istio_cni()?;
@@ -143,6 +164,8 @@ fn switch_under_traffic(
 }
 
 const TIMEOUT: Duration = Duration::from_secs(120);
+/// What the agent says as it ends its standby.
+const TAKING_OVER: &str = "taking its pods over";
 
 /// An ambient web pod created while ambpf stands by: Istio's agent
 /// captures it, and it must start. Returns its uid and address.
