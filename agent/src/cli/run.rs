@@ -340,6 +340,24 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             info!("shutting down; pinned attachments stay in place");
             return Ok(());
         };
+        // Istio's node agent installed (its plugin chained) takes the pods
+        // over: they keep their annotations, and lose ambpf's capture only
+        // once Istio's is in place.
+        let istio_chained = conf_dir.map_or_else(Vec::new, |dir| {
+            crate::cni::install::chaining(dir, zds::peer::ISTIO_PLUGIN_TYPE)
+        });
+        let handing_over = !istio_chained.is_empty();
+        if handing_over {
+            info!(
+                "Istio's node agent is installed (its plugin is chained in {}): handing the pods \
+                 over to it",
+                istio_chained
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
         // The controller finishes its pass and stops first (it stops once the
         // source, which holds the other sender of its pods, is gone): one
         // owner of the state at a time.
@@ -361,7 +379,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let config = crate::uninstall::UninstallConfig {
             pins: uninstall_pins,
             mode: Some(mode),
-            kube: Some(crate::uninstall::KubeTarget {
+            kube: (!handing_over).then(|| crate::uninstall::KubeTarget {
                 kubeconfig: args.kubeconfig,
                 node_name: args.node_name.unwrap_or_default(),
             }),
@@ -370,8 +388,45 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             cni_bin_dir: PathBuf::new(),
             keep_cni: true,
         };
-        tokio::task::spawn_blocking(move || crate::uninstall::uninstall(&config)).await?
+        tokio::task::spawn_blocking(move || {
+            if handing_over {
+                hand_over(&config)
+            } else {
+                crate::uninstall::uninstall(&config)
+            }
+        })
+        .await?
     })
+}
+
+/// The uninstall with Istio's node agent installed. The eBPF mode's
+/// capture goes once Istio's is in each pod. The iptables and nftables
+/// modes' rules are Istio's own rules (its agent rewrote them in every pod
+/// at its start-up), so they stay with it; only their records go.
+fn hand_over(config: &crate::uninstall::UninstallConfig) -> Result<()> {
+    if config.mode == Some(RedirectMode::Ebpf) {
+        crate::redirect::istio_agent::await_istio_capture(
+            &config.pins,
+            crate::redirect::istio_agent::HANDOVER_AT_MOST,
+        );
+        return crate::uninstall::uninstall(config);
+    }
+    for dir in [
+        config.pins.iptables_pods_dir(),
+        config.pins.nftables_pods_dir(),
+    ] {
+        if let Err(e) = std::fs::remove_dir_all(&dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!("removing {}: {e}", dir.display());
+        }
+    }
+    info!(
+        "the {} mode's rules are Istio's own: left in every pod and on the node for Istio's \
+         node agent",
+        config.mode.map_or("rule", RedirectMode::name)
+    );
+    Ok(())
 }
 
 /// The CNI endpoint: started during a standby, or after the first pass.

@@ -197,3 +197,101 @@ impl IstioRetirement {
         true
     }
 }
+
+/// How long an uninstall waits for Istio's node agent to capture the pods
+/// the eBPF mode holds before it removes its own capture all the same.
+/// Within the DaemonSet's grace period (30 s), with the rest of the
+/// uninstall; Istio's agent wrote its rules at its start-up, normally long
+/// before.
+pub const HANDOVER_AT_MOST: std::time::Duration = std::time::Duration::from_secs(15);
+
+/// How long the programs outlive their capture at a hand-over, at least.
+const HANDOVER_DRAIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Handing the eBPF mode's pods under `pins` to Istio's node agent, which
+/// is installed on the node as ambpf is uninstalled: waits until each pod
+/// holds Istio's capture (its agent writes its rules into every ambient pod
+/// at its start-up, `reconcileIptablesOnStartup`), at most `at_most`, so
+/// that the uninstall that follows never leaves a pod uncaptured in
+/// between. Returns the pods still without it, named, which lose ambpf's
+/// capture all the same (warned).
+pub fn await_istio_capture(
+    pins: &crate::bpf::PinLayout,
+    at_most: std::time::Duration,
+) -> Vec<String> {
+    let pods = match crate::bpf::inspect::read_pods(pins) {
+        Ok(pods) => pods,
+        Err(e) => {
+            tracing::warn!("reading the eBPF mode's pods to hand over: {e}");
+            return Vec::new();
+        }
+    };
+    let host_ns = super::podnet::HostNamespaces::default();
+    let nft = Netns::open("/proc/self/ns/net")
+        .ok()
+        .and_then(|host| super::check::mixed::node_nft(&host));
+    let deadline = std::time::Instant::now() + at_most;
+    let mut waiting: Vec<_> = pods
+        .iter()
+        .filter_map(|pod| {
+            let key = super::PodKey {
+                netns_cookie: pod.netns_cookie,
+                netns_inode: pod.netns_inode,
+            };
+            let name = pod.pod.as_ref().map_or_else(
+                || format!("the pod with {key}"),
+                |p| format!("pod {}/{}", p.namespace, p.name),
+            );
+            host_ns.find(key).map(|netns| (name, netns))
+        })
+        .collect();
+    tracing::info!(
+        "handing {} pods over to Istio's node agent: ambpf's capture goes from them once \
+         Istio's is in place",
+        waiting.len()
+    );
+    loop {
+        waiting.retain(|(_, netns)| {
+            !find(netns, nft.as_ref(), Some(RedirectMode::Ebpf)).is_ok_and(|c| !c.is_empty())
+        });
+        if waiting.is_empty() || std::time::Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let left: Vec<String> = waiting.iter().map(|(name, _)| name.clone()).collect();
+    // The programs answer ztunnel for the connections they redirected (their
+    // original destination) until it has accepted them: their capture stops
+    // first, and the uninstall removes them a moment later, as a change of
+    // mode does ([`super::retire`]).
+    for pod in &pods {
+        if let Err(e) = crate::bpf::inspect::forget_pod(pins, pod.netns_cookie) {
+            tracing::warn!(
+                "stopping the capture of the pod with cookie {}: {e}",
+                pod.netns_cookie
+            );
+        }
+    }
+    std::thread::sleep(HANDOVER_DRAIN);
+    let drain_deadline = std::time::Instant::now() + HANDOVER_DRAIN * 5;
+    while std::time::Instant::now() < drain_deadline
+        && pods.iter().any(|pod| {
+            let key = super::PodKey {
+                netns_cookie: pod.netns_cookie,
+                netns_inode: pod.netns_inode,
+            };
+            host_ns.find(key).is_some_and(super::retire::awaits_ztunnel)
+        })
+    {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    if !left.is_empty() {
+        tracing::warn!(
+            "Istio's node agent has not captured {} within {} s: ambpf's capture goes from \
+             them all the same, and they are uncaptured until it does",
+            left.join(", "),
+            at_most.as_secs()
+        );
+    }
+    left
+}

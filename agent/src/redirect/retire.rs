@@ -386,7 +386,7 @@ impl EbpfDrain {
 
 /// Whether ztunnel's outbound listener in `netns` has connections it has
 /// not accepted yet (unknown counts as yes: the programs stay).
-fn awaits_ztunnel(netns: &Netns) -> bool {
+pub(crate) fn awaits_ztunnel(netns: &Netns) -> bool {
     let listeners =
         netns.run(|| crate::sock_diag::tcp_listeners(ambpf_common::ztunnel::OUTBOUND_PORT));
     match listeners {

@@ -2,9 +2,10 @@
 //! [`crate::kube::istio`]) on the node in place of ambpf's, and [`Agent`]:
 //! which node agent runs, for the cluster benchmarks.
 //!
-//! The two agents never run together: both listen on the node's :8000 and
-//! :15014 and both serve ztunnel's ZDS socket, so one is uninstalled (and
-//! its pods gone) before the other is installed.
+//! For the benchmarks and the rule comparison the two agents never run
+//! together: one is uninstalled (and its pods gone) before the other is
+//! installed. The migration scenarios run both, as a node moving from one
+//! to the other does ([`super::migration`]).
 
 use std::{fmt, path::Path, str::FromStr};
 
@@ -40,10 +41,20 @@ impl Cluster {
     ) -> Result<()> {
         if self.release_installed()? {
             bail!(
-                "ambpf's release is installed: uninstall it before Istio's agent \
-                 (both use the node's :8000 and :15014 and the ZDS socket)"
+                "ambpf's release is installed: uninstall it before Istio's agent, whose \
+                 pods must be its own alone"
             );
         }
+        self.install_istio_cni_beside_ambpf(nftables, overrides)
+    }
+
+    /// [`Cluster::install_istio_cni_with`] whether ambpf's release is
+    /// installed or not: a node moving from ambpf to Istio's agent.
+    pub fn install_istio_cni_beside_ambpf(
+        &self,
+        nftables: bool,
+        overrides: &[(&'static str, &str)],
+    ) -> Result<()> {
         let chart = istio_cni_chart(self.components.cache())?;
         let mut cmd = self.helm();
         cmd.args(["install", ISTIO_CNI_RELEASE]).arg(&chart).args([

@@ -1,8 +1,8 @@
-//! Migrating a node from Istio's own node agent (either backend) to ambpf,
-//! live, under traffic: a pod opening a connection every 5 ms and holding
-//! long ones open to an ambient echo server, both enrolled by Istio's
-//! agent, for the whole switch.
+//! Migrating a node between Istio's own node agent (either backend) and
+//! ambpf, live, under traffic: a pod opening a connection every 5 ms and
+//! holding long ones open to an ambient echo server, for the whole switch.
 //!
+//! From Istio's agent ([`from_istio_iptables`], [`from_istio_nftables`]):
 //! The switch as a user makes it: `helm install ambpf` while Istio's agent
 //! runs (ambpf stands by: it serves no ZDS and enrols nothing), a pod
 //! created meanwhile (Istio's agent captures it, ambpf's plugin admits it),
@@ -13,6 +13,13 @@
 //! ones afterwards at both ends, the pod made during the standby must be
 //! captured, and `ambpf status --check` must find no pod with Istio's
 //! capture left.
+//!
+//! To Istio's agent ([`to_istio_iptables`], [`to_istio_nftables`]): `helm
+//! install istio-cni` beside ambpf's eBPF mode (its start-up writes its
+//! rules into every ambient pod), then `helm uninstall ambpf`, which hands
+//! the pods over: ambpf's capture goes from each once Istio's is there, and
+//! the annotations stay. The same traffic bar, ztunnel proxying both ends
+//! after, and nothing of ambpf's left pinned.
 
 use std::time::{Duration, Instant};
 
@@ -203,4 +210,69 @@ spec:
             .to_owned()
     };
     Ok((field(&["metadata", "uid"]), field(&["status", "podIP"])))
+}
+
+pub fn to_istio_iptables(cluster: &Cluster, release: &Release) -> Result<String> {
+    to_istio(cluster, release, false)
+}
+
+pub fn to_istio_nftables(cluster: &Cluster, release: &Release) -> Result<String> {
+    to_istio(cluster, release, true)
+}
+
+fn to_istio(cluster: &Cluster, release: &Release, nftables: bool) -> Result<String> {
+    let backend = if nftables { "nftables" } else { "iptables" };
+    let namespace = format!("e2e-{}-to-istio-{backend}", release.mode);
+    let result = hand_over_under_traffic(cluster, &namespace, nftables).with_context(|| {
+        format!(
+            "{}\n{}",
+            cluster.agent_diagnostics(),
+            cluster.istio_cni_diagnostics()
+        )
+    });
+    // Left as the suite expects it: ambpf installed in its mode, Istio's
+    // agent gone. Its pods go first: Istio's agent leaves its rules in them.
+    cluster.kubectl(&[
+        "delete",
+        "namespace",
+        &namespace,
+        "--wait=true",
+        "--timeout=90s",
+    ])?;
+    if cluster.istio_cni_installed()? {
+        cluster.uninstall_istio_cni()?;
+    }
+    if !cluster.release_installed()? {
+        cluster.helm_install(&release.chart, &release.mode)?;
+    }
+    result
+}
+
+fn hand_over_under_traffic(cluster: &Cluster, namespace: &str, nftables: bool) -> Result<String> {
+    let (echo, generator, captured) = start_traffic(cluster, namespace)?;
+    let traffic = Instant::now();
+    std::thread::sleep(LEAD);
+    let began = Instant::now();
+    cluster.install_istio_cni_beside_ambpf(nftables, &[])?;
+    let installed = began.elapsed().as_secs_f64();
+    let uninstalling = Instant::now();
+    cluster.helm_uninstall()?;
+    let uninstalled = uninstalling.elapsed().as_secs_f64();
+    let captured_after = captured_after(cluster, &generator, &echo, "the hand-over")?;
+    let pinned = cluster.on_node("sh", &["-c", "ls -A /sys/fs/bpf/ambpf 2>/dev/null | wc -l"])?;
+    ensure!(
+        pinned.trim() == "0",
+        "ambpf's pins are left after its uninstall: {pinned}"
+    );
+    std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
+    let summary = stop_generator(cluster, namespace, &generator.name)?;
+    judge(
+        &summary,
+        captured,
+        captured_after,
+        &format!(
+            "Istio's agent installed beside ambpf in {installed:.1} s, then ambpf uninstalled \
+             in {uninstalled:.1} s"
+        ),
+    )
 }

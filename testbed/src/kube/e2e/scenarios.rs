@@ -135,6 +135,16 @@ pub const ISOLATED: &[Scenario] = &[
         applies: ebpf_only,
         run: super::migration::from_istio_nftables,
     },
+    Scenario {
+        name: "to-istio-iptables",
+        applies: ebpf_only,
+        run: super::migration::to_istio_iptables,
+    },
+    Scenario {
+        name: "to-istio-nftables",
+        applies: ebpf_only,
+        run: super::migration::to_istio_nftables,
+    },
 ];
 
 pub(super) const WEB_PORT: u16 = 8080;
