@@ -803,11 +803,11 @@ fn check(values: &Values, rendered: &Rendered) {
     let netns = host_path(pod, agent, Path::new("/run/netns"));
     assert_eq!(netns.path, Path::new("/run/netns"));
     assert_eq!(netns.propagation.as_deref(), Some("HostToContainer"));
-    if mode == RedirectMode::Iptables {
-        // iptables-restore takes the host's xtables lock.
-        let lock = Path::new("/run/xtables.lock");
-        assert_shared_with_host(pod, agent, lock, "the xtables lock");
-    }
+    // iptables-restore takes the host's xtables lock, in every mode: the
+    // rules of Istio's agent or of another mode are removed from the pods
+    // taken over.
+    let lock = Path::new("/run/xtables.lock");
+    assert_shared_with_host(pod, agent, lock, "the xtables lock");
     if let Some(socket) = &run.cni_socket {
         assert_shared_with_host(
             pod,
