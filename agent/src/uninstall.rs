@@ -179,6 +179,14 @@ fn ebpf_state<'a>(
         Ok(pods) => {
             let by_inode: std::collections::HashMap<u64, &Netns> =
                 namespaces().iter().map(|n| (n.inode(), n)).collect();
+            // The table readying pods for Istio's agent's rules, where one
+            // came ([`crate::redirect::istio_agent::IstioArrival`]).
+            let nft = std::cell::OnceCell::new();
+            let node_nft = || {
+                Netns::open("/proc/self/ns/net")
+                    .ok()
+                    .and_then(|host| check::mixed::node_nft(&host))
+            };
             for pod in pods {
                 // An inode number is reused once its namespace is freed:
                 // only the namespace with the pod's cookie is the pod's.
@@ -196,6 +204,12 @@ fn ebpf_state<'a>(
                     .map_err(|e| crate::error_chain(&e))
                     .and_then(|()| {
                         routing::remove_reply_routing(netns).map_err(|e| crate::error_chain(&e))
+                    })
+                    .and_then(|()| match nft.get_or_init(node_nft) {
+                        Some(nft) => {
+                            crate::redirect::istio_agent::remove_conntrack_table(nft, netns)
+                        }
+                        None => Ok(()),
                     });
                 match removed {
                     Ok(()) => report.done(format!(

@@ -69,6 +69,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding the metrics endpoint {}", args.metrics_listen))?;
         let mut _pin_root_lock = None;
+        // Set once the agent takes the node over from Istio's node agent.
+        let replacing_istio = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
             RedirectMode::Ebpf => {
                 // Before anything is made, so that a refused kernel is left
@@ -141,6 +143,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 let host = Netns::open("/proc/self/ns/net")?;
                 let redirection = NftablesRedirection::new(host)?
                     .with_records(pins.nftables_pods_dir())
+                    .replacing_istio_tables(replacing_istio.clone())
                     .taking_over(crate::redirect::retire::ebpf_pods(&pins));
                 Box::new(redirection)
             }
@@ -293,6 +296,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // looked for after a takeover, at ambpf's first start on the node,
         // or where an agent killed halfway left it.
         if took_over || first_on_node || IstioRetirement::under_way(retire_pins.root()) {
+            replacing_istio.store(true, std::sync::atomic::Ordering::Relaxed);
             controller.retire_istio_agent(IstioRetirement::new(mode, &host, retire_pins.root()));
         }
         // Another mode's capture left by a `helm upgrade` that changed the

@@ -69,6 +69,10 @@ pub struct SourcePods {
     /// source, which lists every pod of the node it knows), rather than
     /// possibly opted out (a pods file lists only the pods to enrol).
     pub absent_means_deleted: bool,
+    /// Istio's node agent's pods on this node, not being deleted, as
+    /// `namespace/name`: while there is one, the eBPF mode readies its pods
+    /// for the rules that agent writes ([`crate::redirect::istio_agent`]).
+    pub istio_node_agents: BTreeSet<String>,
 }
 
 /// One pass's work in progress.
@@ -124,6 +128,9 @@ pub struct Controller {
     /// Istio's node agent's capture, taken out of each pod this agent holds
     /// after it took the node over ([`retire`]).
     retiring_istio: Option<crate::redirect::istio_agent::IstioRetirement>,
+    /// The eBPF mode's pods readied for Istio's node agent's rules while
+    /// one of its pods is on the node ([`retire`]).
+    istio_arrival: crate::redirect::istio_agent::IstioArrival,
     /// Whether the source's latest list had every ambient pod's namespace
     /// ([`SourcePods::waiting`] empty): only then is a pod it does not list
     /// known not to be wanted.
@@ -202,6 +209,7 @@ impl Controller {
             failures_logged: HashMap::new(),
             retiring: None,
             retiring_istio: None,
+            istio_arrival: Default::default(),
             source_settled: false,
         }
     }
@@ -633,6 +641,7 @@ impl Controller {
             let source = pods.borrow_and_update().clone();
             let current = self.desired(&source);
             let report = self.apply(&current);
+            self.ready_for_istio(&source.istio_node_agents);
             if report.enrolled > 0 || report.removed > 0 || !report.failed.is_empty() {
                 info!(
                     "pods: {} desired, {} enrolled, {} removed, {} failed",

@@ -29,6 +29,19 @@ impl Controller {
         self.retiring_istio = Some(retirement);
     }
 
+    /// In the eBPF mode, readies every pod for the rules of Istio's node
+    /// agent while one of its pods (`agents`) is on the node.
+    pub(super) fn ready_for_istio(&mut self, agents: &std::collections::BTreeSet<String>) {
+        if self.redirection.mode() != crate::redirect::RedirectMode::Ebpf {
+            return;
+        }
+        let pods = self
+            .enrolled
+            .values()
+            .map(|e| (e.key.netns_cookie, &e.netns));
+        self.istio_arrival.step(agents, pods);
+    }
+
     /// One step of the retirement, after `pass`: the pods this agent holds
     /// lose the old capture; of the others, one the pass wanted but did not
     /// enrol (failed, or its namespace not found) is [`Fate::Pending`], as is

@@ -252,7 +252,18 @@ pub fn await_istio_capture(
     );
     loop {
         waiting.retain(|(_, netns)| {
-            !find(netns, nft.as_ref(), Some(RedirectMode::Ebpf)).is_ok_and(|c| !c.is_empty())
+            let captured =
+                find(netns, nft.as_ref(), Some(RedirectMode::Ebpf)).is_ok_and(|c| !c.is_empty());
+            // Istio's nat hooks keep conntrack on from now on.
+            if let (true, Some(nft)) = (captured, &nft)
+                && let Err(e) = remove_conntrack_table(nft, netns)
+            {
+                tracing::warn!(
+                    "removing {CONNTRACK_TABLE} from {}: {e}",
+                    netns.path().display()
+                );
+            }
+            !captured
         });
         if waiting.is_empty() || std::time::Instant::now() >= deadline {
             break;
@@ -294,4 +305,115 @@ pub fn await_istio_capture(
         );
     }
     left
+}
+
+/// The table that keeps conntrack on in an eBPF-mode pod once Istio's node
+/// agent is coming: an empty nat hook, which translates nothing.
+pub const CONNTRACK_TABLE: &str = "ambpf-conntrack";
+
+/// Readying the eBPF mode's pods for the rules Istio's node agent writes
+/// into every ambient pod as it starts on the node (a move to it).
+///
+/// The eBPF mode leaves no netfilter rule in a pod, so nothing tracks its
+/// connections. Once Istio's nat rules are written, conntrack picks an open
+/// connection up at its next packet as a new one and Istio's REDIRECT
+/// applies to it: ztunnel's connections to the app and the app's to
+/// ztunnel would be sent to 15001 or 15006, where no socket has their
+/// tuple, and reset. So as soon as the pod source shows an agent pod of
+/// Istio's on the node (seconds before its agent writes anything: its
+/// image starts, its informers sync), each pod gets an empty nat hook,
+/// which turns conntrack on there with no translation, and its established
+/// TCP connections are entered in conntrack without a NAT binding
+/// ([`super::in_pod::conntrack`]); nat never touches them afterwards. New
+/// connections are captured as before. The table goes with ambpf's
+/// uninstall ([`await_istio_capture`]) or with the pod.
+#[derive(Debug, Default)]
+pub struct IstioArrival {
+    nft: Option<nftables::Nft>,
+    /// The pods readied (by netns cookie).
+    readied: std::collections::HashSet<u64>,
+    /// Istio's agent pods last seen.
+    agents: std::collections::BTreeSet<String>,
+}
+
+impl IstioArrival {
+    /// One step, after a pass: `agents` are Istio's node agent's pods on the
+    /// node; `pods`, the eBPF mode's (by netns cookie).
+    pub fn step<'a>(
+        &mut self,
+        agents: &std::collections::BTreeSet<String>,
+        pods: impl Iterator<Item = (u64, &'a Netns)>,
+    ) {
+        if *agents != self.agents {
+            if !agents.is_empty() {
+                tracing::info!(
+                    "Istio's node agent is on the node ({}): readying every pod for its rules \
+                     (conntrack turned on, open connections entered)",
+                    agents.iter().cloned().collect::<Vec<_>>().join(", ")
+                );
+            }
+            self.agents = agents.clone();
+        }
+        if agents.is_empty() {
+            return;
+        }
+        if self.nft.is_none() {
+            self.nft = Netns::open("/proc/self/ns/net")
+                .ok()
+                .and_then(|host| super::check::mixed::node_nft(&host));
+        }
+        let Some(nft) = &self.nft else {
+            tracing::warn!(
+                "Istio's node agent is on the node, but no usable nft: the pods' open \
+                 connections may be reset when it writes its rules"
+            );
+            return;
+        };
+        for (cookie, netns) in pods {
+            if self.readied.contains(&cookie) {
+                continue;
+            }
+            match ready_for_rules(nft, netns) {
+                Ok(entered) => {
+                    tracing::debug!(
+                        "readied {} for Istio's rules: {entered} open connections entered in \
+                         conntrack",
+                        netns.path().display()
+                    );
+                    self.readied.insert(cookie);
+                }
+                Err(e) => tracing::warn!(
+                    "readying {} for Istio's node agent's rules (retried after the next \
+                     pass): {e}",
+                    netns.path().display()
+                ),
+            }
+        }
+    }
+}
+
+/// Turns conntrack on in `netns` with an empty nat hook, then enters its
+/// established connections; returns how many.
+fn ready_for_rules(nft: &nftables::Nft, netns: &Netns) -> Result<usize, String> {
+    nft.apply(
+        netns,
+        &format!(
+            "add table inet {CONNTRACK_TABLE} {{ comment \"ambpf: conntrack on for another \
+             agent's rules\" ; }}\n\
+             add chain inet {CONNTRACK_TABLE} prerouting {{ type nat hook prerouting priority \
+             dstnat + 10 ; }}\n\
+             add chain inet {CONNTRACK_TABLE} output {{ type nat hook output priority -90 ; }}\n"
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    super::in_pod::conntrack::track_established(netns).map_err(|e| e.to_string())
+}
+
+/// Removes [`CONNTRACK_TABLE`] from `netns`, if there.
+pub fn remove_conntrack_table(nft: &nftables::Nft, netns: &Netns) -> Result<(), String> {
+    nft.apply(
+        netns,
+        &format!("add table inet {CONNTRACK_TABLE}\ndelete table inet {CONNTRACK_TABLE}\n"),
+    )
+    .map_err(|e| e.to_string())
 }

@@ -83,10 +83,15 @@ use std::{
     collections::{BTreeMap, HashSet},
     net::IpAddr,
     path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use tracing::{info, warn};
 
+use self::rules::delete_tables;
 pub use self::{
     host::{
         PodCapture, find_any_pod_capture, find_pod_capture, find_pod_tables, probe_set_entries,
@@ -199,6 +204,11 @@ pub struct NftablesRedirection {
     /// are entered in conntrack before the rules redirect anything there
     /// ([`super::in_pod::conntrack`]).
     taken_over: HashSet<u64>,
+    /// Set once the agent takes a node over from Istio's node agent, which
+    /// left its tables (the names of ambpf's, without its comment) in its
+    /// pods: they are replaced by ambpf's in one transaction rather than
+    /// refusing the pod ([`super::istio_agent`]).
+    replacing_istio: Arc<AtomicBool>,
 }
 
 impl NftablesRedirection {
@@ -235,12 +245,21 @@ impl NftablesRedirection {
             records: None,
             adopted: BTreeMap::new(),
             taken_over: HashSet::new(),
+            replacing_istio: Arc::default(),
         })
     }
 
     /// The pods (by netns cookie) the eBPF mode captured: the connections
     /// they have open when this mode first writes its tables there keep
     /// working ([`super::in_pod::conntrack`]).
+    /// Replaces Istio's node agent's tables in the pods it enrols once
+    /// `replacing` is set (a takeover from that agent), rather than refusing
+    /// them.
+    pub fn replacing_istio_tables(mut self, replacing: Arc<AtomicBool>) -> Self {
+        self.replacing_istio = replacing;
+        self
+    }
+
     pub fn taking_over(mut self, cookies: impl IntoIterator<Item = u64>) -> Self {
         self.taken_over.extend(cookies);
         self
@@ -308,13 +327,26 @@ impl NftablesRedirection {
         }
         // A table is there: ambpf's from an earlier agent, or another's.
         let (_, foreign) = find_pod_tables(&self.nft, netns)?;
-        if !foreign.is_empty() {
+        if foreign.is_empty() {
+            return self.nft.apply(netns, script);
+        }
+        if !self.replacing_istio.load(Ordering::Relaxed) {
             return Err(NftablesError::ForeignTables {
                 netns: netns.path().to_owned(),
                 tables: foreign,
             });
         }
-        self.nft.apply(netns, script)
+        // Istio's tables out and ambpf's in at once: no packet sees neither.
+        // Connections they redirected keep their NAT in conntrack.
+        self.nft
+            .apply(netns, &format!("{}{script}", delete_tables(&foreign)))?;
+        info!(
+            "replaced Istio's node agent's tables ({}) in {} with the nftables mode's, in one \
+             transaction",
+            foreign.join(", "),
+            netns.path().display()
+        );
+        Ok(())
     }
 
     fn record(&mut self, key: PodKey) {

@@ -251,6 +251,36 @@ fn a_pod_with_another_tools_table_is_refused_and_left_untouched() {
     assert_eq!(ruleset(&pn.pod), before, "uninstall leaves another's table");
 }
 
+/// Taking a node over from Istio's node agent, whose tables (its names,
+/// no ambpf comment) are left in its pods: they are replaced by ambpf's in
+/// one transaction, and the pod is enrolled.
+#[test]
+fn istio_agent_tables_are_replaced_when_taking_over() {
+    let pn = PodAndNode::create().unwrap();
+    let pod = open(&pn.pod);
+    nft_in(
+        &pn.pod,
+        "add table inet istio-ambient-nat\n\
+         add chain inet istio-ambient-nat prerouting { type nat hook prerouting priority dstnat ; }\n\
+         add rule inet istio-ambient-nat prerouting counter\n",
+    );
+    let replacing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut redirection = NftablesRedirection::new(open(&pn.node))
+        .unwrap()
+        .replacing_istio_tables(replacing);
+    redirection.enroll(&pod, dns(true)).unwrap();
+    let (ours, foreign) = find_pod_tables(redirection.nft(), &pod).unwrap();
+    assert!(foreign.is_empty(), "{foreign:?}");
+    assert!(ours.contains(&NAT_TABLE), "{ours:?}");
+    assert!(
+        !find_pod_capture(redirection.nft(), &pod)
+            .unwrap()
+            .is_empty(),
+        "ambpf's capture in place"
+    );
+    redirection.uninstall().unwrap();
+}
+
 #[test]
 fn a_host_with_another_tools_probe_table_is_refused() {
     let node = NetnsGuard::create("node").unwrap();

@@ -89,6 +89,8 @@ pub(super) struct Classified {
     not_ambient: BTreeMap<String, String>,
     /// Pods whose object cannot be read (by uid): there, not deleted.
     unreadable: BTreeSet<String>,
+    /// Istio's node agent's pods, not being deleted (`namespace/name`).
+    istio_node_agents: BTreeSet<String>,
 }
 
 /// Judges every pod of the caches ambient or not (logging malformed objects
@@ -113,6 +115,7 @@ pub(super) fn classify(
         present: BTreeSet::new(),
         not_ambient: BTreeMap::new(),
         unreadable: BTreeSet::new(),
+        istio_node_agents: BTreeSet::new(),
     };
     for entry in pods {
         notes.note_malformed("pod", entry);
@@ -127,6 +130,11 @@ pub(super) fn classify(
             continue;
         };
         classified.present.insert(uid.clone());
+        if rules::is_istio_node_agent(pod) {
+            classified
+                .istio_node_agents
+                .insert(format!("{namespace}/{name}"));
+        }
         let label = format!("pod {namespace}/{name} ({uid})");
         match rules::ambient(pod, namespace_labels.get(namespace), excluded_namespaces) {
             Ok(()) => {
@@ -222,6 +230,7 @@ impl Classified {
             unreadable: self.unreadable,
             // Every pod of the node the watch holds is in a list.
             absent_means_deleted: true,
+            istio_node_agents: self.istio_node_agents,
         }
     }
 }

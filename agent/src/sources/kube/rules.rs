@@ -75,6 +75,22 @@ fn mode(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
         .map(String::as_str)
 }
 
+/// The label of the pods of Istio's CNI node agent (its chart's
+/// `k8s-app: istio-cni-node`).
+pub const ISTIO_NODE_AGENT_LABEL: (&str, &str) = ("k8s-app", "istio-cni-node");
+
+/// Whether `pod` is one of Istio's node agent's, and not being deleted.
+pub fn is_istio_node_agent(pod: &WatchedPod) -> bool {
+    let (key, value) = ISTIO_NODE_AGENT_LABEL;
+    pod.metadata.deletion_timestamp.is_none()
+        && pod
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get(key))
+            .is_some_and(|v| v == value)
+}
+
 /// Whether `pod` is ambient, given its namespace's labels (`None` when the
 /// namespace is not known, which counts as unlabelled) and the excluded
 /// namespaces.

@@ -127,22 +127,22 @@ pub const ISOLATED: &[Scenario] = &[
     },
     Scenario {
         name: "from-istio-iptables",
-        applies: ebpf_only,
+        applies: every_mode,
         run: super::migration::from_istio_iptables,
     },
     Scenario {
         name: "from-istio-nftables",
-        applies: ebpf_only,
+        applies: every_mode,
         run: super::migration::from_istio_nftables,
     },
     Scenario {
         name: "to-istio-iptables",
-        applies: ebpf_only,
+        applies: every_mode,
         run: super::migration::to_istio_iptables,
     },
     Scenario {
         name: "to-istio-nftables",
-        applies: ebpf_only,
+        applies: every_mode,
         run: super::migration::to_istio_nftables,
     },
 ];
