@@ -71,7 +71,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         let mut _pin_root_lock = None;
         // Set once the agent takes the node over from Istio's node agent.
         let replacing_istio = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let redirection: Box<dyn PodRedirection> = match args.redirect_mode {
+        let early_redirection: Option<Box<dyn PodRedirection>> = match args.redirect_mode {
             RedirectMode::Ebpf => {
                 // Before anything is made, so that a refused kernel is left
                 // as it was.
@@ -121,32 +121,11 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                     pins_root(&dataplane),
                     cgroup.display()
                 );
-                Box::new(crate::redirect::EbpfRedirection::new(dataplane))
+                Some(Box::new(crate::redirect::EbpfRedirection::new(dataplane)))
             }
-            RedirectMode::Iptables => {
-                // The host side (probe SNAT) lives in the agent's own namespace.
-                let host = Netns::open("/proc/self/ns/net")?;
-                // Its pods are recorded under the pin root, so that a
-                // restart removes the pods that left while no agent ran.
-                let redirection = IptablesRedirection::new(host, args.iptables_backend)?
-                    .with_records(pins.iptables_pods_dir())
-                    .taking_over(crate::redirect::retire::ebpf_pods(&pins));
-                info!(
-                    "iptables redirection ready ({:?} backend)",
-                    redirection.backend()
-                );
-                Box::new(redirection)
-            }
-            RedirectMode::Nftables => {
-                // As iptables mode: the host table in the agent's namespace,
-                // the pods recorded under the pin root.
-                let host = Netns::open("/proc/self/ns/net")?;
-                let redirection = NftablesRedirection::new(host)?
-                    .with_records(pins.nftables_pods_dir())
-                    .replacing_istio_tables(replacing_istio.clone())
-                    .taking_over(crate::redirect::retire::ebpf_pods(&pins));
-                Box::new(redirection)
-            }
+            // The rule modes write node state as they are made: after any
+            // standby beside another node agent, whose own it would be.
+            RedirectMode::Iptables | RedirectMode::Nftables => None,
         };
         let zds_socket = zds_config.socket.clone();
         let zds = zds::ZdsHandle::new(zds_config);
@@ -226,27 +205,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 "no pod source (give --pods-file, or run in a cluster): no pods enrol"
             ),
         }
-        // Program every current pod before ztunnel can connect, so that its
-        // first snapshot is complete (and restarts reconcile pinned state).
-        let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
-        controller.set_check_interval(state_check_interval);
-        if kube_source.is_some() {
-            controller.report_programmed(programmed_tx);
-        }
         let cni_stats = std::sync::Arc::new(crate::cni::CniStats::default());
-        // Served from the runtime's workers while this thread programs the
-        // initial pods: liveness probes and scrapes answer through a long
-        // first pass (iptables mode takes seconds per hundred pods).
-        let registry = observe::registry(observe::AgentCollector {
-            zds: zds.clone(),
-            controller: controller.stats(),
-            pins: kernel_pins,
-            cni: args.cni_socket.is_some().then(|| cni_stats.clone()),
-        });
-        tokio::spawn(observe::serve_metrics(
-            metrics,
-            std::sync::Arc::new(registry),
-        ));
         if let Some(listener) = health {
             tokio::spawn(observe::serve_health(
                 listener,
@@ -291,6 +250,54 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 }
             }
         };
+        let redirection: Box<dyn PodRedirection> = match (args.redirect_mode, early_redirection) {
+            (_, Some(redirection)) => redirection,
+            (RedirectMode::Iptables, None) => {
+                // The host side (probe SNAT) lives in the agent's own namespace.
+                let host = Netns::open("/proc/self/ns/net")?;
+                // Its pods are recorded under the pin root, so that a
+                // restart removes the pods that left while no agent ran.
+                let redirection = IptablesRedirection::new(host, args.iptables_backend)?
+                    .with_records(pins.iptables_pods_dir())
+                    .taking_over(crate::redirect::retire::ebpf_pods(&pins));
+                info!(
+                    "iptables redirection ready ({:?} backend)",
+                    redirection.backend()
+                );
+                Box::new(redirection)
+            }
+            (RedirectMode::Nftables, None) => {
+                // As iptables mode: the host table in the agent's namespace,
+                // the pods recorded under the pin root.
+                let host = Netns::open("/proc/self/ns/net")?;
+                let redirection = NftablesRedirection::new(host)?
+                    .with_records(pins.nftables_pods_dir())
+                    .replacing_istio_tables(replacing_istio.clone())
+                    .taking_over(crate::redirect::retire::ebpf_pods(&pins));
+                Box::new(redirection)
+            }
+            (RedirectMode::Ebpf, None) => unreachable!("the eBPF mode is made early"),
+        };
+        // Program every current pod before ztunnel can connect, so that its
+        // first snapshot is complete (and restarts reconcile pinned state).
+        let mut controller = Controller::new(redirection, zds.clone(), args.dns_capture);
+        controller.set_check_interval(state_check_interval);
+        if kube_source.is_some() {
+            controller.report_programmed(programmed_tx);
+        }
+        // Served from the runtime's workers while this thread programs the
+        // initial pods: liveness probes and scrapes answer through a long
+        // first pass (iptables mode takes seconds per hundred pods).
+        let registry = observe::registry(observe::AgentCollector {
+            zds: zds.clone(),
+            controller: controller.stats(),
+            pins: kernel_pins,
+            cni: args.cni_socket.is_some().then(|| cni_stats.clone()),
+        });
+        tokio::spawn(observe::serve_metrics(
+            metrics,
+            std::sync::Arc::new(registry),
+        ));
         let host = Netns::open("/proc/self/ns/net")?;
         // Istio's node agent leaves its capture in the pods when it stops:
         // looked for after a takeover, at ambpf's first start on the node,
