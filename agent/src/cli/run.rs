@@ -69,8 +69,6 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding the metrics endpoint {}", args.metrics_listen))?;
         let mut _pin_root_lock = None;
-        // Set once the agent takes the node over from Istio's node agent.
-        let replacing_istio = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let early_redirection: Option<Box<dyn PodRedirection>> = match args.redirect_mode {
             RedirectMode::Ebpf => {
                 // Before anything is made, so that a refused kernel is left
@@ -250,6 +248,11 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 }
             }
         };
+        // Istio's node agent leaves its capture in the pods when it stops:
+        // looked for after a takeover, at ambpf's first start on the node,
+        // or where an agent killed halfway left it.
+        let taking_over_istio =
+            took_over || first_on_node || IstioRetirement::under_way(retire_pins.root());
         let redirection: Box<dyn PodRedirection> = match (args.redirect_mode, early_redirection) {
             (_, Some(redirection)) => redirection,
             (RedirectMode::Iptables, None) => {
@@ -270,9 +273,13 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
                 // As iptables mode: the host table in the agent's namespace,
                 // the pods recorded under the pin root.
                 let host = Netns::open("/proc/self/ns/net")?;
-                let redirection = NftablesRedirection::new(host)?
+                let redirection = if taking_over_istio {
+                    NftablesRedirection::taking_over_istio(host)?
+                } else {
+                    NftablesRedirection::new(host)?
+                };
+                let redirection = redirection
                     .with_records(pins.nftables_pods_dir())
-                    .replacing_istio_tables(replacing_istio.clone())
                     .taking_over(crate::redirect::retire::ebpf_pods(&pins));
                 Box::new(redirection)
             }
@@ -299,11 +306,7 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
             std::sync::Arc::new(registry),
         ));
         let host = Netns::open("/proc/self/ns/net")?;
-        // Istio's node agent leaves its capture in the pods when it stops:
-        // looked for after a takeover, at ambpf's first start on the node,
-        // or where an agent killed halfway left it.
-        if took_over || first_on_node || IstioRetirement::under_way(retire_pins.root()) {
-            replacing_istio.store(true, std::sync::atomic::Ordering::Relaxed);
+        if taking_over_istio {
             controller.retire_istio_agent(IstioRetirement::new(mode, &host, retire_pins.root()));
         }
         // Another mode's capture left by a `helm upgrade` that changed the

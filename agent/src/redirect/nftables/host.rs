@@ -351,6 +351,18 @@ fn remove_capture_of(
     Ok(changed)
 }
 
+/// Removes the host table if it is another's (Istio's node agent's, left
+/// when it stopped: its uninstall normally removes it); returns whether it
+/// did. For a takeover from that agent, before ambpf writes its own.
+pub fn remove_foreign_host_table(nft: &Nft, host: &Netns) -> Result<bool, NftablesError> {
+    let present = nft.inet_tables(host)?;
+    if !present.iter().any(|t| t == NAT_TABLE) || nft.owns(host, NAT_TABLE)? {
+        return Ok(false);
+    }
+    nft.apply(host, &delete_tables(&[NAT_TABLE]))?;
+    Ok(true)
+}
+
 /// Removes the host table if it is ambpf's; returns whether it did.
 pub fn remove_host_table(nft: &Nft, host: &Netns) -> Result<bool, NftablesError> {
     let present = nft.inet_tables(host)?;

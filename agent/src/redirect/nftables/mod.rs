@@ -83,10 +83,6 @@ use std::{
     collections::{BTreeMap, HashSet},
     net::IpAddr,
     path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
 };
 
 use tracing::{info, warn};
@@ -95,7 +91,8 @@ use self::rules::delete_tables;
 pub use self::{
     host::{
         PodCapture, find_any_pod_capture, find_pod_capture, find_pod_tables, probe_set_entries,
-        remove_foreign_pod_capture, remove_host_table, remove_pod_capture, remove_pod_tables,
+        remove_foreign_host_table, remove_foreign_pod_capture, remove_host_table,
+        remove_pod_capture, remove_pod_tables,
     },
     rules::{host_script, pod_script},
     tool::Nft,
@@ -208,7 +205,7 @@ pub struct NftablesRedirection {
     /// left its tables (the names of ambpf's, without its comment) in its
     /// pods: they are replaced by ambpf's in one transaction rather than
     /// refusing the pod ([`super::istio_agent`]).
-    replacing_istio: Arc<AtomicBool>,
+    replacing_istio: bool,
 }
 
 impl NftablesRedirection {
@@ -216,6 +213,21 @@ impl NftablesRedirection {
     pub fn new(host: Netns) -> Result<Self, NftablesError> {
         let nft = Nft::find(&host)?;
         Self::with_nft(host, nft)
+    }
+
+    /// [`Self::new`] on a node taken over from Istio's node agent: its host
+    /// table, if it left one, is replaced, and so are its tables in the pods
+    /// ([`Self::replacing_istio_tables`]).
+    pub fn taking_over_istio(host: Netns) -> Result<Self, NftablesError> {
+        let nft = Nft::find(&host)?;
+        if remove_foreign_host_table(&nft, &host)? {
+            info!(
+                "removed the host table {NAT_TABLE} Istio's node agent left in {}: the nftables \
+                 mode writes its own",
+                host.path().display()
+            );
+        }
+        Ok(Self::with_nft(host, nft)?.replacing_istio_tables(true))
     }
 
     /// As [`Self::new`] with a vetted `nft`.
@@ -245,17 +257,16 @@ impl NftablesRedirection {
             records: None,
             adopted: BTreeMap::new(),
             taken_over: HashSet::new(),
-            replacing_istio: Arc::default(),
+            replacing_istio: false,
         })
     }
 
     /// The pods (by netns cookie) the eBPF mode captured: the connections
     /// they have open when this mode first writes its tables there keep
     /// working ([`super::in_pod::conntrack`]).
-    /// Replaces Istio's node agent's tables in the pods it enrols once
-    /// `replacing` is set (a takeover from that agent), rather than refusing
-    /// them.
-    pub fn replacing_istio_tables(mut self, replacing: Arc<AtomicBool>) -> Self {
+    /// Replaces Istio's node agent's tables in the pods it enrols (a
+    /// takeover from that agent), rather than refusing them.
+    pub fn replacing_istio_tables(mut self, replacing: bool) -> Self {
         self.replacing_istio = replacing;
         self
     }
@@ -330,7 +341,7 @@ impl NftablesRedirection {
         if foreign.is_empty() {
             return self.nft.apply(netns, script);
         }
-        if !self.replacing_istio.load(Ordering::Relaxed) {
+        if !self.replacing_istio {
             return Err(NftablesError::ForeignTables {
                 netns: netns.path().to_owned(),
                 tables: foreign,

@@ -264,10 +264,9 @@ fn istio_agent_tables_are_replaced_when_taking_over() {
          add chain inet istio-ambient-nat prerouting { type nat hook prerouting priority dstnat ; }\n\
          add rule inet istio-ambient-nat prerouting counter\n",
     );
-    let replacing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let mut redirection = NftablesRedirection::new(open(&pn.node))
-        .unwrap()
-        .replacing_istio_tables(replacing);
+    // And its host table, which its uninstall normally removes.
+    nft_in(&pn.node, "add table inet istio-ambient-nat\n");
+    let mut redirection = NftablesRedirection::taking_over_istio(open(&pn.node)).unwrap();
     redirection.enroll(&pod, dns(true)).unwrap();
     let (ours, foreign) = find_pod_tables(redirection.nft(), &pod).unwrap();
     assert!(foreign.is_empty(), "{foreign:?}");
