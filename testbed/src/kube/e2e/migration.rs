@@ -29,6 +29,7 @@ use super::client::{Cluster, Release, SYSTEM_NAMESPACE};
 use super::eventually;
 use super::istio_agent::ISTIO_CNI_DAEMONSET;
 use super::rollout::{captured_after, judge, start_traffic, stop_generator};
+use super::rule_dump::sandbox_pid;
 use super::scenarios::{WEB_PORT, direct_is_captured};
 use crate::kube::manifest::httpd;
 
@@ -147,11 +148,20 @@ fn switch_under_traffic(
         direct_is_captured(cluster, &ip, &uid)?,
         "the pod created while ambpf stood by is not captured after the takeover"
     );
-    let (ok, check) = cluster.ambpf_status_check()?;
+    let left = istio_capture_left(cluster, &release.mode, &[&echo.uid, &uid])?;
     ensure!(
-        ok && !check.contains("mixed_capture"),
-        "ambpf status --check after the takeover:\n{check}"
+        left.is_empty(),
+        "Istio's capture left after the takeover:\n{}",
+        left.join("\n")
     );
+    if release.mode == "ebpf" {
+        // The eBPF mode's pods are checked for another capture on demand.
+        let (ok, check) = cluster.ambpf_status_check()?;
+        ensure!(
+            ok && !check.contains("mixed_capture"),
+            "ambpf status --check after the takeover:\n{check}"
+        );
+    }
     std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
     let summary = stop_generator(cluster, namespace, &generator.name)?;
     let removed = log
@@ -171,6 +181,45 @@ fn switch_under_traffic(
 }
 
 const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Istio's capture still in the pods `uids` once ambpf in `mode` holds
+/// them, each named: its nat chains in either iptables view (but in the
+/// iptables mode, whose rules they are), and a table of Istio's names
+/// without ambpf's comment that redirects or is the raw one. The mangle
+/// reply path stays on purpose.
+fn istio_capture_left(cluster: &Cluster, mode: &str, uids: &[&str]) -> Result<Vec<String>> {
+    let mut left = Vec::new();
+    for uid in uids {
+        let pid = sandbox_pid(cluster, uid)?.to_string();
+        let in_pod = |program: &str, args: &[&str]| {
+            let mut command = vec!["-t", pid.as_str(), "-n", "--", program];
+            command.extend(args);
+            cluster.on_node("nsenter", &command)
+        };
+        if mode != "iptables" {
+            for save in ["iptables-legacy-save", "iptables-nft-save"] {
+                let text = in_pod(save, &["-t", "nat"]).unwrap_or_default();
+                if text.contains(":ISTIO_PRERT") || text.contains(":ISTIO_OUTPUT") {
+                    left.push(format!("pod {uid}: {save}: Istio's nat chains"));
+                }
+            }
+        }
+        let ruleset = in_pod("nft", &["list", "ruleset"])?;
+        for table in ruleset.split("\ntable ") {
+            let table = table.trim_start_matches("table ");
+            let Some(name) = table.lines().next() else {
+                continue;
+            };
+            let istio = name.starts_with("inet istio-ambient-");
+            let ambpf = table.contains("comment \"ambpf");
+            let captures = name.starts_with("inet istio-ambient-raw") || table.contains("redirect");
+            if istio && !ambpf && captures {
+                left.push(format!("pod {uid}: nft table {}", name.trim_end_matches(" {")));
+            }
+        }
+    }
+    Ok(left)
+}
 /// What the agent says as it ends its standby.
 const TAKING_OVER: &str = "taking its pods over";
 
