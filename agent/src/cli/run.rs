@@ -425,15 +425,14 @@ fn hand_over(config: &crate::uninstall::UninstallConfig) -> Result<()> {
         );
         return crate::uninstall::uninstall(config);
     }
-    for dir in [
-        config.pins.iptables_pods_dir(),
-        config.pins.nftables_pods_dir(),
-    ] {
-        if let Err(e) = std::fs::remove_dir_all(&dir)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!("removing {}: {e}", dir.display());
-        }
+    // The pin root holds only ambpf's records in these modes; a mount point
+    // is never removed.
+    let root = config.pins.root();
+    if !crate::bpf::pins::is_mount_root(root)
+        && let Err(e) = std::fs::remove_dir_all(root)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!("removing {}: {e}", root.display());
     }
     info!(
         "the {} mode's rules are Istio's own: left in every pod and on the node for Istio's \
