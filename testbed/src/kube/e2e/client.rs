@@ -444,22 +444,7 @@ impl Cluster {
     /// `ambpf status --check` in the agent's pod: whether it passed, and
     /// what it said.
     pub fn ambpf_status_check(&self) -> Result<(bool, String)> {
-        let out = self
-            .kubectl_command(&[
-                "exec",
-                "-n",
-                SYSTEM_NAMESPACE,
-                "daemonset/ambpf",
-                "-c",
-                "agent",
-                "--",
-                "ambpf",
-                "--pin-root",
-                "/sys/fs/bpf/ambpf",
-                "status",
-                "--check",
-            ])
-            .output()?;
+        let out = self.ambpf_in_agent(&["status", "--check"]).output()?;
         Ok((
             out.status.success(),
             format!(
@@ -471,7 +456,17 @@ impl Cluster {
     }
 
     fn ambpf_status(&self) -> Result<Value> {
-        let out = self.kubectl(&[
+        let out = crate::kube::checked_stdout(
+            &mut self.ambpf_in_agent(&["status", "-o", "json"]),
+            "ambpf",
+            &["status", "-o", "json"],
+        )?;
+        Ok(serde_json::from_str(&out)?)
+    }
+
+    /// `ambpf <args>` in the agent's container, on ambpf's pin root.
+    fn ambpf_in_agent(&self, args: &[&str]) -> Command {
+        let mut all = vec![
             "exec",
             "-n",
             SYSTEM_NAMESPACE,
@@ -482,11 +477,34 @@ impl Cluster {
             "ambpf",
             "--pin-root",
             "/sys/fs/bpf/ambpf",
+        ];
+        all.extend(args);
+        self.kubectl_command(&all)
+    }
+
+    /// `kubectl rollout status` of DaemonSet `name` in the system namespace.
+    pub fn daemonset_rolled_out(&self, name: &str, timeout: Duration) -> Result<()> {
+        self.kubectl(&[
+            "rollout",
             "status",
-            "-o",
-            "json",
+            "-n",
+            SYSTEM_NAMESPACE,
+            &format!("daemonset/{name}"),
+            &format!("--timeout={}s", timeout.as_secs()),
+        ])
+        .map(drop)
+    }
+
+    /// `kubectl rollout restart` of DaemonSet `name`, waited for.
+    pub fn restart_daemonset(&self, name: &str, timeout: Duration) -> Result<()> {
+        self.kubectl(&[
+            "rollout",
+            "restart",
+            "-n",
+            SYSTEM_NAMESPACE,
+            &format!("daemonset/{name}"),
         ])?;
-        Ok(serde_json::from_str(&out)?)
+        self.daemonset_rolled_out(name, timeout)
     }
 }
 

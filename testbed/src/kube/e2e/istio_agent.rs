@@ -81,15 +81,7 @@ impl Cluster {
                 self.istio_cni_diagnostics()
             );
         }
-        self.kubectl(&[
-            "rollout",
-            "status",
-            "-n",
-            SYSTEM_NAMESPACE,
-            &format!("daemonset/{ISTIO_CNI_DAEMONSET}"),
-            "--timeout=120s",
-        ])
-        .map(drop)
+        self.daemonset_rolled_out(ISTIO_CNI_DAEMONSET, std::time::Duration::from_secs(120))
     }
 
     /// `helm uninstall istio-cni --wait`, then waits until its pods are gone

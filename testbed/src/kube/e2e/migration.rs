@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
 
-use super::client::{Cluster, Release, SYSTEM_NAMESPACE};
+use super::client::{Cluster, Release};
 use super::eventually;
 use super::istio_agent::ISTIO_CNI_DAEMONSET;
 use super::rollout::{captured_after, judge, start_traffic, stop_generator};
@@ -94,21 +94,7 @@ fn switch_under_traffic(
     })?;
     let late = late_pod(cluster, namespace)?;
     // Istio's agent restarted meanwhile is not gone: ambpf waits on.
-    cluster.kubectl(&[
-        "rollout",
-        "restart",
-        "-n",
-        SYSTEM_NAMESPACE,
-        &format!("daemonset/{ISTIO_CNI_DAEMONSET}"),
-    ])?;
-    cluster.kubectl(&[
-        "rollout",
-        "status",
-        "-n",
-        SYSTEM_NAMESPACE,
-        &format!("daemonset/{ISTIO_CNI_DAEMONSET}"),
-        "--timeout=120s",
-    ])?;
+    cluster.restart_daemonset(ISTIO_CNI_DAEMONSET, TIMEOUT)?;
     ensure!(
         !cluster.agent_log()?.contains(TAKING_OVER),
         "ambpf took over while Istio's agent restarted"
@@ -132,14 +118,7 @@ fn switch_under_traffic(
         "ambpf retired Istio's capture after trouble:\n{}",
         retried.join("\n")
     );
-    cluster.kubectl(&[
-        "rollout",
-        "status",
-        "-n",
-        SYSTEM_NAMESPACE,
-        "daemonset/ambpf",
-        "--timeout=120s",
-    ])?;
+    cluster.daemonset_rolled_out("ambpf", TIMEOUT)?;
     let switched = began.elapsed().as_secs_f64();
 
     let captured_after = captured_after(cluster, &generator, &echo, "the takeover")?;
@@ -214,7 +193,10 @@ fn istio_capture_left(cluster: &Cluster, mode: &str, uids: &[&str]) -> Result<Ve
             let ambpf = table.contains("comment \"ambpf");
             let captures = name.starts_with("inet istio-ambient-raw") || table.contains("redirect");
             if istio && !ambpf && captures {
-                left.push(format!("pod {uid}: nft table {}", name.trim_end_matches(" {")));
+                left.push(format!(
+                    "pod {uid}: nft table {}",
+                    name.trim_end_matches(" {")
+                ));
             }
         }
     }

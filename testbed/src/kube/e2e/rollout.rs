@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail, ensure};
 use serde_json::Value;
 
-use super::client::{Cluster, Release, SYSTEM_NAMESPACE};
+use super::client::{Cluster, Release};
 use super::eventually;
 use crate::kube::images::{APP, CONN_GENERATOR};
 
@@ -219,22 +219,7 @@ fn recently_captured(
 
 /// One `rollout restart`, waited for as an operator would.
 fn restart_agent(cluster: &Cluster) -> Result<()> {
-    cluster.kubectl(&[
-        "rollout",
-        "restart",
-        "-n",
-        SYSTEM_NAMESPACE,
-        "daemonset/ambpf",
-    ])?;
-    cluster.kubectl(&[
-        "rollout",
-        "status",
-        "-n",
-        SYSTEM_NAMESPACE,
-        "daemonset/ambpf",
-        "--timeout=180s",
-    ])?;
-    Ok(())
+    cluster.restart_daemonset("ambpf", Duration::from_secs(180))
 }
 
 /// Stops the generator and returns its summary.
