@@ -74,6 +74,7 @@
 //! ambpf's.
 
 mod host;
+mod pod_tables;
 mod rules;
 #[cfg(test)]
 mod tests;
@@ -87,7 +88,6 @@ use std::{
 
 use tracing::{info, warn};
 
-use self::rules::delete_tables;
 pub use self::{
     host::{
         PodCapture, find_any_pod_capture, find_pod_capture, find_pod_tables, probe_set_entries,
@@ -102,7 +102,7 @@ use super::{
     Violation, ViolationKind, check,
     claims::AddressClaims,
     in_pod::{
-        ToolError, keep_netns, keep_open_connections,
+        ToolError, keep_netns,
         records::{self, PodRecords},
     },
     podnet, routing,
@@ -300,63 +300,6 @@ impl NftablesRedirection {
         if let Some(records) = &self.records {
             records.remove_all().map_err(NftablesError::Records)?;
         }
-        Ok(())
-    }
-
-    /// The pod's tables, in one transaction: created on its first write
-    /// (refused when another tool's are there), rebuilt after.
-    fn write_pod(
-        &self,
-        netns: &Netns,
-        cookie: u64,
-        dns: bool,
-        known: bool,
-    ) -> Result<(), EnrollError> {
-        let taken_over = !known && self.taken_over.contains(&cookie);
-        if taken_over {
-            // The tables without their redirects first: from then on every
-            // connection is tracked from its first packet, untranslated.
-            self.write_script(netns, &rules::pod_script_with(dns, self.ipv6, false), false)?;
-            keep_open_connections(netns)?;
-        }
-        let known = known || taken_over;
-        Ok(self.write_script(netns, &pod_script(dns, self.ipv6), known)?)
-    }
-
-    /// Writes `script` (a pod's tables); `known`: the tables are this
-    /// agent's already, else they are created, and a table of the same name
-    /// without ambpf's comment refuses the pod.
-    fn write_script(&self, netns: &Netns, script: &str, known: bool) -> Result<(), NftablesError> {
-        if known {
-            return self.nft.apply(netns, script);
-        }
-        let fresh = script.replace("add table ", "create table ");
-        match self.nft.apply(netns, &fresh) {
-            Err(NftablesError::Run(ToolError::Failed { stderr, .. }))
-                if stderr.contains("File exists") => {}
-            done => return done,
-        }
-        // A table is there: ambpf's from an earlier agent, or another's.
-        let (_, foreign) = find_pod_tables(&self.nft, netns)?;
-        if foreign.is_empty() {
-            return self.nft.apply(netns, script);
-        }
-        if !self.replacing_istio {
-            return Err(NftablesError::ForeignTables {
-                netns: netns.path().to_owned(),
-                tables: foreign,
-            });
-        }
-        // Istio's tables out and ambpf's in at once: no packet sees neither.
-        // Connections they redirected keep their NAT in conntrack.
-        self.nft
-            .apply(netns, &format!("{}{script}", delete_tables(&foreign)))?;
-        info!(
-            "replaced Istio's node agent's tables ({}) in {} with the nftables mode's, in one \
-             transaction",
-            foreign.join(", "),
-            netns.path().display()
-        );
         Ok(())
     }
 
