@@ -416,7 +416,8 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
 /// The uninstall with Istio's node agent installed. The eBPF mode's
 /// capture goes once Istio's is in each pod. The iptables and nftables
 /// modes' rules are Istio's own rules (its agent rewrote them in every pod
-/// at its start-up), so they stay with it; only their records go.
+/// at its start-up), so they stay with it, but for the nftables mode's
+/// tables where Istio's agent writes iptables rules; their records go.
 fn hand_over(config: &crate::uninstall::UninstallConfig) -> Result<()> {
     if config.mode == Some(RedirectMode::Ebpf) {
         crate::redirect::istio_agent::await_istio_capture(
@@ -424,6 +425,9 @@ fn hand_over(config: &crate::uninstall::UninstallConfig) -> Result<()> {
             crate::redirect::istio_agent::HANDOVER_AT_MOST,
         );
         return crate::uninstall::uninstall(config);
+    }
+    if config.mode == Some(RedirectMode::Nftables) {
+        crate::redirect::istio_agent::hand_over_nftables(&config.pins);
     }
     // The pin root holds only ambpf's records in these modes; a mount point
     // is never removed.

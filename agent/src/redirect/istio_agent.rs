@@ -417,3 +417,64 @@ pub fn remove_conntrack_table(nft: &nftables::Nft, netns: &Netns) -> Result<(), 
     )
     .map_err(|e| e.to_string())
 }
+
+/// The nftables mode's hand-over to Istio's node agent: where Istio's agent
+/// runs its iptables backend, its rules are in each pod beside the nftables
+/// mode's tables, which go (its policy routing, the same as Istio's, stays),
+/// and so does the host table once no pod keeps the mode's tables. Where it
+/// runs its nftables backend, the tables are the same ones, rewritten by
+/// Istio's agent at its start, and stay. Pods are found by the mode's
+/// records under `pins`.
+pub fn hand_over_nftables(pins: &crate::bpf::PinLayout) {
+    let host = match Netns::open("/proc/self/ns/net") {
+        Ok(host) => host,
+        Err(e) => {
+            tracing::warn!("handing the nftables mode's pods over: {e}");
+            return;
+        }
+    };
+    let Some(nft) = super::check::mixed::node_nft(&host) else {
+        return;
+    };
+    let Some(records) = super::in_pod::records::PodRecords::existing(pins.nftables_pods_dir())
+    else {
+        return;
+    };
+    let keys = records.read().unwrap_or_default();
+    let host_ns = super::podnet::HostNamespaces::default();
+    let mut kept = 0;
+    for key in keys {
+        let Some(netns) = host_ns.find(key) else {
+            continue;
+        };
+        let istio_iptables = iptables::find_any_pod_capture(netns).unwrap_or_default();
+        let ours = nftables::find_pod_tables(&nft, netns)
+            .map(|(ours, _)| ours)
+            .unwrap_or_default();
+        if ours.is_empty() {
+            continue;
+        }
+        if istio_iptables.is_empty() {
+            kept += 1;
+            continue;
+        }
+        match nft.apply(netns, &nftables::delete_tables(&ours)) {
+            Ok(()) => tracing::info!(
+                "removed the nftables mode's tables from {}: Istio's iptables rules capture it",
+                netns.path().display()
+            ),
+            Err(e) => {
+                kept += 1;
+                tracing::warn!(
+                    "removing the nftables mode's tables from {}: {e}",
+                    netns.path().display()
+                );
+            }
+        }
+    }
+    if kept == 0
+        && let Err(e) = nftables::remove_host_table(&nft, &host)
+    {
+        tracing::warn!("removing the nftables mode's host table: {e}");
+    }
+}

@@ -94,7 +94,7 @@ pub use self::{
         remove_foreign_host_table, remove_foreign_pod_capture, remove_host_table,
         remove_pod_capture, remove_pod_tables,
     },
-    rules::{host_script, pod_script},
+    rules::{delete_tables, host_script, pod_script},
     tool::Nft,
 };
 use super::{

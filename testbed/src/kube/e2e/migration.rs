@@ -295,6 +295,20 @@ fn hand_over_under_traffic(cluster: &Cluster, namespace: &str, nftables: bool) -
         pinned.trim() == "0",
         "ambpf's pins are left after its uninstall: {pinned}"
     );
+    if !nftables {
+        // Istio's iptables rules capture the pods: no table of ambpf's stays.
+        for uid in [&echo.uid, &generator.uid] {
+            let pid = sandbox_pid(cluster, uid)?.to_string();
+            let ruleset = cluster.on_node(
+                "nsenter",
+                &["-t", &pid, "-n", "--", "nft", "list", "ruleset"],
+            )?;
+            ensure!(
+                !ruleset.contains("comment \"ambpf"),
+                "ambpf's tables left in pod {uid} after its uninstall:\n{ruleset}"
+            );
+        }
+    }
     std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
     let summary = stop_generator(cluster, namespace, &generator.name)?;
     judge(
