@@ -79,18 +79,11 @@ impl Cluster {
     /// A command on the off-node client (the outside namespace); its
     /// output and whether it succeeded.
     pub fn from_outside(&self, program: &str, args: &[&str]) -> Result<(bool, String)> {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.layout.outside_netns, program])
-            .args(args)
-            .output()?;
-        Ok((
-            out.status.success(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        ))
+        outcome(
+            Command::new("ip")
+                .args(["netns", "exec", &self.layout.outside_netns, program])
+                .args(args),
+        )
     }
 
     pub(super) fn helm(&self) -> Command {
@@ -444,15 +437,7 @@ impl Cluster {
     /// `ambpf status --check` in the agent's pod: whether it passed, and
     /// what it said.
     pub fn ambpf_status_check(&self) -> Result<(bool, String)> {
-        let out = self.ambpf_in_agent(&["status", "--check"]).output()?;
-        Ok((
-            out.status.success(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        ))
+        outcome(&mut self.ambpf_in_agent(&["status", "--check"]))
     }
 
     fn ambpf_status(&self) -> Result<Value> {
@@ -506,6 +491,19 @@ impl Cluster {
         ])?;
         self.daemonset_rolled_out(name, timeout)
     }
+}
+
+/// Runs `cmd`: whether it succeeded, and its output and errors.
+fn outcome(cmd: &mut Command) -> Result<(bool, String)> {
+    let out = cmd.output()?;
+    Ok((
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    ))
 }
 
 fn daemonset_selector(name: &str) -> String {
