@@ -147,9 +147,13 @@ pub fn run(cluster: &Cluster, options: &Options) -> Result<()> {
     Ok(())
 }
 
-/// Whether `--scenario` selects the scenario `name` (none given: all).
+/// Whether `--scenario` selects the scenario `name` (none given: all but
+/// those run on demand only, [`scenarios::ON_DEMAND`]).
 fn selected(options: &Options, name: &str) -> bool {
-    options.scenarios.is_empty() || options.scenarios.iter().any(|s| name.contains(s.as_str()))
+    if options.scenarios.is_empty() {
+        return !scenarios::ON_DEMAND.contains(&name);
+    }
+    options.scenarios.iter().any(|s| name.contains(s.as_str()))
 }
 
 fn run_one(
