@@ -182,11 +182,7 @@ fn ebpf_state<'a>(
             // The table readying pods for Istio's agent's rules, where one
             // came ([`crate::redirect::istio_agent::IstioArrival`]).
             let nft = std::cell::OnceCell::new();
-            let node_nft = || {
-                Netns::open("/proc/self/ns/net")
-                    .ok()
-                    .and_then(|host| check::mixed::node_nft(&host))
-            };
+            let node_nft = check::mixed::own_node_nft;
             for pod in pods {
                 // An inode number is reused once its namespace is freed:
                 // only the namespace with the pod's cookie is the pod's.

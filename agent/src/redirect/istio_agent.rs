@@ -227,9 +227,7 @@ pub fn await_istio_capture(
         }
     };
     let host_ns = super::podnet::HostNamespaces::default();
-    let nft = Netns::open("/proc/self/ns/net")
-        .ok()
-        .and_then(|host| super::check::mixed::node_nft(&host));
+    let nft = super::check::mixed::own_node_nft();
     let deadline = std::time::Instant::now() + at_most;
     let mut waiting: Vec<_> = pods
         .iter()
@@ -358,9 +356,7 @@ impl IstioArrival {
             return;
         }
         if self.nft.is_none() {
-            self.nft = Netns::open("/proc/self/ns/net")
-                .ok()
-                .and_then(|host| super::check::mixed::node_nft(&host));
+            self.nft = super::check::mixed::own_node_nft();
         }
         let Some(nft) = &self.nft else {
             tracing::warn!(

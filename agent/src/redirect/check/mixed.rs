@@ -82,6 +82,15 @@ pub fn node_nft(host: &Netns) -> Option<nftables::Nft> {
         .ok()
 }
 
+/// [`node_nft`] in the agent's own namespace (it runs in the node's,
+/// hostNetwork); `None` when that cannot be opened either.
+pub fn own_node_nft() -> Option<nftables::Nft> {
+    Netns::open("/proc/self/ns/net")
+        .inspect_err(|e| debug!("not reading nftables tables: {e}"))
+        .ok()
+        .and_then(|host| node_nft(&host))
+}
+
 /// Each capture in `netns` that is not `own` mode's, described.
 fn other_capture(
     own: RedirectMode,
