@@ -807,6 +807,82 @@ in_all_modes!(
     }
 );
 
+/// Istio's node agent, stopping, deletes the host's probe SNAT, whose names
+/// the rule modes share (its `DeleteHostRules`, then its probe set): the
+/// state check finds it missing and writes it again, members and all.
+async fn host_rules_deleted_as_istios_agent_stops(mode: RedirectMode) {
+    with_fixture!(mode, |f| {
+        let netns = f.pod_netns();
+        let [pod] = f.redirection.enrolled().unwrap()[..] else {
+            panic!("one pod is enrolled");
+        };
+        let known = [(pod, &netns)];
+        assert_eq!(f.redirection.check(&known, CheckScope::Full), []);
+        let node = f.cluster.node.name();
+        let in_node = |command: &str| {
+            let args: Vec<&str> = command.split_whitespace().collect();
+            std::process::Command::new("ip")
+                .args(["netns", "exec", node])
+                .args(&args)
+                .output()
+                .unwrap()
+                .status
+                .success()
+        };
+        match mode {
+            RedirectMode::Iptables => {
+                // Whichever backend the mode chose; the other finds nothing.
+                for tool in [
+                    "iptables-legacy",
+                    "iptables-nft",
+                    "ip6tables-legacy",
+                    "ip6tables-nft",
+                ] {
+                    in_node(&format!("{tool} -t nat -D POSTROUTING -j ISTIO_POSTRT"));
+                    in_node(&format!("{tool} -t nat -F ISTIO_POSTRT"));
+                    in_node(&format!("{tool} -t nat -X ISTIO_POSTRT"));
+                }
+                for set in [iptables::PROBE_IPSET_V4, iptables::PROBE_IPSET_V6] {
+                    in_node(&format!("ipset destroy {set}"));
+                }
+            }
+            _ => {
+                let table = nftables::NAT_TABLE;
+                assert!(in_node(&format!("nft flush table inet {table}")));
+                assert!(in_node(&format!("nft delete table inet {table}")));
+            }
+        }
+        let found = f.redirection.check(&known, CheckScope::Full);
+        assert!(
+            found
+                .iter()
+                .any(|v| v.kind == ViolationKind::HostRulesMissing),
+            "{found:#?}"
+        );
+        assert_eq!(f.redirection.repair(&found), []);
+        assert_eq!(f.redirection.check(&known, CheckScope::Full), []);
+        // The kubelet's probes go straight to the app again.
+        let dst = SocketAddr::new(f.pod_ip(false), APP_PORT);
+        let proxied = f.proxied().len();
+        echo_once(&f.cluster.node, dst, None, None);
+        assert_eq!(
+            f.app.last_peer().unwrap().ip(),
+            IpAddr::from(iptables::PROBE_SNAT_V4)
+        );
+        assert_eq!(f.proxied().len(), proxied, "a probe went through ztunnel");
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn host_rules_deleted_as_istios_agent_stops_are_written_again_iptables() {
+    host_rules_deleted_as_istios_agent_stops(RedirectMode::Iptables).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn host_rules_deleted_as_istios_agent_stops_are_written_again_nftables() {
+    host_rules_deleted_as_istios_agent_stops(RedirectMode::Nftables).await
+}
+
 /// A new agent replacing the steering program while inbound connections
 /// keep coming: every one of them reaches ztunnel, none the app directly,
 /// none is refused or dropped (the filter's program is swapped in place).

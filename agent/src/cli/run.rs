@@ -232,14 +232,19 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // ambpf) is waited for, the CNI endpoint admitting only the pods it
         // captured meanwhile; then its pods are taken over.
         let conf_dir = args.cni_conf_dir.as_deref();
-        let other = zds::peer::other_agent(&zds_socket, conf_dir)
+        // Istio's agent's stopping pods: its shutdown deletes the host rules.
+        let stopping = || -> Vec<String> {
+            let source = pods_rx.borrow();
+            source.istio_node_agents_stopping.iter().cloned().collect()
+        };
+        let other = zds::peer::other_agent(&zds_socket, conf_dir, &stopping())
             .inspect_err(|e| tracing::warn!("looking for another ZDS server: {e}"));
         let took_over = match other {
             Ok(None) => false,
             _ => {
                 cni.start()?;
                 tokio::select! {
-                    stood_by = standby.wait_for_others(&zds_socket, conf_dir) => stood_by,
+                    stood_by = standby.wait_for_others(&zds_socket, conf_dir, &stopping) => stood_by,
                     signal = wait_for_shutdown() => {
                         signal?;
                         info!("shutting down while standing by; nothing of ambpf's is in any pod");

@@ -73,6 +73,10 @@ pub struct SourcePods {
     /// `namespace/name`: while there is one, the eBPF mode readies its pods
     /// for the rules that agent writes ([`crate::redirect::istio_agent`]).
     pub istio_node_agents: BTreeSet<String>,
+    /// Istio's node agent's pods on this node being deleted: their agent
+    /// may still be running its shutdown, which deletes its host rules,
+    /// whose names the rule modes share. A takeover waits for them to go.
+    pub istio_node_agents_stopping: BTreeSet<String>,
 }
 
 /// One pass's work in progress.

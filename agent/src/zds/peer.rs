@@ -8,11 +8,13 @@
 //! So while another server listens on the socket, ambpf stands by: it binds
 //! nothing there, enrols nothing, and its CNI endpoint admits an ambient
 //! pod only once the other agent has captured it (`crate::cni::server`).
-//! When that server stops listening and its plugin has left the CNI chain
-//! (Istio's agent uninstalled: it takes its plugin out of the conflist,
-//! then closes its socket, and leaves its capture in every pod; an agent
-//! that restarts or upgrades leaves its plugin chained, and is waited for
-//! while it comes back), ambpf takes over: it
+//! When that server stops listening, its plugin has left the CNI chain and
+//! its pod has left the node, ambpf takes over. Istio's agent, uninstalled,
+//! closes its socket as it is signalled, takes its plugin out of the
+//! conflist, then deletes its host rules (whose names the rule modes share)
+//! and exits; it leaves its capture in every pod. An agent that restarts or
+//! upgrades leaves its plugin chained, and is waited for while it comes
+//! back. Taking over, ambpf
 //! enrols every pod beside the capture left there, serves the socket,
 //! ztunnel reconnects and keeps each pod's proxy (same UIDs, same
 //! namespaces), and the other agent's capture is retired pod by pod
@@ -40,6 +42,11 @@ pub const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
 /// How often the other server is looked for while ambpf stands by.
 pub const STANDBY_POLL: Duration = Duration::from_millis(200);
 
+/// How long a takeover waits for Istio's node agent's stopping pod to leave
+/// the node once nothing else of it is there (a kubelet that never
+/// confirms the pod's end would otherwise hold the node in standby).
+pub const STOPPING_AT_MOST: Duration = Duration::from_secs(60);
+
 /// A server listening on the ZDS socket that is not this agent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OtherServer {
@@ -56,6 +63,9 @@ pub enum OtherAgent {
     /// It serves no ztunnel, but its plugin is chained in these conflists:
     /// it restarts, or upgrades, and will serve again.
     Chained(Vec<PathBuf>),
+    /// Istio's node agent's pods on the node being deleted (`namespace/name`):
+    /// its agent may still be in its shutdown, which deletes its host rules.
+    Stopping(Vec<String>),
 }
 
 impl std::fmt::Display for OtherAgent {
@@ -78,21 +88,34 @@ impl std::fmt::Display for OtherAgent {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
+            OtherAgent::Stopping(pods) => write!(
+                f,
+                "Istio's node agent's pod {} is stopping: its shutdown deletes its host rules,                  so ambpf writes its own only once the pod is gone",
+                pods.join(", ")
+            ),
         }
     }
 }
 
 /// The other node agent ambpf must stand by for: one serving the socket at
-/// `socket`, or Istio's, whose plugin is chained in a conflist of
-/// `conf_dir` (`None`: the agent has no view of the CNI configuration).
-pub fn other_agent(socket: &Path, conf_dir: Option<&Path>) -> io::Result<Option<OtherAgent>> {
+/// `socket`; Istio's, whose plugin is chained in a conflist of `conf_dir`
+/// (`None`: the agent has no view of the CNI configuration); or Istio's,
+/// whose `stopping` pods (the pod source's) are still on the node.
+pub fn other_agent(
+    socket: &Path,
+    conf_dir: Option<&Path>,
+    stopping: &[String],
+) -> io::Result<Option<OtherAgent>> {
     if let Some(server) = other_server(socket)? {
         return Ok(Some(OtherAgent::Serving(server)));
     }
     let chained = conf_dir.map_or_else(Vec::new, |dir| {
         crate::cni::install::chaining(dir, ISTIO_PLUGIN_TYPE)
     });
-    Ok((!chained.is_empty()).then_some(OtherAgent::Chained(chained)))
+    if !chained.is_empty() {
+        return Ok(Some(OtherAgent::Chained(chained)));
+    }
+    Ok((!stopping.is_empty()).then(|| OtherAgent::Stopping(stopping.to_vec())))
 }
 
 /// The server listening on the socket file at `path`, if there is one
@@ -131,15 +154,38 @@ impl Standby {
         *self.0.lock().expect("standby lock") = why;
     }
 
-    /// Waits while another node agent is on the node ([`other_agent`]),
+    /// Waits while another node agent is on the node ([`other_agent`];
+    /// `stopping` reads the pod source's stopping pods of Istio's agent),
     /// standing by; returns whether it stood by. Errors reading the
     /// socket's listeners are retried, each logged: an agent that cannot
-    /// be ruled out is waited for.
-    pub async fn wait_for_others(&self, path: &Path, conf_dir: Option<&Path>) -> bool {
+    /// be ruled out is waited for. A stopping pod alone is waited for
+    /// [`STOPPING_AT_MOST`].
+    pub async fn wait_for_others(
+        &self,
+        path: &Path,
+        conf_dir: Option<&Path>,
+        stopping: &(dyn Fn() -> Vec<String> + Sync),
+    ) -> bool {
         let mut stood_by: Option<OtherAgent> = None;
         let mut last_error = None;
+        let mut stopping_since: Option<tokio::time::Instant> = None;
         loop {
-            match other_agent(path, conf_dir) {
+            let other = other_agent(path, conf_dir, &stopping());
+            match &other {
+                Ok(Some(stopping @ OtherAgent::Stopping(_))) => {
+                    let since = *stopping_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() >= STOPPING_AT_MOST {
+                        warn!(
+                            "{stopping}: still there after {} s; taking over, though its end \
+                             may yet delete the host rules (the state check writes them again)",
+                            STOPPING_AT_MOST.as_secs()
+                        );
+                        break;
+                    }
+                }
+                _ => stopping_since = None,
+            }
+            match other {
                 Ok(None) => break,
                 Ok(Some(other)) => {
                     if stood_by.as_ref() != Some(&other) {
@@ -173,8 +219,9 @@ impl Standby {
         }
         if stood_by.is_some() {
             info!(
-                "the other node agent is gone (it serves no ztunnel on {}, and no plugin of \
-                 Istio's is chained): taking its pods over",
+                "the other node agent is gone (it serves no ztunnel on {}, no plugin of \
+                 Istio's is chained, and no pod of Istio's agent is stopping): taking its pods \
+                 over",
                 path.display()
             );
         }
@@ -218,7 +265,7 @@ mod tests {
         let standby = Standby::default();
         let waiting = tokio::spawn({
             let (standby, path) = (standby.clone(), path.clone());
-            async move { standby.wait_for_others(&path, None).await }
+            async move { standby.wait_for_others(&path, None, &Vec::new).await }
         });
         tokio::time::sleep(STANDBY_POLL * 3).await;
         assert!(!waiting.is_finished());
@@ -232,6 +279,56 @@ mod tests {
             .unwrap();
         assert!(other);
         assert_eq!(standby.why(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Istio's agent's pod being deleted, with its socket closed and its
+    /// plugin gone, is still in its shutdown: waited for until it is gone.
+    #[tokio::test]
+    async fn a_stopping_istio_agent_pod_is_waited_for_until_it_is_gone() {
+        let dir = temp_dir("stopping");
+        let socket = dir.join("ztunnel.sock");
+        let pods = Arc::new(Mutex::new(vec!["istio-system/istio-cni-node-x".to_owned()]));
+        let standby = Standby::default();
+        let waiting = tokio::spawn({
+            let (standby, socket, pods) = (standby.clone(), socket.clone(), pods.clone());
+            async move {
+                let stopping = move || pods.lock().unwrap().clone();
+                standby.wait_for_others(&socket, None, &stopping).await
+            }
+        });
+        tokio::time::sleep(STANDBY_POLL * 3).await;
+        assert!(!waiting.is_finished());
+        assert!(
+            standby
+                .why()
+                .unwrap()
+                .contains("istio-cni-node-x is stopping")
+        );
+        pods.lock().unwrap().clear();
+        let stood_by = tokio::time::timeout(STANDBY_POLL * 10, waiting)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(stood_by);
+        assert_eq!(standby.why(), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A pod whose end the kubelet never confirms holds the node no longer
+    /// than [`STOPPING_AT_MOST`].
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_pod_alone_is_waited_for_at_most_its_bound() {
+        let dir = temp_dir("stopping-bound");
+        let socket = dir.join("ztunnel.sock");
+        let started = tokio::time::Instant::now();
+        let stopping = || vec!["istio-system/istio-cni-node-stuck".to_owned()];
+        let stood_by = Standby::default()
+            .wait_for_others(&socket, None, &stopping)
+            .await;
+        assert!(stood_by);
+        assert!(started.elapsed() >= STOPPING_AT_MOST);
+        assert!(started.elapsed() < STOPPING_AT_MOST + STANDBY_POLL * 2);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -254,14 +351,18 @@ mod tests {
         std::fs::write(&conflist, with(&["bridge", "istio-cni", "ambpf-cni"])).unwrap();
         let socket = dir.join("ztunnel.sock");
         assert!(matches!(
-            other_agent(&socket, Some(&dir)).unwrap(),
+            other_agent(&socket, Some(&dir), &[]).unwrap(),
             Some(OtherAgent::Chained(lists)) if lists == [conflist.clone()]
         ));
-        assert_eq!(other_agent(&socket, None).unwrap(), None);
+        assert_eq!(other_agent(&socket, None, &[]).unwrap(), None);
         let standby = Standby::default();
         let waiting = tokio::spawn({
             let (standby, socket, dir) = (standby.clone(), socket.clone(), dir.clone());
-            async move { standby.wait_for_others(&socket, Some(&dir)).await }
+            async move {
+                standby
+                    .wait_for_others(&socket, Some(&dir), &Vec::new)
+                    .await
+            }
         });
         tokio::time::sleep(STANDBY_POLL * 3).await;
         assert!(!waiting.is_finished());

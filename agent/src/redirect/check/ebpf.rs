@@ -356,6 +356,7 @@ pub fn repair_ebpf_state(
             | ViolationKind::PodAddressesChanged => again.extend(violation.pod),
             ViolationKind::ProbeSetOrphan
             | ViolationKind::ProbeSetMissing
+            | ViolationKind::HostRulesMissing
             | ViolationKind::MixedCapture
             | ViolationKind::Unreadable => {}
         }

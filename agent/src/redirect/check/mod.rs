@@ -88,6 +88,11 @@ pub enum ViolationKind {
     /// An address an enrolled pod owns missing from the probe ipset: its
     /// kubelet probes are captured (iptables mode).
     ProbeSetMissing,
+    /// The host's probe SNAT (the iptables mode's `ISTIO_POSTRT` rule and
+    /// its jump, or the nftables mode's host table) missing, as Istio's
+    /// node agent leaves the node when it stops: every enrolled pod's
+    /// kubelet probes are captured.
+    HostRulesMissing,
     /// An enrolled pod whose namespace also holds another capture: Istio's
     /// in-pod rules (its node agent's, or ambpf's other mode's) beside
     /// ambpf's ([`mixed`]).
@@ -97,7 +102,7 @@ pub enum ViolationKind {
 }
 
 impl ViolationKind {
-    pub const ALL: [ViolationKind; 14] = [
+    pub const ALL: [ViolationKind; 15] = [
         ViolationKind::AddressOrphan,
         ViolationKind::AddressWrongOwner,
         ViolationKind::AddressMissing,
@@ -110,6 +115,7 @@ impl ViolationKind {
         ViolationKind::RulesMissing,
         ViolationKind::ProbeSetOrphan,
         ViolationKind::ProbeSetMissing,
+        ViolationKind::HostRulesMissing,
         ViolationKind::MixedCapture,
         ViolationKind::Unreadable,
     ];
@@ -128,6 +134,7 @@ impl ViolationKind {
             ViolationKind::RulesMissing => "rules_missing",
             ViolationKind::ProbeSetOrphan => "probe_set_orphan",
             ViolationKind::ProbeSetMissing => "probe_set_missing",
+            ViolationKind::HostRulesMissing => "host_rules_missing",
             ViolationKind::MixedCapture => "mixed_capture",
             ViolationKind::Unreadable => "unreadable",
         }

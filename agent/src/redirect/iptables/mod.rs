@@ -318,21 +318,27 @@ impl IptablesRedirection {
             taken_over: HashSet::new(),
         };
         for family in this.tools.families.keys().copied() {
-            this.ipset
-                .borrow_mut()
-                .create_hash_ip(family.probe_ipset(), family == Family::V6)?;
-            if backend == IptablesBackend::Nft {
-                // So that uninstalling can leave no empty table behind.
-                nat_table::create_if_missing(&this.host, family)?;
-            }
-            let rules = host_rules(family);
-            this.tools.apply(&this.host, &rules, &rules)?;
+            this.write_host_side(family)?;
         }
         info!(
             "iptables redirection ready ({backend} backend, host rules in {})",
             this.host.path().display()
         );
         Ok(this)
+    }
+
+    /// The host side of `family`, idempotently: its probe ipset, then the
+    /// probe SNAT rules that match it.
+    fn write_host_side(&self, family: Family) -> Result<(), IptablesError> {
+        self.ipset
+            .borrow_mut()
+            .create_hash_ip(family.probe_ipset(), family == Family::V6)?;
+        if self.tools.backend == IptablesBackend::Nft {
+            // So that uninstalling can leave no empty table behind.
+            nat_table::create_if_missing(&self.host, family)?;
+        }
+        let rules = host_rules(family);
+        self.tools.apply(&self.host, &rules, &rules)
     }
 
     /// The backend in use (never `Auto`).
@@ -543,6 +549,7 @@ impl PodRedirection for IptablesRedirection {
     fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
         let mut out = self.check_probe_sets();
         if scope == CheckScope::Full {
+            out.extend(self.check_host_rules());
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }
@@ -560,6 +567,7 @@ impl PodRedirection for IptablesRedirection {
     }
 
     fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
+        self.repair_host_rules(violations);
         self.repair_probe_sets(violations);
         for violation in violations {
             if violation.kind == ViolationKind::CaptureOrphan {

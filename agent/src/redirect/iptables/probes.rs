@@ -14,7 +14,7 @@ use std::net::IpAddr;
 use tracing::{info, warn};
 
 use super::{
-    Family, IptablesError, IptablesRedirection, PodKey,
+    CHAIN_POSTROUTING, Family, IptablesError, IptablesRedirection, PodKey,
     ipset::{IpsetSocket, Member},
 };
 use crate::{
@@ -208,6 +208,52 @@ impl IptablesRedirection {
             out.push(violation);
         }
         out
+    }
+
+    /// The host's probe SNAT of each family: Istio's node agent, stopping,
+    /// deletes it (its rules and ipsets have the same names).
+    pub(super) fn check_host_rules(&self) -> Vec<Violation> {
+        let mut out = Vec::new();
+        for family in self.tools.families.keys().copied() {
+            match self.tools.save(&self.host, family) {
+                Ok(saved) if saved.snats_probes(family) => {}
+                Ok(_) => out.push(Violation::new(
+                    ViolationKind::HostRulesMissing,
+                    format!(
+                        "the host's {family} probe SNAT ({CHAIN_POSTROUTING} and its jump from \
+                         nat POSTROUTING) is missing in {}: every enrolled pod's kubelet probes \
+                         are captured",
+                        self.host.path().display()
+                    ),
+                )),
+                Err(e) => out.push(Violation::new(
+                    ViolationKind::Unreadable,
+                    format!("reading the host's {family} rules: {e}"),
+                )),
+            }
+        }
+        out
+    }
+
+    /// Writes the host side again where it went missing: the ipset, the
+    /// rules, and every member the enrolled pods claim.
+    pub(super) fn repair_host_rules(&self, violations: &[Violation]) {
+        let missing = violations
+            .iter()
+            .filter(|v| v.kind == ViolationKind::HostRulesMissing);
+        for violation in missing {
+            let written = self.tools.families.keys().try_for_each(|family| {
+                self.write_host_side(*family)?;
+                self.claims
+                    .owners()
+                    .filter(|(ip, _)| Family::of(ip) == *family)
+                    .try_for_each(|(ip, owner)| self.probe_set_add(ip, owner))
+            });
+            match written {
+                Ok(()) => info!("repaired: {violation}"),
+                Err(e) => warn!("repairing {violation}: {e}"),
+            }
+        }
     }
 
     /// Writes each violating member as its owner's, or deletes it.

@@ -299,6 +299,20 @@ impl SavedRules {
             && redirects(CHAIN_OUTPUT, OUTBOUND_PORT)
     }
 
+    /// Whether the probe SNAT of [`host_rules`] is in place for `family`:
+    /// nat POSTROUTING jumps to its chain, which SNATs the probe ipset's
+    /// members.
+    pub fn snats_probes(&self, family: Family) -> bool {
+        let jump = Jump::append("POSTROUTING", CHAIN_POSTROUTING);
+        let matches_set = format!("--match-set {} dst", family.probe_ipset());
+        let snat = format!("-j SNAT --to-source {}", family.probe_snat());
+        self.jumps("nat", &jump) > 0
+            && self
+                .chain_rules("nat", CHAIN_POSTROUTING)
+                .iter()
+                .any(|rule| rule.contains(&matches_set) && rule.ends_with(&snat))
+    }
+
     /// The `-A` lines of `chain` in `table`.
     pub fn chain_rules(&self, table: &str, chain: &str) -> Vec<String> {
         let prefix = format!("-A {chain} ");

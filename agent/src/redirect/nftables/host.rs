@@ -7,7 +7,7 @@ use tracing::{info, warn};
 
 use super::{
     NAT_TABLE, NftablesError, NftablesRedirection, POD_TABLES,
-    rules::{add_elements, delete_elements, delete_tables, set_of},
+    rules::{add_elements, delete_elements, delete_tables, host_script, set_of},
     tool::Nft,
 };
 use crate::{
@@ -172,8 +172,10 @@ impl NftablesRedirection {
         let entries = match probe_set_entries(&self.nft, &self.host) {
             Ok(entries) => entries,
             Err(e) => {
+                // Most likely the table is gone: said so, and repaired.
                 let detail = format!("reading the probe sets: {e}");
-                return vec![Violation::new(ViolationKind::Unreadable, detail)];
+                let missing = self.check_host_table();
+                return vec![missing.unwrap_or(Violation::new(ViolationKind::Unreadable, detail))];
             }
         };
         let mut out = Vec::new();
@@ -210,6 +212,55 @@ impl NftablesRedirection {
             out.push(violation);
         }
         out
+    }
+
+    /// The host table: there, ambpf's, with its SNAT rules. Istio's node
+    /// agent, stopping, flushes and deletes it (the same name); another's
+    /// table there is another agent's, and left to it.
+    pub(super) fn check_host_table(&self) -> Option<Violation> {
+        let intact = || -> Result<bool, NftablesError> {
+            let host = &self.host;
+            if !self.nft.inet_tables(host)?.iter().any(|t| t == NAT_TABLE) {
+                return Ok(false);
+            }
+            Ok(!self.nft.owns(host, NAT_TABLE)? || self.nft.has_rules(host, NAT_TABLE)?)
+        };
+        match intact() {
+            Ok(true) => None,
+            Ok(false) => Some(Violation::new(
+                ViolationKind::HostRulesMissing,
+                format!(
+                    "the host table inet {NAT_TABLE} (the kubelet probes' SNAT) is missing or \
+                     empty in {}: every enrolled pod's kubelet probes are captured",
+                    self.host.path().display()
+                ),
+            )),
+            Err(e) => Some(Violation::new(
+                ViolationKind::Unreadable,
+                format!("reading the host table inet {NAT_TABLE}: {e}"),
+            )),
+        }
+    }
+
+    /// Writes the host table again, with every member the enrolled pods
+    /// claim, in one transaction.
+    pub(super) fn repair_host_table(&self, violations: &[Violation]) {
+        let missing = violations
+            .iter()
+            .filter(|v| v.kind == ViolationKind::HostRulesMissing);
+        for violation in missing {
+            let members = self.in_use(
+                self.claims
+                    .owners()
+                    .map(|(ip, owner)| (ip, owner_comment(owner)))
+                    .collect(),
+            );
+            let script = host_script(self.ipv6) + &add_elements(&members);
+            match self.apply_host(&script) {
+                Ok(()) => info!("repaired: {violation}"),
+                Err(e) => warn!("repairing {violation}: {e}"),
+            }
+        }
     }
 
     /// Writes each violating member as its owner's, or deletes it.

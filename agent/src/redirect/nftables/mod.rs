@@ -530,6 +530,7 @@ impl PodRedirection for NftablesRedirection {
     fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
         let mut out = self.check_probe_sets();
         if scope == CheckScope::Full {
+            out.extend(self.check_host_table());
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }
@@ -546,6 +547,7 @@ impl PodRedirection for NftablesRedirection {
     }
 
     fn repair(&mut self, violations: &[Violation]) -> Vec<PodKey> {
+        self.repair_host_table(violations);
         self.repair_probe_sets(violations);
         for violation in violations {
             if violation.kind == ViolationKind::CaptureOrphan {

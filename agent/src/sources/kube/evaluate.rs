@@ -11,7 +11,10 @@ use std::{
 use k8s_openapi::api::core::v1::Namespace;
 use tracing::{debug, info, warn};
 
-use super::{Lenient, PodQuery, WatchedPod, rules};
+use super::{
+    Lenient, PodQuery, WatchedPod,
+    rules::{self, IstioNodeAgent},
+};
 use crate::{
     controller::{PodSpec, SourcePods},
     zds::{NetnsSource, Workload},
@@ -91,6 +94,8 @@ pub(super) struct Classified {
     unreadable: BTreeSet<String>,
     /// Istio's node agent's pods, not being deleted (`namespace/name`).
     istio_node_agents: BTreeSet<String>,
+    /// Istio's node agent's pods being deleted (`namespace/name`).
+    istio_node_agents_stopping: BTreeSet<String>,
 }
 
 /// Judges every pod of the caches ambient or not (logging malformed objects
@@ -116,6 +121,7 @@ pub(super) fn classify(
         not_ambient: BTreeMap::new(),
         unreadable: BTreeSet::new(),
         istio_node_agents: BTreeSet::new(),
+        istio_node_agents_stopping: BTreeSet::new(),
     };
     for entry in pods {
         notes.note_malformed("pod", entry);
@@ -130,10 +136,18 @@ pub(super) fn classify(
             continue;
         };
         classified.present.insert(uid.clone());
-        if rules::is_istio_node_agent(pod) {
-            classified
-                .istio_node_agents
-                .insert(format!("{namespace}/{name}"));
+        match rules::istio_node_agent(pod) {
+            Some(IstioNodeAgent::Running) => {
+                classified
+                    .istio_node_agents
+                    .insert(format!("{namespace}/{name}"));
+            }
+            Some(IstioNodeAgent::Stopping) => {
+                classified
+                    .istio_node_agents_stopping
+                    .insert(format!("{namespace}/{name}"));
+            }
+            None => {}
         }
         let label = format!("pod {namespace}/{name} ({uid})");
         match rules::ambient(pod, namespace_labels.get(namespace), excluded_namespaces) {
@@ -231,6 +245,7 @@ impl Classified {
             // Every pod of the node the watch holds is in a list.
             absent_means_deleted: true,
             istio_node_agents: self.istio_node_agents,
+            istio_node_agents_stopping: self.istio_node_agents_stopping,
         }
     }
 }

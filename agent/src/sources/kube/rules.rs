@@ -79,16 +79,30 @@ fn mode(labels: Option<&BTreeMap<String, String>>) -> Option<&str> {
 /// `k8s-app: istio-cni-node`).
 pub const ISTIO_NODE_AGENT_LABEL: (&str, &str) = ("k8s-app", "istio-cni-node");
 
-/// Whether `pod` is one of Istio's node agent's, and not being deleted.
-pub fn is_istio_node_agent(pod: &WatchedPod) -> bool {
+/// A pod of Istio's node agent on the node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IstioNodeAgent {
+    Running,
+    /// Being deleted: its agent may still run its shutdown, which deletes
+    /// its host rules (the rule modes' own names).
+    Stopping,
+}
+
+/// Whether `pod` is one of Istio's node agent's, and whether it is being
+/// deleted.
+pub fn istio_node_agent(pod: &WatchedPod) -> Option<IstioNodeAgent> {
     let (key, value) = ISTIO_NODE_AGENT_LABEL;
-    pod.metadata.deletion_timestamp.is_none()
-        && pod
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|labels| labels.get(key))
-            .is_some_and(|v| v == value)
+    let labelled = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|labels| labels.get(key))
+        .is_some_and(|v| v == value);
+    let state = match pod.metadata.deletion_timestamp {
+        None => IstioNodeAgent::Running,
+        Some(_) => IstioNodeAgent::Stopping,
+    };
+    labelled.then_some(state)
 }
 
 /// Whether `pod` is ambient, given its namespace's labels (`None` when the
@@ -243,6 +257,21 @@ mod tests {
     use crate::sources::kube::pod::{NamedContainer, PodIp, WatchedPodSpec, WatchedPodStatus};
 
     use super::*;
+
+    #[test]
+    fn istios_node_agent_is_told_running_or_stopping() {
+        let (key, value) = ISTIO_NODE_AGENT_LABEL;
+        let mut agent = pod("istio-system", &[(key, value)]);
+        assert_eq!(istio_node_agent(&agent), Some(IstioNodeAgent::Running));
+        agent.metadata.deletion_timestamp = Some(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
+        );
+        assert_eq!(istio_node_agent(&agent), Some(IstioNodeAgent::Stopping));
+        assert_eq!(
+            istio_node_agent(&pod("istio-system", &[(key, "ztunnel")])),
+            None
+        );
+    }
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs

@@ -23,7 +23,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Context as _, Result, bail, ensure};
 
 use super::client::{Cluster, Release};
 use super::eventually;
@@ -127,6 +127,9 @@ fn switch_under_traffic(
         direct_is_captured(cluster, &ip, &uid)?,
         "the pod created while ambpf stood by is not captured after the takeover"
     );
+    if let Some(missing) = host_probe_snat_missing(cluster, &release.mode)? {
+        bail!("{missing}");
+    }
     let left = istio_capture_left(cluster, &release.mode, &[&echo.uid, &uid])?;
     ensure!(
         left.is_empty(),
@@ -202,6 +205,41 @@ fn istio_capture_left(cluster: &Cluster, mode: &str, uids: &[&str]) -> Result<Ve
     }
     Ok(left)
 }
+/// The host's probe SNAT missing once ambpf in a rule mode holds the node
+/// (the eBPF mode's probes need none): Istio's agent, stopping, deletes
+/// its own, whose names the rule modes share. Waited for Istio's pod to
+/// be gone first, so that a late deletion is seen.
+fn host_probe_snat_missing(cluster: &Cluster, mode: &str) -> Result<Option<String>> {
+    eventually("Istio's node agent's pod gone", TIMEOUT, || {
+        let pods = cluster.kubectl(&[
+            "get",
+            "pods",
+            "-A",
+            "-l",
+            "k8s-app=istio-cni-node",
+            "-o",
+            "name",
+        ])?;
+        Ok(pods.trim().is_empty().then_some(()))
+    })?;
+    let listing = match mode {
+        "nftables" => cluster
+            .on_node("nft", &["list", "table", "inet", "istio-ambient-nat"])
+            .unwrap_or_default(),
+        "iptables" => ["iptables-legacy-save", "iptables-nft-save"]
+            .map(|save| cluster.on_node(save, &["-t", "nat"]).unwrap_or_default())
+            .join("\n"),
+        _ => return Ok(None),
+    };
+    // The SNAT to Istio's probe address (169.254.7.127), as each writes it.
+    let snat = listing.lines().any(|line| {
+        line.contains("169.254.7.127") && (line.contains("snat") || line.contains("SNAT"))
+    });
+    Ok((!snat).then(|| {
+        format!("the host's probe SNAT is missing after the takeover (the {mode} mode):\n{listing}")
+    }))
+}
+
 /// What the agent says as it ends its standby.
 const TAKING_OVER: &str = "taking its pods over";
 
