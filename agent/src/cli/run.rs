@@ -258,6 +258,9 @@ pub(super) fn run(pins: PinLayout, args: RunArgs) -> Result<()> {
         // or where an agent killed halfway left it.
         let taking_over_istio =
             took_over || first_on_node || IstioRetirement::under_way(retire_pins.root());
+        if taking_over_istio {
+            IstioRetirement::mark_under_way(retire_pins.root());
+        }
         let redirection: Box<dyn PodRedirection> = match (args.redirect_mode, early_redirection) {
             (_, Some(redirection)) => redirection,
             (RedirectMode::Iptables, None) => {

@@ -116,13 +116,10 @@ impl IstioRetirement {
         Self::marker(pin_root).is_dir()
     }
 
-    /// `host`: the node's namespace, where `nft` is found.
-    pub fn new(own: RedirectMode, host: &Netns, pin_root: &std::path::Path) -> Self {
-        tracing::info!(
-            "looking for Istio's node agent's capture in the pods: it is removed from each pod \
-             once the {} mode holds it",
-            own.name()
-        );
+    /// Marks a retirement under way under `pin_root`: done as soon as the
+    /// takeover is decided, before anything of it is written, so that an
+    /// agent killed at any point after carries it on.
+    pub fn mark_under_way(pin_root: &std::path::Path) {
         let marker = Self::marker(pin_root);
         if let Err(e) = std::fs::create_dir_all(&marker) {
             tracing::warn!(
@@ -131,6 +128,17 @@ impl IstioRetirement {
                 marker.display()
             );
         }
+    }
+
+    /// `host`: the node's namespace, where `nft` is found.
+    pub fn new(own: RedirectMode, host: &Netns, pin_root: &std::path::Path) -> Self {
+        tracing::info!(
+            "looking for Istio's node agent's capture in the pods: it is removed from each pod \
+             once the {} mode holds it",
+            own.name()
+        );
+        Self::mark_under_way(pin_root);
+        let marker = Self::marker(pin_root);
         Self {
             own,
             marker,
@@ -472,5 +480,32 @@ pub fn hand_over_nftables(pins: &crate::bpf::PinLayout) {
         && let Err(e) = nftables::remove_host_table(&nft, &host)
     {
         tracing::warn!("removing the nftables mode's host table: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Marked as soon as the takeover is decided, the retirement stays
+    /// under way (for a restarted agent to carry on) until no pod the mode
+    /// wants is left to look at.
+    #[test]
+    fn a_retirement_is_under_way_from_its_mark_until_it_ends() {
+        let root = std::env::temp_dir().join(format!("ambpf-retire-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        assert!(!IstioRetirement::under_way(&root));
+        IstioRetirement::mark_under_way(&root);
+        assert!(IstioRetirement::under_way(&root));
+        let host = Netns::open("/proc/self/ns/net").unwrap();
+        let mut retirement = IstioRetirement::new(RedirectMode::Ebpf, &host, &root);
+        assert!(
+            !retirement.step(&Default::default(), true),
+            "a pod not held yet"
+        );
+        assert!(IstioRetirement::under_way(&root));
+        assert!(retirement.step(&Default::default(), false));
+        assert!(!IstioRetirement::under_way(&root));
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

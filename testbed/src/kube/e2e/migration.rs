@@ -281,6 +281,164 @@ spec:
     Ok((field(&["metadata", "uid"]), field(&["status", "podIP"])))
 }
 
+/// Istio's agent (iptables backend) -> ambpf, with ambpf's agent killed
+/// (SIGKILL) as it begins to take the pods over: the restarted agent must
+/// carry the takeover on, to every pod captured once and in ztunnel, under
+/// the same traffic bar.
+pub fn from_istio_interrupted(cluster: &Cluster, release: &Release) -> Result<String> {
+    let namespace = format!("e2e-{}-from-istio-interrupted", release.mode);
+    cluster.helm_uninstall()?;
+    let result = interrupted_under_traffic(cluster, release, &namespace).with_context(|| {
+        format!(
+            "{}\n{}",
+            cluster.agent_diagnostics(),
+            cluster.istio_cni_diagnostics()
+        )
+    });
+    if cluster.istio_cni_installed()? {
+        cluster.uninstall_istio_cni()?;
+    }
+    if !cluster.release_installed()? {
+        cluster.helm_install(&release.chart, &release.mode)?;
+    }
+    cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    result
+}
+
+fn interrupted_under_traffic(
+    cluster: &Cluster,
+    release: &Release,
+    namespace: &str,
+) -> Result<String> {
+    cluster.install_istio_cni(false)?;
+    let (echo, generator, captured) = start_traffic(cluster, namespace)?;
+    let traffic = Instant::now();
+    std::thread::sleep(LEAD);
+    cluster.helm_install_as(&release.chart, &release.mode, false)?;
+    eventually("ambpf standing by beside Istio's agent", TIMEOUT, || {
+        Ok(cluster
+            .agent_log()
+            .unwrap_or_default()
+            .contains("ambpf stands by")
+            .then_some(()))
+    })?;
+    let agent_log = agent_log_file(cluster)?;
+    // The kill is watched for beside the uninstall: the takeover begins as
+    // Istio's pod goes, which is when the uninstall returns.
+    let killed = std::thread::scope(|scope| {
+        let killer = scope.spawn(|| kill_at(&agent_log, TAKING_OVER, TIMEOUT));
+        cluster.uninstall_istio_cni()?;
+        killer.join().expect("the killer thread")
+    })?;
+    let removed_before = killed
+        .lines()
+        .filter(|l| l.contains("removed Istio's node agent's capture"))
+        .count();
+    let retired_before = killed.contains(RETIRED);
+    // Restarted by the kubelet: its container Ready again.
+    eventually("ambpf's agent restarted and Ready", TIMEOUT, || {
+        let pod = cluster.kubectl(&[
+            "get",
+            "pods",
+            "-n",
+            super::client::SYSTEM_NAMESPACE,
+            "-l",
+            "app.kubernetes.io/name=ambpf",
+            "-o",
+            "jsonpath={.items[0].status.containerStatuses[?(@.name==\"agent\")]}",
+        ])?;
+        let status: serde_json::Value = serde_json::from_str(&pod).unwrap_or_default();
+        let restarted = status["restartCount"].as_u64().unwrap_or(0) >= 1;
+        Ok((restarted && status["ready"] == true).then_some(()))
+    })?;
+    if !retired_before {
+        eventually(
+            "the restarted agent retiring Istio's capture",
+            TIMEOUT,
+            || {
+                Ok(cluster
+                    .agent_log()
+                    .unwrap_or_default()
+                    .contains(RETIRED)
+                    .then_some(()))
+            },
+        )?;
+    }
+    let captured_after = captured_after(cluster, &generator, &echo, "the restart")?;
+    if let Some(missing) = host_probe_snat_missing(cluster, &release.mode)? {
+        bail!("{missing}");
+    }
+    let left = istio_capture_left(cluster, &release.mode, &[&echo.uid, &generator.uid])?;
+    ensure!(
+        left.is_empty(),
+        "Istio's capture left after the interrupted takeover:\n{}",
+        left.join("\n")
+    );
+    if release.mode == "ebpf" {
+        let (ok, check) = cluster.ambpf_status_check()?;
+        ensure!(
+            ok && !check.contains("mixed_capture"),
+            "ambpf status --check after the interrupted takeover:\n{check}"
+        );
+    }
+    std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
+    let summary = stop_generator(cluster, namespace, &generator.name)?;
+    let when = if retired_before {
+        "after it had retired Istio's capture".to_owned()
+    } else {
+        format!(
+            "with Istio's capture removed from {removed_before} pods; the restarted agent \
+             retired the rest"
+        )
+    };
+    judge(
+        &summary,
+        captured,
+        captured_after,
+        &format!("ambpf's agent killed as it began the takeover, {when}"),
+    )
+}
+
+/// What the agent says once no pod keeps Istio's capture.
+const RETIRED: &str = "Istio's node agent's capture is retired";
+
+/// The agent container's log file on the node (the kubelet's, under the
+/// cluster's state directory), which is read far faster than `kubectl
+/// logs` answers.
+fn agent_log_file(cluster: &Cluster) -> Result<std::path::PathBuf> {
+    let pods = cluster.layout.state.join("log/pods");
+    let prefix = format!("{}_ambpf-", super::client::SYSTEM_NAMESPACE);
+    let dir = std::fs::read_dir(&pods)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&prefix) && !n.contains("uninstall"))
+        })
+        .with_context(|| format!("no log directory of ambpf's agent under {}", pods.display()))?;
+    Ok(dir.join("agent/0.log"))
+}
+
+/// SIGKILLs ambpf's agent as soon as `log` says `what`; returns the log
+/// as it was then.
+fn kill_at(log: &std::path::Path, what: &str, timeout: Duration) -> Result<String> {
+    let began = Instant::now();
+    while began.elapsed() < timeout {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(what) {
+            // The agent's process: `ambpf ... run --redirect-mode=...`.
+            let killed = std::process::Command::new("pkill")
+                .args(["-KILL", "-f", "--", " run --redirect-mode="])
+                .status()?;
+            ensure!(killed.success(), "pkill found no agent to kill");
+            return Ok(text);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    bail!("{} never said {what:?} in {timeout:?}", log.display())
+}
+
 pub fn to_istio_iptables(cluster: &Cluster, release: &Release) -> Result<String> {
     to_istio(cluster, release, false)
 }

@@ -136,6 +136,11 @@ pub const ISOLATED: &[Scenario] = &[
         run: super::migration::from_istio_nftables,
     },
     Scenario {
+        name: "from-istio-interrupted",
+        applies: every_mode,
+        run: super::migration::from_istio_interrupted,
+    },
+    Scenario {
         name: "to-istio-iptables",
         applies: every_mode,
         run: super::migration::to_istio_iptables,
@@ -151,7 +156,11 @@ pub const ISOLATED: &[Scenario] = &[
 /// the hand-over to Istio's agent lost one connection in 6,041 (a timeout
 /// as Istio's agent wrote its rules at its start, eBPF mode) in one CI run
 /// on 2026-12-07, after passing in every earlier run; not yet explained.
-pub const ON_DEMAND: &[&str] = &["to-istio-iptables", "to-istio-nftables"];
+pub const ON_DEMAND: &[&str] = &[
+    "to-istio-iptables",
+    "to-istio-nftables",
+    "from-istio-interrupted",
+];
 
 pub(super) const WEB_PORT: u16 = 8080;
 
