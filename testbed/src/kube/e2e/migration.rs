@@ -14,6 +14,10 @@
 //! captured, and `ambpf status --check` must find no pod with Istio's
 //! capture left.
 //!
+//! Killed halfway ([`from_istio_interrupted`]): the same move from Istio's
+//! iptables backend, with ambpf's agent SIGKILLed as it begins the takeover;
+//! the restarted agent must carry it on to the same end.
+//!
 //! To Istio's agent ([`to_istio_iptables`], [`to_istio_nftables`]): `helm
 //! install istio-cni` beside ambpf's eBPF mode (its start-up writes its
 //! rules into every ambient pod), then `helm uninstall ambpf`, which hands
@@ -49,26 +53,36 @@ pub fn from_istio_nftables(cluster: &Cluster, release: &Release) -> Result<Strin
 fn from_istio(cluster: &Cluster, release: &Release, nftables: bool) -> Result<String> {
     let backend = if nftables { "nftables" } else { "iptables" };
     let namespace = format!("e2e-{}-from-istio-{backend}", release.mode);
-    // The node starts under Istio's agent alone.
+    moved_from_istio(cluster, release, &namespace, || {
+        switch_under_traffic(cluster, release, &namespace, nftables)
+    })
+}
+
+/// Runs `switch` on a node under Istio's agent alone (ambpf uninstalled
+/// first), with both agents' state in its error, then leaves the node as
+/// the suite expects it: ambpf installed in its mode, Istio's agent gone,
+/// `namespace` going.
+fn moved_from_istio(
+    cluster: &Cluster,
+    release: &Release,
+    namespace: &str,
+    switch: impl FnOnce() -> Result<String>,
+) -> Result<String> {
     cluster.helm_uninstall()?;
-    let result = switch_under_traffic(cluster, release, &namespace, nftables);
-    let diagnostics = || {
+    let result = switch().with_context(|| {
         format!(
             "{}\n{}",
             cluster.agent_diagnostics(),
             cluster.istio_cni_diagnostics()
         )
-    };
-    let result = result.with_context(diagnostics);
-    // Left as the suite expects it: ambpf installed in its mode, Istio's
-    // agent gone.
+    });
     if cluster.istio_cni_installed()? {
         cluster.uninstall_istio_cni()?;
     }
     if !cluster.release_installed()? {
         cluster.helm_install(&release.chart, &release.mode)?;
     }
-    cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
+    cluster.kubectl(&["delete", "namespace", namespace, "--wait=false"])?;
     result
 }
 
@@ -84,14 +98,7 @@ fn switch_under_traffic(
     std::thread::sleep(LEAD);
 
     let began = Instant::now();
-    cluster.helm_install_as(&release.chart, &release.mode, false)?;
-    eventually("ambpf standing by beside Istio's agent", TIMEOUT, || {
-        Ok(cluster
-            .agent_log()
-            .unwrap_or_default()
-            .contains("ambpf stands by")
-            .then_some(()))
-    })?;
+    install_beside_istio(cluster, release)?;
     let late = late_pod(cluster, namespace)?;
     // Istio's agent restarted meanwhile is not gone: ambpf waits on.
     cluster.restart_daemonset(ISTIO_CNI_DAEMONSET, TIMEOUT)?;
@@ -127,23 +134,7 @@ fn switch_under_traffic(
         direct_is_captured(cluster, &ip, &uid)?,
         "the pod created while ambpf stood by is not captured after the takeover"
     );
-    if let Some(missing) = host_probe_snat_missing(cluster, &release.mode)? {
-        bail!("{missing}");
-    }
-    let left = istio_capture_left(cluster, &release.mode, &[&echo.uid, &uid])?;
-    ensure!(
-        left.is_empty(),
-        "Istio's capture left after the takeover:\n{}",
-        left.join("\n")
-    );
-    if release.mode == "ebpf" {
-        // The eBPF mode's pods are checked for another capture on demand.
-        let (ok, check) = cluster.ambpf_status_check()?;
-        ensure!(
-            ok && !check.contains("mixed_capture"),
-            "ambpf status --check after the takeover:\n{check}"
-        );
-    }
+    ambpf_alone(cluster, &release.mode, &[&echo.uid, &uid], "the takeover")?;
     std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
     let summary = stop_generator(cluster, namespace, &generator.name)?;
     let removed = log
@@ -163,6 +154,43 @@ fn switch_under_traffic(
 }
 
 const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// `helm install ambpf` beside Istio's agent, not waited for (standing by,
+/// it is not Ready) but until its agent says it stands by.
+fn install_beside_istio(cluster: &Cluster, release: &Release) -> Result<()> {
+    cluster.helm_install_as(&release.chart, &release.mode, false)?;
+    eventually("ambpf standing by beside Istio's agent", TIMEOUT, || {
+        Ok(cluster
+            .agent_log()
+            .unwrap_or_default()
+            .contains("ambpf stands by")
+            .then_some(()))
+    })
+}
+
+/// The node as ambpf alone holds it after `what`: the host's probe SNAT in
+/// place, no pod of `uids` with Istio's capture, and in the eBPF mode
+/// (whose pods are checked for another capture on demand) `ambpf status
+/// --check` clean.
+fn ambpf_alone(cluster: &Cluster, mode: &str, uids: &[&str], what: &str) -> Result<()> {
+    if let Some(missing) = host_probe_snat_missing(cluster, mode)? {
+        bail!("{missing}");
+    }
+    let left = istio_capture_left(cluster, mode, uids)?;
+    ensure!(
+        left.is_empty(),
+        "Istio's capture left after {what}:\n{}",
+        left.join("\n")
+    );
+    if mode == "ebpf" {
+        let (ok, check) = cluster.ambpf_status_check()?;
+        ensure!(
+            ok && !check.contains("mixed_capture"),
+            "ambpf status --check after {what}:\n{check}"
+        );
+    }
+    Ok(())
+}
 
 /// Istio's capture still in the pods `uids` once ambpf in `mode` holds
 /// them, each named: its nat chains in either iptables view (but in the
@@ -287,22 +315,9 @@ spec:
 /// the same traffic bar.
 pub fn from_istio_interrupted(cluster: &Cluster, release: &Release) -> Result<String> {
     let namespace = format!("e2e-{}-from-istio-interrupted", release.mode);
-    cluster.helm_uninstall()?;
-    let result = interrupted_under_traffic(cluster, release, &namespace).with_context(|| {
-        format!(
-            "{}\n{}",
-            cluster.agent_diagnostics(),
-            cluster.istio_cni_diagnostics()
-        )
-    });
-    if cluster.istio_cni_installed()? {
-        cluster.uninstall_istio_cni()?;
-    }
-    if !cluster.release_installed()? {
-        cluster.helm_install(&release.chart, &release.mode)?;
-    }
-    cluster.kubectl(&["delete", "namespace", &namespace, "--wait=false"])?;
-    result
+    moved_from_istio(cluster, release, &namespace, || {
+        interrupted_under_traffic(cluster, release, &namespace)
+    })
 }
 
 fn interrupted_under_traffic(
@@ -314,14 +329,7 @@ fn interrupted_under_traffic(
     let (echo, generator, captured) = start_traffic(cluster, namespace)?;
     let traffic = Instant::now();
     std::thread::sleep(LEAD);
-    cluster.helm_install_as(&release.chart, &release.mode, false)?;
-    eventually("ambpf standing by beside Istio's agent", TIMEOUT, || {
-        Ok(cluster
-            .agent_log()
-            .unwrap_or_default()
-            .contains("ambpf stands by")
-            .then_some(()))
-    })?;
+    install_beside_istio(cluster, release)?;
     let agent_log = agent_log_file(cluster)?;
     // The kill is watched for beside the uninstall: the takeover begins as
     // Istio's pod goes, which is when the uninstall returns.
@@ -335,18 +343,17 @@ fn interrupted_under_traffic(
         .filter(|l| l.contains("removed Istio's node agent's capture"))
         .count();
     let retired_before = killed.contains(RETIRED);
+    let first_pass = if killed.contains("initial pods:") {
+        "after"
+    } else {
+        "before"
+    };
     // Restarted by the kubelet: its container Ready again.
     eventually("ambpf's agent restarted and Ready", TIMEOUT, || {
-        let pod = cluster.kubectl(&[
-            "get",
-            "pods",
-            "-n",
-            super::client::SYSTEM_NAMESPACE,
-            "-l",
-            "app.kubernetes.io/name=ambpf",
-            "-o",
-            "jsonpath={.items[0].status.containerStatuses[?(@.name==\"agent\")]}",
-        ])?;
+        let pod = agent_pod_field(
+            cluster,
+            "{.items[0].status.containerStatuses[?(@.name==\"agent\")]}",
+        )?;
         let status: serde_json::Value = serde_json::from_str(&pod).unwrap_or_default();
         let restarted = status["restartCount"].as_u64().unwrap_or(0) >= 1;
         Ok((restarted && status["ready"] == true).then_some(()))
@@ -365,22 +372,8 @@ fn interrupted_under_traffic(
         )?;
     }
     let captured_after = captured_after(cluster, &generator, &echo, "the restart")?;
-    if let Some(missing) = host_probe_snat_missing(cluster, &release.mode)? {
-        bail!("{missing}");
-    }
-    let left = istio_capture_left(cluster, &release.mode, &[&echo.uid, &generator.uid])?;
-    ensure!(
-        left.is_empty(),
-        "Istio's capture left after the interrupted takeover:\n{}",
-        left.join("\n")
-    );
-    if release.mode == "ebpf" {
-        let (ok, check) = cluster.ambpf_status_check()?;
-        ensure!(
-            ok && !check.contains("mixed_capture"),
-            "ambpf status --check after the interrupted takeover:\n{check}"
-        );
-    }
+    let pods = [echo.uid.as_str(), generator.uid.as_str()];
+    ambpf_alone(cluster, &release.mode, &pods, "the interrupted takeover")?;
     std::thread::sleep(AT_LEAST.saturating_sub(traffic.elapsed()));
     let summary = stop_generator(cluster, namespace, &generator.name)?;
     let when = if retired_before {
@@ -395,29 +388,44 @@ fn interrupted_under_traffic(
         &summary,
         captured,
         captured_after,
-        &format!("ambpf's agent killed as it began the takeover, {when}"),
+        &format!(
+            "ambpf's agent killed as it began the takeover ({first_pass} its first pass), {when}"
+        ),
     )
 }
 
 /// What the agent says once no pod keeps Istio's capture.
 const RETIRED: &str = "Istio's node agent's capture is retired";
 
+/// `jsonpath` of ambpf's agent's pods.
+fn agent_pod_field(cluster: &Cluster, jsonpath: &str) -> Result<String> {
+    cluster.kubectl(&[
+        "get",
+        "pods",
+        "-n",
+        super::client::SYSTEM_NAMESPACE,
+        "-l",
+        "app.kubernetes.io/name=ambpf",
+        "-o",
+        &format!("jsonpath={jsonpath}"),
+    ])
+}
+
 /// The agent container's log file on the node (the kubelet's, under the
-/// cluster's state directory), which is read far faster than `kubectl
-/// logs` answers.
+/// cluster's state directory, named by the pod's name and uid), which is
+/// read far faster than `kubectl logs` answers.
 fn agent_log_file(cluster: &Cluster) -> Result<std::path::PathBuf> {
-    let pods = cluster.layout.state.join("log/pods");
-    let prefix = format!("{}_ambpf-", super::client::SYSTEM_NAMESPACE);
-    let dir = std::fs::read_dir(&pods)?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&prefix) && !n.contains("uninstall"))
-        })
-        .with_context(|| format!("no log directory of ambpf's agent under {}", pods.display()))?;
-    Ok(dir.join("agent/0.log"))
+    let pod = agent_pod_field(
+        cluster,
+        "{.items[0].metadata.name}_{.items[0].metadata.uid}",
+    )?;
+    let dir = format!("{}_{}", super::client::SYSTEM_NAMESPACE, pod.trim());
+    Ok(cluster
+        .layout
+        .state
+        .join("log/pods")
+        .join(dir)
+        .join("agent/0.log"))
 }
 
 /// SIGKILLs ambpf's agent as soon as `log` says `what`; returns the log

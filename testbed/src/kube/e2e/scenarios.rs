@@ -156,11 +156,7 @@ pub const ISOLATED: &[Scenario] = &[
 /// the hand-over to Istio's agent lost one connection in 6,041 (a timeout
 /// as Istio's agent wrote its rules at its start, eBPF mode) in one CI run
 /// on 2026-12-07, after passing in every earlier run; not yet explained.
-pub const ON_DEMAND: &[&str] = &[
-    "to-istio-iptables",
-    "to-istio-nftables",
-    "from-istio-interrupted",
-];
+pub const ON_DEMAND: &[&str] = &["to-istio-iptables", "to-istio-nftables"];
 
 pub(super) const WEB_PORT: u16 = 8080;
 
