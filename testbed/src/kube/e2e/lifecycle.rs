@@ -92,6 +92,12 @@ pub fn sandbox_recreated(cluster: &Cluster, release: &Release) -> Result<String>
     )?;
     let sandboxes = cluster.sandboxes(&uid)?;
     ensure!(sandboxes.len() == 1, "{name} has sandboxes {sandboxes:?}");
+    let restarts = |pod: &serde_json::Value| {
+        pod["status"]["containerStatuses"][0]["restartCount"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let restarts_before = restarts(&cluster.get_json(&["pod", "-n", &namespace, &name])?);
     cluster.ctr(&["tasks", "kill", "--signal", "SIGKILL", &sandboxes[0]])?;
     let new = eventually(
         &format!("ztunnel handed {name}'s new namespace"),
@@ -109,8 +115,11 @@ pub fn sandbox_recreated(cluster: &Cluster, release: &Release) -> Result<String>
         &format!("{name} Ready again"),
         Duration::from_secs(60),
         || {
+            // Ready in a status written since the kill (its container
+            // restarted): an older one still shows the old sandbox's address.
             let pod = cluster.get_json(&["pod", "-n", &namespace, &name])?;
-            let ready = pod["status"]["containerStatuses"][0]["ready"] == true;
+            let ready = pod["status"]["containerStatuses"][0]["ready"] == true
+                && restarts(&pod) > restarts_before;
             Ok(ready.then(|| {
                 pod["status"]["podIP"]
                     .as_str()
