@@ -130,18 +130,17 @@ impl IstioRetirement {
         }
     }
 
-    /// `host`: the node's namespace, where `nft` is found.
+    /// `host`: the node's namespace, where `nft` is found. The caller has
+    /// marked it under way ([`Self::mark_under_way`]) as it decided on it.
     pub fn new(own: RedirectMode, host: &Netns, pin_root: &std::path::Path) -> Self {
         tracing::info!(
             "looking for Istio's node agent's capture in the pods: it is removed from each pod \
              once the {} mode holds it",
             own.name()
         );
-        Self::mark_under_way(pin_root);
-        let marker = Self::marker(pin_root);
         Self {
             own,
-            marker,
+            marker: Self::marker(pin_root),
             nft: super::check::mixed::node_nft(host),
             looked: Default::default(),
             removed: 0,

@@ -90,7 +90,8 @@ impl std::fmt::Display for OtherAgent {
             ),
             OtherAgent::Stopping(pods) => write!(
                 f,
-                "Istio's node agent's pod {} is stopping: its shutdown deletes its host rules,                  so ambpf writes its own only once the pod is gone",
+                "Istio's node agent's pod {} is stopping: its shutdown deletes its host rules, \
+                 so ambpf writes its own only once the pod is gone",
                 pods.join(", ")
             ),
         }

@@ -235,21 +235,26 @@ impl IptablesRedirection {
         out
     }
 
-    /// Writes the host side again where it went missing: the ipset, the
-    /// rules, and every member the enrolled pods claim.
+    /// Writes the host side again where it went missing, once for every
+    /// family: the ipset, the rules, and every member the enrolled pods
+    /// claim.
     pub(super) fn repair_host_rules(&self, violations: &[Violation]) {
-        let missing = violations
+        let missing: Vec<&Violation> = violations
             .iter()
-            .filter(|v| v.kind == ViolationKind::HostRulesMissing);
+            .filter(|v| v.kind == ViolationKind::HostRulesMissing)
+            .collect();
+        if missing.is_empty() {
+            return;
+        }
+        let written = self.tools.families.keys().try_for_each(|family| {
+            self.write_host_side(*family)?;
+            self.claims
+                .owners()
+                .filter(|(ip, _)| Family::of(ip) == *family)
+                .try_for_each(|(ip, owner)| self.probe_set_add(ip, owner))
+        });
         for violation in missing {
-            let written = self.tools.families.keys().try_for_each(|family| {
-                self.write_host_side(*family)?;
-                self.claims
-                    .owners()
-                    .filter(|(ip, _)| Family::of(ip) == *family)
-                    .try_for_each(|(ip, owner)| self.probe_set_add(ip, owner))
-            });
-            match written {
+            match &written {
                 Ok(()) => info!("repaired: {violation}"),
                 Err(e) => warn!("repairing {violation}: {e}"),
             }

@@ -245,21 +245,22 @@ impl NftablesRedirection {
     /// Writes the host table again, with every member the enrolled pods
     /// claim, in one transaction.
     pub(super) fn repair_host_table(&self, violations: &[Violation]) {
-        let missing = violations
+        let Some(violation) = violations
             .iter()
-            .filter(|v| v.kind == ViolationKind::HostRulesMissing);
-        for violation in missing {
-            let members = self.in_use(
-                self.claims
-                    .owners()
-                    .map(|(ip, owner)| (ip, owner_comment(owner)))
-                    .collect(),
-            );
-            let script = host_script(self.ipv6) + &add_elements(&members);
-            match self.apply_host(&script) {
-                Ok(()) => info!("repaired: {violation}"),
-                Err(e) => warn!("repairing {violation}: {e}"),
-            }
+            .find(|v| v.kind == ViolationKind::HostRulesMissing)
+        else {
+            return;
+        };
+        let members = self.in_use(
+            self.claims
+                .owners()
+                .map(|(ip, owner)| (ip, owner_comment(owner)))
+                .collect(),
+        );
+        let script = host_script(self.ipv6) + &add_elements(&members);
+        match self.apply_host(&script) {
+            Ok(()) => info!("repaired: {violation}"),
+            Err(e) => warn!("repairing {violation}: {e}"),
         }
     }
 

@@ -530,7 +530,13 @@ impl PodRedirection for NftablesRedirection {
     fn check(&mut self, pods: &[(PodKey, &Netns)], scope: CheckScope) -> Vec<Violation> {
         let mut out = self.check_probe_sets();
         if scope == CheckScope::Full {
-            out.extend(self.check_host_table());
+            // Unless reading the probe sets already found the table gone.
+            if !out
+                .iter()
+                .any(|v| v.kind == ViolationKind::HostRulesMissing)
+            {
+                out.extend(self.check_host_table());
+            }
             for (key, netns) in pods {
                 out.extend(self.check_pod(*key, netns));
             }

@@ -136,18 +136,13 @@ pub(super) fn classify(
             continue;
         };
         classified.present.insert(uid.clone());
-        match rules::istio_node_agent(pod) {
-            Some(IstioNodeAgent::Running) => {
-                classified
-                    .istio_node_agents
-                    .insert(format!("{namespace}/{name}"));
-            }
-            Some(IstioNodeAgent::Stopping) => {
-                classified
-                    .istio_node_agents_stopping
-                    .insert(format!("{namespace}/{name}"));
-            }
-            None => {}
+        let agents = match rules::istio_node_agent(pod) {
+            Some(IstioNodeAgent::Running) => Some(&mut classified.istio_node_agents),
+            Some(IstioNodeAgent::Stopping) => Some(&mut classified.istio_node_agents_stopping),
+            None => None,
+        };
+        if let Some(agents) = agents {
+            agents.insert(format!("{namespace}/{name}"));
         }
         let label = format!("pod {namespace}/{name} ({uid})");
         match rules::ambient(pod, namespace_labels.get(namespace), excluded_namespaces) {
